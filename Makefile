@@ -1,0 +1,53 @@
+# Set-up, run and test for ddp-amp. Every target installs what it needs first (once; a stamp keeps it fast).
+#
+# torch: on a machine without an NVIDIA GPU a CPU build is installed (a local CPU wheel if pip finds one, else
+# the PyTorch CPU index), so no CUDA wheels are pulled. A GPU user picks a CUDA build with TORCH_INDEX, e.g.
+#     make install TORCH_INDEX=https://download.pytorch.org/whl/cu128
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_VERSION ?= 2.13.0
+HAS_GPU     := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_INDEX ?= $(if $(HAS_GPU),,https://download.pytorch.org/whl/cpu)
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.installed
+NPROC       ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast lint bench clean help
+
+help:
+	@echo "make install    create $(VENV) and install ddp-amp with torch ($(if $(HAS_GPU),CUDA,CPU) build) and dev tools"
+	@echo "make run        a real $(NPROC)-rank DDP + AMP training run (runs/<timestamp>)"
+	@echo "make test       the whole test suite, slow multi-process tests included"
+	@echo "make test-fast  the tests not marked slow"
+	@echo "make lint       ruff"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians)"
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# A local CPU wheel first (no download); then, without a GPU, the PyTorch CPU index; else the default index.
+	$(BIN)/python -c "import torch" 2>/dev/null \
+	  || $(BIN)/pip install --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null \
+	  || $(BIN)/pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
+	$(BIN)/pip install -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ddp-amp spawn --nproc $(NPROC) --device auto --task mlp --steps 200 --amp auto
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+
+bench: $(STAMP)
+	@echo "benchmarks/ is empty until the bench issue lands; nothing measured yet."
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -1,0 +1,3 @@
+from ddp_amp.cli import main
+
+main()

@@ -1,0 +1,159 @@
+"""The run configuration: one typed, validated object shared by the CLI, every launcher and every rank.
+
+It imports nothing heavy, so the CLI can build and validate it before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddp_amp.errors import UsageError
+
+DEVICES = ("auto", "cpu", "cuda")
+AMP_MODES = ("auto", "on", "off")
+DTYPES = ("auto", "bf16", "fp16")
+SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
+OPTIMIZERS = ("adamw", "sgd")
+DEFAULT_STEPS = 100
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a rank needs to train. Validated on construction; every problem is reported at once."""
+
+    task: str = "mlp"
+    """A built-in task name (linear, mlp, transformer) or `module:factory` / `path/to/file.py:factory`."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu or cuda. CUDA ranks use nccl, CPU ranks gloo."""
+    amp: str = "auto"
+    """Mixed precision: auto (on where the device computes bf16 natively), on, or off (fp32)."""
+    dtype: str = "auto"
+    """Autocast dtype when AMP is on: auto, bf16 or fp16 (fp16 trains with a GradScaler)."""
+    optimizer: str = "adamw"
+    """adamw or sgd (with --momentum)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum; ignored by adamw."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw) or L2 penalty (sgd)."""
+    schedule: str = "cosine"
+    """LR schedule after warm-up, in optimizer steps: constant, cosine, exponential, step or onecycle."""
+    warmup_steps: int = 0
+    """Linear warm-up from lr/(warmup+1) to lr over this many optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """Where cosine and exponential end, as a fraction of --lr."""
+    batch_size: int = 32
+    """Samples per rank per micro-step; the global batch is batch_size x world_size x grad_accum."""
+    steps: int | None = None
+    """Optimizer steps to train (default 100 when --epochs is not given)."""
+    epochs: int | None = None
+    """Passes over the training set, as an alternative to --steps."""
+    grad_accum: int = 1
+    """Micro-steps accumulated per optimizer step; gradients are all-reduced only on the last."""
+    clip_grad: float | None = None
+    """Clip the global gradient norm to this value (after unscaling under fp16)."""
+    log_every: int = 10
+    """Reduce metrics across ranks and log every this many optimizer steps."""
+    seed: int = 0
+    """Seed for model init, data order and data generation; same seed and world size give the same run."""
+    run_dir: str = "runs/latest"
+    """Where rank 0 writes model.pt, summary.json and metrics.jsonl."""
+    launch_time: float = 0.0
+    """time.time() when the launcher started; time_to_first_step_s is measured from it."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+
+        def choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+            if value not in allowed:
+                problems.append(f"{flag} {value!r} is not one of {', '.join(allowed)}")
+
+        choice("--device", self.device, DEVICES)
+        choice("--amp", self.amp, AMP_MODES)
+        choice("--dtype", self.dtype, DTYPES)
+        choice("--schedule", self.schedule, SCHEDULES)
+        choice("--optimizer", self.optimizer, OPTIMIZERS)
+        if self.amp == "off" and self.dtype != "auto":
+            problems.append(f"--dtype {self.dtype} conflicts with --amp off (fp32); drop one of them")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
+            problems.append(f"--momentum must be in [0, 1), got {self.momentum}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            problems.append(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+            problems.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        elif self.schedule == "exponential" and self.min_lr_ratio == 0:
+            problems.append("--min-lr-ratio must be > 0 for --schedule exponential (it decays towards it)")
+        for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum),
+                            ("--log-every", self.log_every)):
+            if value < 1:
+                problems.append(f"{flag} must be >= 1, got {value}")
+        if self.steps is not None and self.epochs is not None:
+            problems.append("--steps and --epochs are alternatives; give one of them")
+        if self.steps is not None and self.steps < 1:
+            problems.append(f"--steps must be >= 1, got {self.steps}")
+        if self.epochs is not None and self.epochs < 1:
+            problems.append(f"--epochs must be >= 1, got {self.epochs}")
+        if self.warmup_steps < 0:
+            problems.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        elif self.steps is not None and self.steps >= 1 and self.warmup_steps >= self.steps:
+            problems.append(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
+        if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
+            problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
+        if self.seed < 0:
+            problems.append(f"--seed must be >= 0, got {self.seed}")
+        if problems:
+            raise UsageError(*problems)
+        if self.steps is None and self.epochs is None:
+            self.steps = DEFAULT_STEPS
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        return cls(**json.loads(text))
+
+    def replace(self, **changes: object) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+CONFIG_FILE = "config.json"
+
+
+def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False) -> Path:
+    """Check `--run-dir` before launch and create it. Refuses to clobber a file or an earlier run's weights.
+
+    unique: the directory must be new; if the name is taken (two runs started in the same second), a -2, -3…
+    suffix is added. The check and the creation are one mkdir, so concurrent launches cannot share it.
+    """
+    path = Path(run_dir)
+    if unique:
+        base, n = path, 1
+        while True:
+            try:
+                path.mkdir(parents=True)
+                return path
+            except FileExistsError:
+                n += 1
+                path = base.with_name(f"{base.name}-{n}")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--run-dir {str(path)!r} is an existing file, not a directory")
+    if (path / "model.pt").exists() and not overwrite:
+        raise UsageError(
+            f"--run-dir {str(path)!r} already holds a finished run (model.pt); choose another or pass --overwrite"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--run-dir {str(path)!r} cannot be created: {exc.strerror}") from None
+    if overwrite:
+        # Old metrics would otherwise be appended to; the old weights stay until the new ones replace them.
+        (path / "metrics.jsonl").unlink(missing_ok=True)
+    return path

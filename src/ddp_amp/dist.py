@@ -1,0 +1,96 @@
+"""The process-group session of one rank: the standard environment contract in, a ready device out.
+
+Every launcher ends here: spawn sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT itself; torchrun sets the same. Nothing else about the launcher is known to the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> DistEnv:
+        env = os.environ if environ is None else environ
+        missing = [key for key in ENV_KEYS if key not in env]
+        if missing:
+            raise RuntimeError(f"not launched as a distributed worker: {', '.join(missing)} unset")
+        return cls(rank=int(env["RANK"]), local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]),
+                   local_world_size=int(env["LOCAL_WORLD_SIZE"]), master_addr=env["MASTER_ADDR"],
+                   master_port=int(env["MASTER_PORT"]))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        # One GPU per local rank; the launcher has already checked that there are enough.
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_cpu_threads(local_world_size: int) -> int:
+    """Give each rank its share of the cores, unless the user chose OMP_NUM_THREADS themselves.
+
+    N ranks each using every core oversubscribe the machine and run slower than N ranks of cores/N threads.
+    """
+    explicit = os.environ.get("OMP_NUM_THREADS")
+    threads = int(explicit) if explicit and explicit.isdigit() else max(1, usable_cores() // local_world_size)
+    torch.set_num_threads(threads)
+    return threads
+
+
+@contextlib.contextmanager
+def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) -> Iterator[None]:
+    """init_process_group from the environment (env://), torn down on every path, error path included."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so no rank outlives a killed launcher."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: rely on the launcher's own clean-up

@@ -1,0 +1,64 @@
+"""Everything checked before a single process starts: flags, devices, precision, task, run directory.
+
+Whatever is wrong becomes a UsageError (one line per problem, exit code 2) and nothing is launched or written.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from ddp_amp.config import CONFIG_FILE, TrainConfig, prepare_run_dir
+from ddp_amp.errors import UsageError
+from ddp_amp.files import atomic_write
+from ddp_amp.precision import Precision, resolve_precision
+
+RUNS_ROOT = Path("runs")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    config: TrainConfig
+    """The validated config, run_dir and launch_time filled in; also written to run_dir/config.json."""
+    device_type: str
+    precision: Precision
+    config_path: Path
+
+
+def default_run_dir() -> Path:
+    """runs/<date>_<time>; prepare_run_dir(unique=True) adds a suffix if two runs start in the same second."""
+    return RUNS_ROOT / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
+              run_dir: str | None = None) -> LaunchPlan:
+    """Validate and prepare one launch. `flag` names the process-count option in messages."""
+    launch_time = time.time()
+    config = TrainConfig(**train_options, run_dir=str(run_dir or default_run_dir()), launch_time=launch_time)
+    if nproc_per_node < 1:
+        raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
+    import torch  # only now: --help and flag errors above stay fast
+
+    device_type = config.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if nproc_per_node > visible:
+            raise UsageError(f"{flag} {nproc_per_node} needs {nproc_per_node} GPUs but {visible} "
+                             f"{'is' if visible == 1 else 'are'} visible with --device cuda; "
+                             "lower it or use --device cpu")
+    precision = resolve_precision(device_type, config.amp, config.dtype,
+                                  cuda_bf16=device_type == "cuda" and torch.cuda.is_bf16_supported())
+    from ddp_amp.tasks import resolve_factory
+
+    resolve_factory(config.task)
+    # Last, so that a rejected launch leaves nothing behind.
+    path = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None)
+    if str(path) != config.run_dir:
+        config = config.replace(run_dir=str(path))
+    config_path = path / CONFIG_FILE
+    atomic_write(config_path, (config.to_json() + "\n").encode())
+    return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path)

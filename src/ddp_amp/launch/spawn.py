@@ -1,0 +1,78 @@
+"""`ddp-amp spawn`: N ranks on this machine through torch.multiprocessing, environment set as torchrun would.
+
+The launcher hosts the rendezvous TCPStore itself on a kernel-chosen port (bound, not guessed, so two jobs on
+one machine never collide) and tells the workers to join it as clients, exactly as a torchrun agent does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+from torch.distributed import TCPStore
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.errors import RunFailed
+
+LOOPBACK = "127.0.0.1"
+# Modules every rank needs, imported once in the fork server instead of once per rank.
+# torch._dynamo is imported by DDP's constructor and is the slowest of them.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        # The store is this launcher's: ranks connect as clients (torch's env:// honours this, as under torchrun).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int) -> None:
+    os.environ.update(rank_environment(rank, world_size, port))
+    from ddp_amp.worker import run_worker
+
+    run_worker(config)
+
+
+def spawn(config: TrainConfig, nproc: int) -> None:
+    """Run `nproc` ranks to completion. Raises RunFailed naming the first rank that failed."""
+    store = TCPStore(LOOPBACK, 0, world_size=nproc, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=300))
+    mp.set_forkserver_preload(PRELOAD)
+    context = mp.start_processes(_rank_main, args=(config, nproc, store.port), nprocs=nproc, join=False,
+                                 start_method="forkserver")
+    try:
+        # join() returns True once all ranks exited cleanly; on the first failure it terminates the others
+        # and raises with the failing rank and its traceback.
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as exc:
+        # The message carries the rank's whole traceback; its last line is the exception itself.
+        traceback_text = str(exc).split("terminated with the following error:", 1)[-1].strip()
+        last_line = traceback_text.splitlines()[-1] if traceback_text else "unknown error"
+        raise RunFailed(f"rank {exc.error_index} failed: {last_line}", details=traceback_text) from None
+    except mp.ProcessExitedException as exc:
+        raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}") from None
+    except KeyboardInterrupt:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        raise RunFailed("interrupted", exit_code=130) from None
+    finally:
+        del store
+
+
+def _describe_exit(exc: mp.ProcessExitedException) -> str:
+    if exc.signal_name:
+        return f"signal {exc.signal_name}"
+    match = re.search(r"exit code (-?\d+)", str(exc))
+    return f"exit code {match.group(1) if match else exc.exit_code}"

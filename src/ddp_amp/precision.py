@@ -1,0 +1,106 @@
+"""Mixed precision: which dtype a run uses, and the autocast / GradScaler pieces that go with it.
+
+`resolve_precision` is pure (no torch) so the launcher can decide and report before any rank starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ddp_amp.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    """fp32, bf16 or fp16: what summary.json reports."""
+    warning: str | None = None
+    """One line to print once, e.g. bf16 emulated on a CPU without native support."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def uses_scaler(self) -> bool:
+        # bf16 has fp32's exponent range: gradients do not underflow, so only fp16 needs loss scaling.
+        return self.name == "fp16"
+
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with bf16 instructions (AVX512-BF16 or AMX); elsewhere bf16 matmuls are emulated and slow."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_precision(
+    device_type: str, amp: str, dtype: str, *, cuda_bf16: bool = False, cpu_native_bf16: bool | None = None
+) -> Precision:
+    """Turn --amp/--dtype into a concrete precision for a device type ("cpu" or "cuda").
+
+    auto: bf16 where the device computes it natively, fp16 on older GPUs, fp32 on CPUs without bf16.
+    An explicit --dtype with --amp auto means "on with that dtype".
+    """
+    if cpu_native_bf16 is None:
+        cpu_native_bf16 = cpu_has_native_bf16()
+    if amp == "off":
+        return Precision("fp32")
+    if device_type == "cuda":
+        if dtype == "auto":
+            return Precision("bf16" if cuda_bf16 else "fp16")
+        if dtype == "bf16" and not cuda_bf16:
+            raise UsageError("--dtype bf16 is not supported by this GPU; use --dtype fp16")
+        return Precision(dtype)
+    # CPU
+    if dtype == "auto":
+        if amp == "auto" and not cpu_native_bf16:
+            return Precision("fp32")
+        dtype = "bf16"
+    if dtype == "bf16" and not cpu_native_bf16:
+        return Precision(
+            "bf16", warning="this CPU has no native bf16 (avx512_bf16/amx): bf16 autocast is emulated and will be slow"
+        )
+    if dtype == "fp16" and not cpu_autocast_supports_fp16():
+        raise UsageError("--dtype fp16 is not supported on CPU by this torch build; use --dtype bf16 or --amp off")
+    return Precision(dtype)
+
+
+def cpu_autocast_supports_fp16() -> bool:
+    import torch
+
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return torch.ones(1, 1).matmul(torch.ones(1, 1)).dtype == torch.float16
+    except RuntimeError:
+        return False
+
+
+def autocast(precision: Precision, device_type: str):
+    """The forward-pass context: torch.amp autocast when AMP is on, nothing otherwise."""
+    if not precision.enabled:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(device_type, dtype=precision.torch_dtype())
+
+
+def grad_scaler(precision: Precision, device_type: str):
+    """A torch.amp.GradScaler, enabled only for fp16 (disabled it is a cheap pass-through)."""
+    import torch
+
+    return torch.amp.GradScaler(device_type, enabled=precision.uses_scaler)

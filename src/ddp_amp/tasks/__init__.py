@@ -1,0 +1,102 @@
+"""Tasks: what a run trains. Built-in ones by name, or the user's own as `module:factory` / `file.py:factory`.
+
+A factory is any callable that takes no arguments and returns a `Task`. It is called on every rank after the
+global torch seed is set, so the model's initial weights are reproducible; the data set must come out the same
+on every rank (generate it from a fixed seed, or read it from disk), since the DistributedSampler shards it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.errors import UsageError
+
+BUILTIN = {
+    "linear": "ddp_amp.tasks.linear:build",
+    "mlp": "ddp_amp.tasks.mlp:build",
+    "transformer": "ddp_amp.tasks.transformer:build",
+}
+
+
+@dataclass
+class Task:
+    """What a factory returns.
+
+    Each item of `dataset` is an `(inputs, target)` pair of tensors (or nested tuples of tensors); a batch is
+    moved to the rank's device, `output = model(inputs)` runs under autocast, and `loss_fn(output, target)`
+    must return a scalar tensor, the mean over the batch.
+    """
+
+    model: Any
+    """A torch.nn.Module, on the CPU; ddp-amp moves it to the device and wraps it in DDP."""
+    dataset: Any
+    """A map-style torch Dataset (`__len__` and `__getitem__`), identical on every rank."""
+    loss_fn: Callable[[Any, Any], Any]
+    """`loss_fn(output, target) -> scalar tensor`."""
+    evaluate: Callable[[Any], dict[str, float]] | None = None
+    """Optional: `evaluate(model) -> {name: value}` on rank 0 after training (plain model, eval mode, no
+    autocast); the values land in summary.json under "eval"."""
+    items_per_sample: int = 1
+    """How many counted items a sample holds (tokens per sequence for language models)."""
+    item_name: str = "samples"
+    """What the throughput counts: summary.json reports `<item_name>_per_s` next to samples_per_s."""
+
+
+def resolve_factory(spec: str) -> Callable[[], Task]:
+    """The factory named by `--task`, imported and checked for shape. Raises UsageError naming --task."""
+    target = BUILTIN.get(spec, spec)
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise UsageError(
+            f"--task {spec!r} is not a built-in task ({', '.join(BUILTIN)}) nor module:factory or file.py:factory"
+        )
+    if module_part.endswith(".py"):
+        module = _import_file(spec, Path(module_part))
+    else:
+        # Like `python -m`, let the current directory's modules be found (console scripts leave it off sys.path).
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise UsageError(f"--task {spec!r}: module {module_part!r} cannot be imported ({exc})") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise UsageError(f"--task {spec!r}: module {module_part!r} has no attribute {attr!r}")
+    if not callable(factory) or inspect.isclass(factory) and not issubclass(factory, Task):
+        raise UsageError(f"--task {spec!r} is not a factory: {attr!r} must be a function returning a Task")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise UsageError(f"--task {spec!r} is not a factory: {attr!r} must be callable with no arguments") from None
+    except ValueError:
+        pass  # some builtins have no inspectable signature; the call itself will tell
+    return factory
+
+
+def build_task(spec: str) -> Task:
+    task = resolve_factory(spec)()
+    if not isinstance(task, Task):
+        raise TypeError(f"--task {spec!r}: the factory returned {type(task).__name__}, not ddp_amp.tasks.Task")
+    return task
+
+
+def _import_file(spec: str, path: Path):
+    if not path.is_file():
+        raise UsageError(f"--task {spec!r}: file {str(path)!r} does not exist")
+    name = f"ddp_amp_user_task_{abs(hash(str(path.resolve())))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,217 @@
+"""The training core shared by every launcher: DDP + autocast + GradScaler + an LR schedule, done right.
+
+It knows nothing of the terminal or the CLI: it reports through a `Reporter` and returns the run summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistEnv
+from ddp_amp.precision import Precision, autocast, grad_scaler
+from ddp_amp.schedule import build_scheduler
+from ddp_amp.tasks import Task
+
+
+class Reporter(Protocol):
+    """How the core tells the outside world what it is doing. Called on every rank."""
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        """Metrics of one log interval, already reduced across ranks (identical on every rank)."""
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        """The run's summary (rank 0 holds the evaluation too)."""
+
+
+@dataclass
+class TrainResult:
+    summary: dict[str, Any]
+    model: torch.nn.Module
+    """The trained model without its DDP wrapper."""
+
+
+def steady_state_start(total_steps: int) -> int:
+    """Steps excluded from the throughput figure: start-up, DDP's bucket rebuild, the first allocations."""
+    return 0 if total_steps < 4 else min(20, max(1, total_steps // 10))
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    return batch
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                               weight_decay=config.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
+                 reporter: Reporter) -> None:
+        self.config, self.env, self.device, self.precision = config, env, device, precision
+        self.task, self.reporter = task, reporter
+        model = task.model.to(device)
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = build_optimizer(model, config)
+        self.scaler = grad_scaler(precision, device.type)
+        self.sampler = DistributedSampler(task.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True,
+                                          seed=config.seed, drop_last=False)
+        # The sampler pads every rank to the same number of samples, so every rank runs the same number of
+        # batches: no rank waits forever in an all-reduce the others never join.
+        self.loader = DataLoader(task.dataset, batch_size=config.batch_size, sampler=self.sampler,
+                                 pin_memory=device.type == "cuda")
+        micro_per_epoch = len(self.loader)
+        if config.steps is not None:
+            self.total_steps = config.steps
+        else:
+            self.total_steps = config.epochs * micro_per_epoch // config.grad_accum
+        if self.total_steps < 1:
+            raise ValueError(f"--epochs {config.epochs} gives no optimizer step: the data set has "
+                             f"{micro_per_epoch} batches per rank, fewer than --grad-accum {config.grad_accum}")
+        if config.warmup_steps >= self.total_steps:
+            raise ValueError(f"--warmup-steps {config.warmup_steps} must be smaller than the run's "
+                             f"{self.total_steps} optimizer steps")
+        self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
+                                         warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
+        self.epoch = 0
+
+    def _micro_batches(self) -> Iterator[Any]:
+        """Batches across epochs, endlessly; set_epoch reshuffles (the same way on every rank) each epoch."""
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            yield from self.loader
+            self.epoch += 1
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def train(self) -> TrainResult:
+        config, env = self.config, self.env
+        samples_per_step = config.batch_size * config.grad_accum  # per rank
+        measure_from = steady_state_start(self.total_steps)
+        start = time.time()
+        launch = config.launch_time or start
+        batches = self._micro_batches()
+        # Metrics live on the device and are read only at log intervals: a .item() per step would make
+        # every step wait for the device.
+        loss_sum = torch.zeros((), device=self.device)
+        loss_count = 0
+        skipped_steps = 0
+        first_step_at = steady_at = None
+        interval_start, interval_steps = time.perf_counter(), 0
+        record: dict[str, Any] = {}
+        self.model.train()
+        for step in range(self.total_steps):
+            lr = self.scheduler.get_last_lr()[0]
+            for micro in range(config.grad_accum):
+                inputs, target = to_device(next(batches), self.device)
+                # Gradients are all-reduced only on the last micro-step; the others accumulate locally.
+                sync = contextlib.nullcontext() if micro == config.grad_accum - 1 else self.model.no_sync()
+                with sync:
+                    with autocast(self.precision, self.device.type):
+                        loss = self.task.loss_fn(self.model(inputs), target)
+                    self.scaler.scale(loss / config.grad_accum).backward()
+                loss_sum += loss.detach().float()
+                loss_count += 1
+            if config.clip_grad is not None:
+                # Clip true gradients: unscale first (a no-op without fp16), then clip, then step.
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad)
+            stepped = self._optimizer_step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if stepped:
+                self.scheduler.step()
+            else:
+                # GradScaler found inf/NaN and skipped the update; the schedule must not advance either.
+                skipped_steps += 1
+            interval_steps += 1
+            if first_step_at is None:
+                self._sync()
+                first_step_at = time.time()
+            if step + 1 == measure_from:
+                self._sync()
+                steady_at = time.perf_counter()
+            if (step + 1) % config.log_every == 0 or step + 1 == self.total_steps:
+                totals = torch.stack([loss_sum, torch.tensor(float(loss_count), device=self.device)])
+                dist.all_reduce(totals)  # also a sync point: the interval's time below is real
+                now = time.perf_counter()
+                interval_s = now - interval_start
+                total_loss, total_count = totals.tolist()
+                record = {
+                    "step": step + 1,
+                    "total_steps": self.total_steps,
+                    "epoch": self.epoch,
+                    "loss": total_loss / total_count,
+                    "lr": lr,
+                    "samples_per_s": interval_steps * samples_per_step * env.world_size / interval_s,
+                    "skipped_steps": skipped_steps,
+                    "elapsed_s": time.time() - start,
+                }
+                if self.task.item_name != "samples":
+                    record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
+                if self.scaler.is_enabled():
+                    record["loss_scale"] = self.scaler.get_scale()
+                self.reporter.on_log(record)
+                loss_sum.zero_()
+                loss_count, interval_start, interval_steps = 0, now, 0
+        self._sync()
+        end = time.time()
+        steady_s = time.perf_counter() - steady_at if steady_at is not None else end - start
+        steady_steps = self.total_steps - measure_from
+        samples_per_s = steady_steps * samples_per_step * env.world_size / steady_s
+        summary: dict[str, Any] = {
+            "task": config.task,
+            "world_size": env.world_size,
+            "steps": self.total_steps,
+            "epochs": round(self.total_steps * config.grad_accum / len(self.loader), 3),
+            "batch_size": config.batch_size,
+            "global_batch_size": config.batch_size * config.grad_accum * env.world_size,
+            "final_loss": record["loss"],
+            "samples_per_s": samples_per_s,
+            "precision": self.precision.name,
+            "device": str(self.device.type),
+            "backend": dist.get_backend(),
+            "train_s": end - start,
+            "wall_s": end - launch,
+            "time_to_first_step_s": first_step_at - launch,
+            "skipped_steps": skipped_steps,
+            "final_lr": self.scheduler.get_last_lr()[0],
+            "seed": config.seed,
+            "torch_version": torch.__version__,
+        }
+        if self.task.item_name != "samples":
+            summary[f"{self.task.item_name}_per_s"] = samples_per_s * self.task.items_per_sample
+        if self.scaler.is_enabled():
+            summary["loss_scale"] = self.scaler.get_scale()
+        if not math.isfinite(summary["final_loss"]):
+            summary["diverged"] = True
+        return TrainResult(summary=summary, model=self.model.module)
+
+    def _optimizer_step(self) -> bool:
+        """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""
+        if not self.scaler.is_enabled():
+            self.optimizer.step()
+            return True
+        # scaler.step already waits for the device to learn whether the gradients were finite; reading the
+        # scale around update() costs no further sync. A skipped step is the only thing that lowers the scale.
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale_before
