@@ -31,7 +31,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, total_st
     peak_lr = optimizer.param_groups[0]["lr"]
     if schedule == "onecycle":
         # OneCycleLR has its own warm-up phase; composing a second one would double it.
-        pct_start = warmup_steps / total_steps if warmup_steps else 0.3
+        # OneCycleLR peaks at step pct_start * total_steps - 1; peak at step `warmup_steps`, like the others.
+        pct_start = (warmup_steps + 1) / total_steps if warmup_steps else 0.3
         return lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
                                        total_steps=total_steps, pct_start=pct_start)
     decay_steps = max(1, total_steps - warmup_steps)

@@ -6,7 +6,9 @@ one machine never collide) and tells the workers to join it as clients, exactly 
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import re
 from datetime import timedelta
 
@@ -48,6 +50,8 @@ def spawn(config: TrainConfig, nproc: int) -> None:
     store = TCPStore(LOOPBACK, 0, world_size=nproc, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=300))
     mp.set_forkserver_preload(PRELOAD)
+    # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     context = mp.start_processes(_rank_main, args=(config, nproc, store.port), nprocs=nproc, join=False,
                                  start_method="forkserver")
     try:
@@ -56,10 +60,9 @@ def spawn(config: TrainConfig, nproc: int) -> None:
         while not context.join():
             pass
     except mp.ProcessRaisedException as exc:
-        # The message carries the rank's whole traceback; its last line is the exception itself.
-        traceback_text = str(exc).split("terminated with the following error:", 1)[-1].strip()
+        rank, traceback_text = _first_failure(context, exc)
         last_line = traceback_text.splitlines()[-1] if traceback_text else "unknown error"
-        raise RunFailed(f"rank {exc.error_index} failed: {last_line}", details=traceback_text) from None
+        raise RunFailed(f"rank {rank} failed: {last_line}", details=traceback_text) from None
     except mp.ProcessExitedException as exc:
         raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}") from None
     except KeyboardInterrupt:
@@ -69,6 +72,26 @@ def spawn(config: TrainConfig, nproc: int) -> None:
         raise RunFailed("interrupted", exit_code=130) from None
     finally:
         del store
+
+
+def _first_failure(context: mp.ProcessContext, exc: mp.ProcessRaisedException) -> tuple[int, str]:
+    """The rank that failed first, and its traceback.
+
+    join() reports whichever failed rank it looks at first, often a rank that only saw its peer vanish
+    ("Connection closed by peer"). Each failing rank's wrapper writes its traceback to an error file as it
+    fails, so the oldest file names the root cause.
+    """
+    written = []
+    for rank, path in enumerate(context.error_files):
+        try:
+            written.append((os.stat(path).st_mtime_ns, rank, path))
+        except OSError:
+            continue  # this rank did not raise (it succeeded, or was terminated)
+    if written:
+        _, rank, path = min(written)
+        with open(path, "rb") as f:
+            return rank, pickle.load(f).strip()
+    return exc.error_index, str(exc).split("terminated with the following error:", 1)[-1].strip()
 
 
 def _describe_exit(exc: mp.ProcessExitedException) -> str:

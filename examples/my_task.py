@@ -1,0 +1,45 @@
+"""Bring your own model: a task factory that ddp-amp can train.
+
+    ddp-amp spawn -n 2 --task examples/my_task.py:build --steps 100
+
+A factory takes no arguments and returns a `ddp_amp.tasks.Task`. It runs on every rank after the global torch
+seed is set, so the model starts from the same weights everywhere; the data set must be the same on every rank
+(here it is generated from a fixed seed), since ddp-amp shards it with a DistributedSampler.
+"""
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ddp_amp.tasks import Task
+
+
+def _bars(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """16x16 noisy images holding one horizontal (label 0) or vertical (label 1) bar."""
+    labels = torch.randint(0, 2, (n,), generator=gen)
+    positions = torch.randint(2, 14, (n,), generator=gen)
+    images = 0.3 * torch.randn(n, 1, 16, 16, generator=gen)
+    for i in range(n):
+        if labels[i] == 0:
+            images[i, 0, positions[i], :] += 1.0
+        else:
+            images[i, 0, :, positions[i]] += 1.0
+    return images, labels
+
+
+def build() -> Task:
+    gen = torch.Generator().manual_seed(42)
+    train_x, train_y = _bars(2048, gen)
+    test_x, test_y = _bars(512, gen)
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(32, 2),
+    )
+
+    @torch.no_grad()
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        return {"accuracy": (model(test_x).argmax(1) == test_y).float().mean().item()}
+
+    return Task(model=model, dataset=TensorDataset(train_x, train_y), loss_fn=nn.CrossEntropyLoss(),
+                evaluate=evaluate)

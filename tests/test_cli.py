@@ -1,0 +1,108 @@
+"""The command line: flag errors are one line and exit code 2 with nothing launched; --help never loads torch."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddp_amp.cli import main
+
+BAD_INPUTS = [
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus", "-1"], "--gpus"),
+    (["--gpus", "abc"], "--gpus"),
+    (["--gpus", "3", "--device", "cuda"], "--gpus"),
+    (["--device", "tpu"], "--device"),
+    (["--amp", "maybe"], "--amp"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--lr", "-1"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--steps", "0"], "--steps"),
+    (["--grad-accum", "0"], "--grad-accum"),
+    (["--clip-grad", "-1"], "--clip-grad"),
+    (["--schedule", "bogus"], "--schedule"),
+    (["--task", "nosuchtask"], "--task"),
+    (["--task", "nosuch.module:fn"], "--task"),
+    (["--task", "os:path"], "--task"),
+    (["--task", "os:getenv"], "--task"),  # callable, but needs arguments: not a factory
+    (["--warmup-steps", "100", "--steps", "100"], "--warmup-steps"),
+    (["--amp", "off", "--dtype", "fp16"], "--dtype"),
+    (["--steps", "10", "--epochs", "1"], "--epochs"),
+]
+
+
+def run_main(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(("args", "flag"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_launches_nothing(args, flag, capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, err = run_main(["spawn", "--device", "cpu", *args, "--run-dir", str(run_dir)], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert flag in lines[0]
+    assert lines[0].startswith("ddp-amp: error: ")
+    assert "Traceback" not in out + err
+    assert not run_dir.exists(), "a rejected launch must not create its run directory"
+
+
+def test_run_dir_that_is_a_file_is_refused_and_kept(capsys, tmp_path):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    code, _, err = run_main(["spawn", "--device", "cpu", "--run-dir", str(existing)], capsys)
+    assert code == 2
+    assert "--run-dir" in err and len(err.strip().splitlines()) == 1
+    assert existing.read_text() == "keep me"
+
+
+def test_finished_run_is_not_overwritten_without_flag(capsys, tmp_path):
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    code, _, err = run_main(["spawn", "--device", "cpu", "--run-dir", str(tmp_path)], capsys)
+    assert code == 2
+    assert "--overwrite" in err
+    assert (tmp_path / "model.pt").read_bytes() == b"weights"
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_factory_returning_the_wrong_type_names_the_task(tmp_path, helper_task):
+    from conftest import run_cli
+
+    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--task", helper_task("not_a_task"),
+                     "--run-dir", str(tmp_path / "r"))
+    assert result.returncode != 0
+    assert "not ddp_amp.tasks.Task" in result.stderr
+    assert "rank 0 failed" in result.stderr
+
+
+def test_help_does_not_import_torch_and_is_fast():
+    code = (
+        "import sys, time\n"
+        "t = time.perf_counter()\n"
+        "from ddp_amp.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print('torch' in sys.modules, time.perf_counter() - t, file=sys.stderr)\n"
+    )
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    wall = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    imported, _ = result.stderr.split()
+    assert imported == "False", "ddp-amp --help imported torch"
+    assert "spawn" in result.stdout
+    assert wall < 1.0, f"--help took {wall:.2f}s"
+
+
+def test_spawn_help_lists_training_options_and_torchrun_style_aliases():
+    result = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "--help"], capture_output=True, text=True,
+                            timeout=30, env={"COLUMNS": "200", "PATH": ""})
+    assert result.returncode == 0
+    for flag in ("--gpus", "--nproc", "-n", "--grad-accum", "--clip-grad", "--schedule", "--warmup-steps",
+                 "--run-dir", "--seed", "--log-every", "--amp", "--dtype"):
+        assert flag in result.stdout, flag

@@ -1,0 +1,134 @@
+"""Real multi-process runs through `ddp-amp spawn` on CPU: 2-rank gloo groups, real files."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import assert_ok, load_weights, read_metrics, read_summary, run_cli
+
+from ddp_amp.schedule import closed_form_lr
+
+pytestmark = pytest.mark.slow
+
+SGD_FP32 = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
+            "--steps", "20", "--seed", "3", "--log-every", "5"]
+
+
+def spawn(run_dir, *args, nproc=2):
+    result = run_cli("spawn", "-n", str(nproc), *args, "--run-dir", str(run_dir))
+    assert_ok(result)
+    return result
+
+
+def assert_weights_close(a: dict, b: dict, rtol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=rtol * b[key].abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("two_rank")
+    result = spawn(run_dir, *SGD_FP32, "--batch-size", "16")
+    return run_dir, result
+
+
+def test_run_dir_contract(two_rank_run):
+    run_dir, result = two_rank_run
+    summary = read_summary(run_dir)
+    for key in ("world_size", "steps", "final_loss", "samples_per_s", "precision", "device", "backend", "wall_s",
+                "time_to_first_step_s", "skipped_steps"):
+        assert key in summary, key
+    assert summary["world_size"] == 2
+    assert summary["steps"] == 20
+    assert summary["precision"] == "fp32" and summary["device"] == "cpu" and summary["backend"] == "gloo"
+    assert summary["samples_per_s"] > 0 and 0 < summary["time_to_first_step_s"] < summary["wall_s"]
+    weights = load_weights(run_dir)  # weights_only=True
+    assert weights and not any(key.startswith("module.") for key in weights)
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [5, 10, 15, 20]
+    assert all({"loss", "lr", "samples_per_s"} <= m.keys() for m in metrics)
+    assert summary["final_loss"] == metrics[-1]["loss"]
+    # Only rank 0 writes, and the log lines come from rank 0 only.
+    assert "[rank 0] step 20/20" in result.stdout and "[rank 1]" not in result.stdout
+    assert not list(run_dir.glob("*.tmp"))
+
+
+def test_two_ranks_equal_one_rank_with_double_batch(two_rank_run, tmp_path):
+    run_dir, _ = two_rank_run
+    spawn(tmp_path, *SGD_FP32, "--batch-size", "32", nproc=1)
+    assert read_summary(tmp_path)["world_size"] == 1
+    assert_weights_close(load_weights(run_dir), load_weights(tmp_path), rtol=1e-5)
+
+
+def test_grad_accumulation_equals_the_bigger_batch(two_rank_run, tmp_path):
+    run_dir, _ = two_rank_run
+    spawn(tmp_path, *SGD_FP32, "--batch-size", "8", "--grad-accum", "2")
+    assert read_summary(tmp_path)["global_batch_size"] == 32
+    assert_weights_close(load_weights(run_dir), load_weights(tmp_path), rtol=1e-5)
+
+
+def test_same_seed_same_weights(two_rank_run, tmp_path):
+    run_dir, _ = two_rank_run
+    spawn(tmp_path, *SGD_FP32, "--batch-size", "16")
+    first, second = load_weights(run_dir), load_weights(tmp_path)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_linear_converges_to_its_noise_floor_and_lr_follows_the_schedule(tmp_path):
+    spawn(tmp_path, "--device", "cpu", "--task", "linear", "--steps", "400", "--lr", "0.02", "--warmup-steps", "10",
+          "--schedule", "cosine", "--log-every", "1")
+    summary = read_summary(tmp_path)
+    floor = summary["eval"]["noise_floor"]
+    assert summary["final_loss"] < 2 * floor
+    assert summary["eval"]["loss"] < 2 * floor
+    lrs = [m["lr"] for m in read_metrics(tmp_path)]
+    expected = [closed_form_lr(i, lr=0.02, schedule="cosine", total_steps=400, warmup_steps=10, min_lr_ratio=0.1)
+                for i in range(400)]
+    assert lrs == pytest.approx(expected, rel=1e-9)
+
+
+def test_mlp_reaches_90_percent_accuracy(tmp_path):
+    spawn(tmp_path, "--device", "cpu", "--task", "mlp", "--steps", "150")
+    assert read_summary(tmp_path)["eval"]["accuracy"] >= 0.9
+
+
+def test_fp16_skipped_step_is_counted_and_holds_the_lr(tmp_path, helper_task):
+    spawn(tmp_path, "--device", "cpu", "--dtype", "fp16", "--task", helper_task("inf_at_third_step"),
+          "--steps", "8", "--log-every", "1", "--batch-size", "16")
+    summary = read_summary(tmp_path)
+    assert summary["precision"] == "fp16"
+    assert summary["skipped_steps"] == 1
+    metrics = read_metrics(tmp_path)
+    assert [m["skipped_steps"] for m in metrics][:4] == [0, 0, 1, 1]
+    assert metrics[2]["lr"] == metrics[3]["lr"]
+    assert "loss_scale" in metrics[0]
+
+
+def test_failing_rank_stops_the_job_and_is_named(tmp_path, helper_task):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", helper_task("fail_on_rank1"), "--steps",
+                     "50", "--run-dir", str(tmp_path), timeout=120)
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line == "ddp-amp: error: rank 1 failed: ValueError: injected failure at step 5"
+    # The traceback once (its last line), then the one-line summary.
+    assert result.stderr.count("ValueError: injected failure at step 5") == 2
+    assert result.stderr.count("Traceback") == 1
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_two_jobs_started_together_do_not_collide(tmp_path):
+    args = ["--device", "cpu", "--steps", "10", "--task", "linear"]
+    commands = [[sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *args, "--run-dir", str(tmp_path / name)]
+                for name in ("a", "b")]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
+    outputs = [job.communicate(timeout=180) for job in jobs]
+    for job, (_, err) in zip(jobs, outputs):
+        assert job.returncode == 0, err
+    assert read_summary(tmp_path / "a")["world_size"] == read_summary(tmp_path / "b")["world_size"] == 2
+
+
+def test_the_readme_example_task_trains(tmp_path):
+    spawn(tmp_path, "--device", "cpu", "--task", "examples/my_task.py:build", "--steps", "60")
+    assert read_summary(tmp_path)["eval"]["accuracy"] >= 0.9
