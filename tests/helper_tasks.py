@@ -50,3 +50,21 @@ def fail_on_rank1() -> Task:
 
 def not_a_task():
     return "a string, not a Task"
+
+
+def killed_once() -> Task:
+    """Rank 1 is SIGKILLed at its third step of the first attempt; a torchrun restart then runs clean."""
+    import signal
+
+    model, data = _regression()
+    calls = 0
+
+    def loss_fn(output, target):
+        nonlocal calls
+        calls += 1
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if calls == 3 and first_attempt and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return nn.functional.mse_loss(output, target)
+
+    return Task(model=model, dataset=data, loss_fn=loss_fn)

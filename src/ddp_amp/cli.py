@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -95,6 +96,132 @@ def spawn(
 
     spawn_ranks(plan.config, nproc)
     _finish(plan)
+
+
+NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--gpus", "-n",
+                                           help="Ranks per node: a number, or gpu, cpu, auto as torchrun takes.")]
+MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restart the job this many times on a failure.")]
+MonitorInterval = Annotated[float, typer.Option("--monitor-interval", help="Seconds between torchrun's checks.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command and environment; start nothing.")]
+
+
+@app.command()
+@training_options
+def run(
+    train: dict,
+    nproc_per_node: NprocPerNode = "1",
+    max_restarts: MaxRestarts = 0,
+    monitor_interval: MonitorInterval = 0.1,
+    dry_run: DryRun = False,
+    run_dir: RunDir = None,
+    overwrite: Overwrite = False,
+) -> None:
+    """Launch N ranks on this machine through torchrun (standalone rendezvous on loopback)."""
+    from ddp_amp.launch import torchrun
+    from ddp_amp.launch.preflight import preflight
+
+    _check_torchrun_numbers(max_restarts, monitor_interval)
+    nproc = torchrun.parse_nproc(nproc_per_node)
+    plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=overwrite, run_dir=run_dir)
+    command = torchrun.standalone_command(plan.config_path, nproc_per_node=nproc, max_restarts=max_restarts,
+                                          monitor_interval=monitor_interval, device_type=plan.device_type)
+    if dry_run:
+        typer.echo(command.shell())
+        return
+    _announce(plan, nproc)
+    typer.echo(f"ddp-amp: {command.shell()}")
+    torchrun.execute(command)
+    _finish(plan)
+
+
+@app.command()
+@training_options
+def multinode(
+    train: dict,
+    nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic range.")],
+    endpoint: Annotated[str, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted); "
+                                          "the node owning that address hosts it.")],
+    nproc_per_node: NprocPerNode = "1",
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This node's rank (optional with c10d).")] = None,
+    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="Job id, the same on every node \\[default: "
+                                                "derived from the endpoint, nnodes, nproc and run options].")] = None,
+    max_restarts: MaxRestarts = 0,
+    monitor_interval: MonitorInterval = 0.1,
+    rdzv_timeout: Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes.")] = 60.0,
+    is_host: Annotated[bool | None, typer.Option("--is-host/--no-is-host", help="Whether this node hosts the store "
+                                                 "\\[default: detected from the endpoint address].")] = None,
+    local_addr: Annotated[str | None, typer.Option("--local-addr", help="Address this node advertises "
+                                                   "\\[default: the one that routes to the endpoint].")] = None,
+    ifname: Annotated[str | None, typer.Option("--ifname", help="Network interface for gloo/nccl "
+                                               "\\[default: the one holding --local-addr].")] = None,
+    emit_slurm: Annotated[Path | None, typer.Option("--emit-slurm", help="Write an sbatch script running this "
+                                                    "on every node of an allocation, and exit.")] = None,
+    dry_run: DryRun = False,
+    run_dir: RunDir = None,
+    overwrite: Overwrite = False,
+) -> None:
+    """Launch this node's ranks through torchrun with c10d rendezvous across machines."""
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.launch import network, torchrun
+    from ddp_amp.launch.preflight import preflight
+
+    _check_torchrun_numbers(max_restarts, monitor_interval)
+    nodes = torchrun.parse_nnodes(nnodes)
+    if node_rank is not None and not 0 <= node_rank < nodes.max:
+        raise UsageError(f"--node-rank must be in 0..{nodes.max - 1} for --nnodes {nodes}, got {node_rank}")
+    if rdzv_timeout <= 0:
+        raise UsageError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout:g}")
+    where = network.parse_endpoint(endpoint)
+    if emit_slurm is not None:
+        TrainConfig(**train)  # validate the options the script will pass on
+        args = ["--nproc-per-node", nproc_per_node, *_training_args(train)]
+        if max_restarts:
+            args += ["--max-restarts", str(max_restarts)]
+        _write_new_file(emit_slurm, torchrun.slurm_script(args, where.port), "--emit-slurm")
+        typer.echo(f"ddp-amp: wrote {emit_slurm}; submit it with sbatch --nodes=N {emit_slurm}")
+        return
+    nproc = torchrun.parse_nproc(nproc_per_node)
+    net = torchrun.detect_node_network(where, is_host=is_host, local_addr=local_addr, ifname=ifname,
+                                       rdzv_timeout=rdzv_timeout, check_reachable=not dry_run)
+    plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=overwrite, run_dir=run_dir)
+    job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
+    command = torchrun.multinode_command(
+        plan.config_path, endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
+        is_host=net.is_host, local_addr=net.local_addr, ifname=net.ifname, max_restarts=max_restarts,
+        monitor_interval=monitor_interval, rdzv_timeout=rdzv_timeout, device_type=plan.device_type)
+    if dry_run:
+        typer.echo(command.shell())
+        typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
+                   f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
+        return
+    _announce(plan, nproc)
+    typer.echo(f"ddp-amp: {command.shell()}")
+    torchrun.execute(command)
+    _finish(plan)
+
+
+def _check_torchrun_numbers(max_restarts: int, monitor_interval: float) -> None:
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if not monitor_interval > 0:
+        raise UsageError(f"--monitor-interval must be > 0 seconds, got {monitor_interval:g}")
+
+
+def _training_args(train: dict) -> list[str]:
+    """The training options that differ from their defaults, as flags: the same on every node."""
+    args = []
+    for name, value in train.items():
+        if value != TRAINING_OPTIONS[name][0]:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+def _write_new_file(path: Path, text: str, flag: str) -> None:
+    if path.exists():
+        raise UsageError(f"{flag} {str(path)!r} already exists; remove it or choose another name")
+    from ddp_amp.files import atomic_write
+
+    atomic_write(path, text.encode())
 
 
 @app.command()

@@ -38,8 +38,10 @@ class DistEnv:
                    master_port=int(env["MASTER_PORT"]))
 
     @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def writes_run_dir(self) -> bool:
+        """Local rank 0 of every node writes the run directory (rank 0 alone on one node), so each node of a
+        multi-node job holds the weights without a shared file system."""
+        return self.local_rank == 0
 
 
 def usable_cores() -> int:
@@ -81,16 +83,3 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
         yield
     finally:
         dist.destroy_process_group()
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so no rank outlives a killed launcher."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: rely on the launcher's own clean-up

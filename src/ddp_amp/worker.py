@@ -5,6 +5,7 @@ spawn calls `run_worker(config)` in each child; torchrun runs `python -m ddp_amp
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,20 +15,22 @@ import torch
 
 from ddp_amp import checkpoint
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistEnv, die_with_parent, process_group, resolve_device, set_cpu_threads
+from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
+from ddp_amp.process import die_with_parent
 from ddp_amp.precision import resolve_precision
 from ddp_amp.tasks import build_task
 from ddp_amp.train import Trainer
 
 
 class LogReporter:
-    """Rank 0 prints one plain line per log interval and appends it to metrics.jsonl; other ranks stay quiet."""
+    """Each node's local rank 0 prints one plain line per log interval and appends it to metrics.jsonl (the
+    figures are reduced across all ranks already); other ranks stay quiet."""
 
     def __init__(self, env: DistEnv, run_dir: Path, item_name: str) -> None:
         self.env, self.run_dir, self.item_name = env, run_dir, item_name
 
     def on_log(self, record: dict[str, Any]) -> None:
-        if not self.env.is_main:
+        if not self.env.writes_run_dir:
             return
         checkpoint.append_metrics(self.run_dir, record)
         line = (f"[rank {self.env.rank}] step {record['step']}/{record['total_steps']} loss {record['loss']:.4f} "
@@ -43,7 +46,7 @@ class LogReporter:
 
 
 def run_worker(config: TrainConfig) -> dict[str, Any] | None:
-    """Train on this rank. Rank 0 writes the run directory and returns the summary; other ranks return None."""
+    """Train on this rank. Local rank 0 writes the run directory and returns the summary; others return None."""
     started = time.time()
     die_with_parent()
     env = DistEnv.from_environ()
@@ -60,7 +63,7 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
         summary = result.summary
         summary["threads_per_rank"] = threads
         summary["worker_start_s"] = started - (config.launch_time or started)
-        if not env.is_main:
+        if not env.writes_run_dir:
             return None
         if task.evaluate is not None:
             result.model.eval()
@@ -75,8 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         sys.exit("usage: python -m ddp_amp.worker RUN_DIR/config.json")
-    run_worker(TrainConfig.from_json(Path(args[0]).read_text()))
+    config = TrainConfig.from_json(Path(args[0]).read_text())
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.environ.get("RANK") == "0":
+        # torchrun restarted the job from the beginning: the earlier attempt's log lines no longer apply.
+        (Path(config.run_dir) / checkpoint.METRICS_FILE).unlink(missing_ok=True)
+    run_worker(config)
 
 
 if __name__ == "__main__":
-    main()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # record: a failing rank's traceback goes to torchrun's error file, so its summary names the root cause.
+    record(main)()

@@ -1,0 +1,174 @@
+"""`ddp-amp run` and `ddp-amp multinode`: real torchrun processes, their command lines, their errors."""
+
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import assert_ok, load_weights, read_summary, run_cli
+from ddp_amp.cli import main
+from test_spawn import SGD_FP32, assert_weights_close
+
+BAD_INPUTS = [
+    (["multinode", "--nnodes", "0", "--endpoint", "127.0.0.1:29400"], "--nnodes"),
+    (["multinode", "--nnodes", "3:2", "--endpoint", "127.0.0.1:29400"], "--nnodes"),
+    (["multinode", "--nnodes", "x", "--endpoint", "127.0.0.1:29400"], "--nnodes"),
+    (["multinode", "--nnodes", "2", "--node-rank", "2", "--endpoint", "127.0.0.1:29400"], "--node-rank"),
+    (["multinode", "--nnodes", "2", "--node-rank", "-1", "--endpoint", "127.0.0.1:29400"], "--node-rank"),
+    (["multinode", "--nnodes", "2", "--endpoint", ""], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", "host:"], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", "host:abc"], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", "host:70000"], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", ":29400"], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", "[::1"], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", "no-such-host.invalid:29400"], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--rdzv-timeout", "0"], "--rdzv-timeout"),
+    (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--max-restarts", "-1"], "--max-restarts"),
+    (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["run", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["run", "--nproc-per-node", "many"], "--nproc-per-node"),
+    (["run", "--max-restarts", "-1"], "--max-restarts"),
+    (["run", "--lr", "nan"], "--lr"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2(args, flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--device", "cpu", "--run-dir", str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2
+    assert len(lines) == 1 and flag in lines[0], captured.err
+    assert "Traceback" not in captured.out + captured.err
+    assert not (tmp_path / "run").exists()
+
+
+def parse_dry_run(stdout: str) -> tuple[dict, list[str]]:
+    """The printed command: leading VAR=value words, then argv."""
+    words = shlex.split(stdout.splitlines()[0])
+    env = {}
+    while "=" in words[0] and not words[0].startswith("/"):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    return env, words
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_run_dry_run_prints_a_standalone_torchrun_command(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--nproc-per-node", "2", "--device", "cpu", "--max-restarts", "1", "--dry-run",
+              "--run-dir", str(tmp_path)])
+    assert exit_info.value.code == 0
+    env, argv = parse_dry_run(capsys.readouterr().out)
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--standalone" in argv and "--rdzv-endpoint" not in argv
+    assert flag_value(argv, "--nproc-per-node") == "2" and flag_value(argv, "--nnodes") == "1"
+    assert flag_value(argv, "--max-restarts") == "1"
+    assert argv[-3:] == ["-m", "ddp_amp.worker", str(tmp_path / "config.json")]
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_multinode_dry_run_prints_c10d_flags(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multinode", "--nnodes", "1:2", "--nproc-per-node", "3", "--endpoint", "127.0.0.1:29999",
+              "--device", "cpu", "--dry-run", "--run-dir", str(tmp_path), "--local-addr", "127.0.0.1",
+              "--is-host"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    env, argv = parse_dry_run(out)
+    assert "--standalone" not in argv
+    assert flag_value(argv, "--rdzv-backend") == "c10d"
+    assert flag_value(argv, "--rdzv-endpoint") == "127.0.0.1:29999"
+    assert flag_value(argv, "--nnodes") == "1:2"
+    assert flag_value(argv, "--nproc-per-node") == "3"
+    assert flag_value(argv, "--local-addr") == "127.0.0.1"
+    assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=60"
+    rdzv_id = flag_value(argv, "--rdzv-id")
+    assert rdzv_id.startswith("ddp-amp-")
+    assert f"--rdzv-id {rdzv_id}" in out.splitlines()[1], "the hint for the other nodes names the same id"
+
+
+def test_default_rdzv_id_is_the_same_for_the_same_command(tmp_path, capsys):
+    ids = []
+    for name in ("a", "b"):
+        with pytest.raises(SystemExit):
+            main(["multinode", "--nnodes", "2", "--endpoint", "[::1]:29400", "--device", "cpu", "--dry-run",
+                  "--run-dir", str(tmp_path / name), "--no-is-host"])
+        _, argv = parse_dry_run(capsys.readouterr().out)
+        assert flag_value(argv, "--rdzv-endpoint") == "[::1]:29400"
+        assert "is_host=0" in flag_value(argv, "--rdzv-conf")
+        ids.append(flag_value(argv, "--rdzv-id"))
+    assert ids[0] == ids[1]
+
+
+def test_emit_slurm_writes_a_script_and_launches_nothing(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multinode", "--nnodes", "2", "--endpoint", "node0:29500", "--nproc-per-node", "4", "--task",
+              "transformer", "--emit-slurm", str(script)])
+    assert exit_info.value.code == 0
+    text = script.read_text()
+    assert text.startswith("#!/bin/bash")
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
+    assert '--nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID"' in text
+    assert "--task transformer" in text and "--nproc-per-node 4" in text and ":29500" in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_unreachable_endpoint_fails_fast_with_one_line(tmp_path):
+    started = time.monotonic()
+    result = run_cli("multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{closed_port()}", "--no-is-host",
+                     "--rdzv-timeout", "3", "--device", "cpu", "--run-dir", str(tmp_path / "r"), timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not be reached within 3s" in lines[0], result.stderr
+    assert elapsed < 3 + 5
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_run_gives_the_same_weights_as_spawn(tmp_path):
+    for launcher, flag in (("run", "--nproc-per-node"), ("spawn", "--gpus")):
+        assert_ok(run_cli(launcher, flag, "2", *SGD_FP32, "--batch-size", "16", "--run-dir", str(tmp_path / launcher)))
+    assert read_summary(tmp_path / "run")["world_size"] == 2
+    assert_weights_close(load_weights(tmp_path / "run"), load_weights(tmp_path / "spawn"), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_multinode_on_one_machine(tmp_path):
+    port = closed_port()
+    commands = [[sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--steps", "20",
+                 "--run-dir", str(tmp_path / name)] for name in ("a", "b")]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
+    for job in jobs:
+        _, err = job.communicate(timeout=240)
+        assert job.returncode == 0, err
+    assert read_summary(tmp_path / "a")["world_size"] == read_summary(tmp_path / "b")["world_size"] == 2
+    assert (tmp_path / "a" / "model.pt").read_bytes() == (tmp_path / "b" / "model.pt").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted(tmp_path, helper_task):
+    result = run_cli("run", "--nproc-per-node", "2", "--max-restarts", "1", "--device", "cpu", "--task",
+                     helper_task("killed_once"), "--steps", "10", "--log-every", "5", "--run-dir", str(tmp_path),
+                     timeout=240)
+    assert_ok(result)
+    assert read_summary(tmp_path)["steps"] == 10
+    assert [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()].__len__() == 2
