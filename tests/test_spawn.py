@@ -5,9 +5,10 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_ok, load_weights, read_metrics, read_summary, run_cli
 
 from ddp_amp.schedule import closed_form_lr
+
+from conftest import assert_ok, load_weights, read_metrics, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 

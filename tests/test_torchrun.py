@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from conftest import assert_ok, load_weights, read_summary, run_cli
 from ddp_amp.cli import main
+
+from conftest import assert_ok, load_weights, read_summary, run_cli
 from test_spawn import SGD_FP32, assert_weights_close
 
 BAD_INPUTS = [

@@ -111,10 +111,13 @@ def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, 
                       node_rank: int | None, rdzv_id: str, is_host: bool | None, local_addr: str | None,
                       ifname: str | None, max_restarts: int, monitor_interval: float, rdzv_timeout: float,
                       device_type: str) -> TorchrunCommand:
+    rdzv_conf = f"join_timeout={rdzv_timeout:g}"
+    if is_host is not None:
+        rdzv_conf = f"is_host={int(is_host)},{rdzv_conf}"
     argv = [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", str(endpoint), "--rdzv-id", rdzv_id,
-            "--rdzv-conf", (f"is_host={int(is_host)}," if is_host is not None else "") + f"join_timeout={rdzv_timeout:g}",
+            "--rdzv-conf", rdzv_conf,
             "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval)]
     if node_rank is not None:
         argv += ["--node-rank", str(node_rank)]
