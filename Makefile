@@ -21,7 +21,7 @@ help:
 	@echo "make test       the whole test suite, slow multi-process tests included"
 	@echo "make test-fast  the tests not marked slow"
 	@echo "make lint       ruff"
-	@echo "make bench      benchmarks/ (interleaved A/B, medians)"
+	@echo "make bench      benchmarks/: spawn vs torchrun launch times (interleaved, medians); the AMP bench is to come"
 
 install: $(STAMP)
 
@@ -47,7 +47,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
-	@echo "benchmarks/ is empty until the bench issue lands; nothing measured yet."
+	$(BIN)/python benchmarks/launchers.py --repeats 3 --nproc $(NPROC)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -2,7 +2,6 @@
 
 import warnings
 
-import helper_tasks
 import pytest
 import torch
 from torch.distributed import TCPStore
@@ -12,6 +11,8 @@ from ddp_amp.dist import DistEnv, process_group
 from ddp_amp.launch.spawn import rank_environment
 from ddp_amp.precision import Precision
 from ddp_amp.train import Trainer
+
+import helper_tasks
 
 
 class Recorder:

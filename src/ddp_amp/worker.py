@@ -16,8 +16,8 @@ import torch
 from ddp_amp import checkpoint
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
-from ddp_amp.process import die_with_parent
 from ddp_amp.precision import resolve_precision
+from ddp_amp.process import die_with_parent
 from ddp_amp.tasks import build_task
 from ddp_amp.train import Trainer
 
