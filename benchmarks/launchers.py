@@ -7,23 +7,16 @@ Each launch is a fresh process, as a user starts it; figures come from each run'
 """
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from common import run_ddp_amp, spread
 
 
 def launch(launcher: str, nproc: int, run_dir: Path, extra: list[str]) -> dict:
     flag = "--gpus" if launcher == "spawn" else "--nproc-per-node"
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "ddp_amp", launcher, flag, str(nproc), "--device", "cpu",
-                    "--run-dir", str(run_dir), *extra], check=True, capture_output=True)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary["process_wall_s"] = time.perf_counter() - started
-    return summary
+    return run_ddp_amp([launcher, flag, str(nproc), "--device", "cpu", *extra], run_dir)
 
 
 def main() -> None:
@@ -40,13 +33,9 @@ def main() -> None:
     print(f"{'launcher':<8} {'wall_s (process)':>18} {'time_to_first_step_s':>22} {'samples/s':>10}"
           "   (median [min-max])")
     for launcher, runs in results.items():
-        print(f"{launcher:<8} {spread(runs, 'process_wall_s'):>18} {spread(runs, 'time_to_first_step_s'):>22} "
+        print(f"{launcher:<8} {spread([r['process_wall_s'] for r in runs]):>18} "
+              f"{spread([r['time_to_first_step_s'] for r in runs]):>22} "
               f"{statistics.median(r['samples_per_s'] for r in runs):>10.0f}")
-
-
-def spread(runs: list[dict], key: str) -> str:
-    values = [r[key] for r in runs]
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 if __name__ == "__main__":

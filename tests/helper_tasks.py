@@ -68,3 +68,23 @@ def killed_once() -> Task:
         return nn.functional.mse_loss(output, target)
 
     return Task(model=model, dataset=data, loss_fn=loss_fn)
+
+
+SLOW_STEPS = 3  # the first micro-steps of this task sleep, as a cold start would
+
+
+def slow_start() -> Task:
+    """A regression whose first SLOW_STEPS steps each sleep 0.5 s: a timing that counted warm-up would show it."""
+    import time
+
+    model, data = _regression()
+    calls = 0
+
+    def loss_fn(output, target):
+        nonlocal calls
+        calls += 1
+        if calls <= SLOW_STEPS:
+            time.sleep(0.5)
+        return nn.functional.mse_loss(output, target)
+
+    return Task(model=model, dataset=data, loss_fn=loss_fn)

@@ -65,9 +65,10 @@ def test_two_namespaces_train_together(two_hosts, tmp_path):
     elapsed = time.monotonic() - started
     for job, (out, err) in zip(jobs, outputs):
         assert job.returncode == 0, out + err
-    host_out = outputs[0][0]
-    assert "is_host=1" in host_out and "--local-addr 10.77." in host_out and "GLOO_SOCKET_IFNAME=vddpa" in host_out
-    assert "is_host=0" in outputs[1][0]
+    host_command = outputs[0][1]  # the torchrun command line is shown on stderr
+    assert "is_host=1" in host_command and "--local-addr 10.77." in host_command
+    assert "GLOO_SOCKET_IFNAME=vddpa" in host_command
+    assert "is_host=0" in outputs[1][1]
     assert read_summary(tmp_path / "host")["world_size"] == read_summary(tmp_path / "other")["world_size"] == 2
     assert (tmp_path / "host" / "model.pt").read_bytes() == (tmp_path / "other" / "model.pt").read_bytes()
     print(f"2-namespace multinode wall time: {elapsed:.1f}s")

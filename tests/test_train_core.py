@@ -71,6 +71,7 @@ def test_fp16_inf_gradient_skips_optimizer_and_scheduler(one_rank_group, tmp_pat
     assert len(set(lrs)) == 5
     assert recorder.records[2]["loss_scale"] < recorder.records[1]["loss_scale"]
     assert [r["skipped_steps"] for r in recorder.records] == [0, 0, 1, 1, 1, 1]
+    trainer.close()
 
 
 def test_bf16_autocast_runs_the_forward_in_bf16(one_rank_group, tmp_path):
@@ -81,4 +82,5 @@ def test_bf16_autocast_runs_the_forward_in_bf16(one_rank_group, tmp_path):
     trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("bf16"), task, Recorder())
     assert not trainer.scaler.is_enabled(), "bf16 needs no GradScaler"
     trainer.train()
+    trainer.close()
     assert seen and all(dtype == torch.bfloat16 for dtype in seen)

@@ -59,6 +59,10 @@ RunDir = Annotated[str | None, typer.Option("--run-dir", help="Output directory 
                                             rich_help_panel=TRAINING)]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Allow --run-dir to replace an earlier run's files.",
                                          rich_help_panel=TRAINING)]
+LOG_FORMATS = ("auto", "rich", "plain", "json")
+LogFormat = Annotated[str, typer.Option("--log-format", help="Progress: auto (rich on a terminal, else plain), rich, "
+                                        "plain (a line per rank per interval) or json (an object per event).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")]
 
 
 def training_options(command):
@@ -86,16 +90,17 @@ def spawn(
                                        help="Ranks to start: one per GPU with CUDA, CPU processes otherwise.")] = 1,
     run_dir: RunDir = None,
     overwrite: Overwrite = False,
+    log_format: LogFormat = "auto",
+    quiet: Quiet = False,
 ) -> None:
     """Launch N ranks on this machine with torch.multiprocessing."""
     from ddp_amp.launch.preflight import preflight
 
+    _check_log_format(log_format)
     plan = preflight(train, nproc_per_node=nproc, flag="--gpus", overwrite=overwrite, run_dir=run_dir)
-    _announce(plan, nproc)
     from ddp_amp.launch.spawn import spawn as spawn_ranks
 
-    spawn_ranks(plan.config, nproc)
-    _finish(plan)
+    _launch(plan, nproc, log_format, quiet, lambda env: spawn_ranks(plan.config, nproc, extra_env=env))
 
 
 NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--gpus", "-n",
@@ -115,11 +120,14 @@ def run(
     dry_run: DryRun = False,
     run_dir: RunDir = None,
     overwrite: Overwrite = False,
+    log_format: LogFormat = "auto",
+    quiet: Quiet = False,
 ) -> None:
     """Launch N ranks on this machine through torchrun (standalone rendezvous on loopback)."""
     from ddp_amp.launch import torchrun
     from ddp_amp.launch.preflight import preflight
 
+    _check_log_format(log_format)
     _check_torchrun_numbers(max_restarts, monitor_interval)
     nproc = torchrun.parse_nproc(nproc_per_node)
     plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=overwrite, run_dir=run_dir)
@@ -128,10 +136,7 @@ def run(
     if dry_run:
         typer.echo(command.shell())
         return
-    _announce(plan, nproc)
-    typer.echo(f"ddp-amp: {command.shell()}")
-    torchrun.execute(command)
-    _finish(plan)
+    _launch_torchrun(plan, nproc, log_format, quiet, command)
 
 
 @app.command()
@@ -159,12 +164,15 @@ def multinode(
     dry_run: DryRun = False,
     run_dir: RunDir = None,
     overwrite: Overwrite = False,
+    log_format: LogFormat = "auto",
+    quiet: Quiet = False,
 ) -> None:
     """Launch this node's ranks through torchrun with c10d rendezvous across machines."""
     from ddp_amp.config import TrainConfig
     from ddp_amp.launch import network, torchrun
     from ddp_amp.launch.preflight import preflight
 
+    _check_log_format(log_format)
     _check_torchrun_numbers(max_restarts, monitor_interval)
     nodes = torchrun.parse_nnodes(nnodes)
     if node_rank is not None and not 0 <= node_rank < nodes.max:
@@ -194,10 +202,7 @@ def multinode(
         typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
                    f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
         return
-    _announce(plan, nproc)
-    typer.echo(f"ddp-amp: {command.shell()}")
-    torchrun.execute(command)
-    _finish(plan)
+    _launch_torchrun(plan, nproc, log_format, quiet, command)
 
 
 def _check_torchrun_numbers(max_restarts: int, monitor_interval: float) -> None:
@@ -241,24 +246,38 @@ def env() -> None:
                    f"bf16: {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
 
 
-def _announce(plan, nproc: int) -> None:
+def _check_log_format(log_format: str) -> None:
+    if log_format not in LOG_FORMATS:
+        raise UsageError(f"--log-format {log_format!r} is not one of {', '.join(LOG_FORMATS)}")
+
+
+def _launch(plan, nproc: int, log_format: str, quiet: bool, start) -> None:
+    """Start the ranks with `start(extra_env)` while a progress session renders their events."""
+    from ddp_amp.progress.display import make_display
+    from ddp_amp.progress.session import ProgressSession
+
     config = plan.config
+    # Diagnostics go to stderr: stdout carries the progress itself (JSON lines with --log-format json).
     typer.echo(f"ddp-amp: {nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}, "
-               f"task {config.task}, run dir {config.run_dir}")
+               f"task {config.task}, run dir {config.run_dir}", err=True)
     if plan.precision.warning:
         typer.echo(f"ddp-amp: warning: {plan.precision.warning}", err=True)
+    session = ProgressSession(make_display(log_format, quiet=quiet), plan.config_path.parent)
+    try:
+        with session:
+            start(session.environment())
+    except RunFailed as exc:
+        if session.failure_shown():
+            exc.details = ""  # the display has shown the failing rank's traceback already
+        raise
 
 
-def _finish(plan) -> None:
-    import json
+def _launch_torchrun(plan, nproc: int, log_format: str, quiet: bool, command) -> None:
+    from ddp_amp.launch import torchrun
 
-    from ddp_amp.checkpoint import SUMMARY_FILE
-
-    summary = json.loads((plan.config_path.parent / SUMMARY_FILE).read_text())
-    loss = summary["final_loss"]
-    extra = "".join(f", {k} {v:.4g}" for k, v in summary.get("eval", {}).items())
-    typer.echo(f"ddp-amp: done in {summary['wall_s']:.1f}s: final loss {loss:.4f}{extra}, "
-               f"{summary['samples_per_s']:.0f} samples/s, weights in {summary['model_path']}")
+    typer.echo(f"ddp-amp: {command.shell()}", err=True)
+    log_path = plan.config_path.parent / "logs" / "torchrun.log"
+    _launch(plan, nproc, log_format, quiet, lambda env: torchrun.execute(command, env, log_path))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ It knows nothing of the terminal or the CLI: it reports through a `Reporter` and
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from collections.abc import Iterator
@@ -149,20 +150,25 @@ class Trainer:
                 self._sync()
                 steady_at = time.perf_counter()
             if (step + 1) % config.log_every == 0 or step + 1 == self.total_steps:
-                totals = torch.stack([loss_sum, torch.tensor(float(loss_count), device=self.device)])
+                local = torch.stack([loss_sum, torch.tensor(float(loss_count), device=self.device)])
+                totals = local.clone()
                 dist.all_reduce(totals)  # also a sync point: the interval's time below is real
                 now = time.perf_counter()
                 interval_s = now - interval_start
-                total_loss, total_count = totals.tolist()
+                local_loss, local_count, total_loss, total_count = torch.cat([local, totals]).tolist()
+                rank_samples_per_s = interval_steps * samples_per_step / interval_s
                 record = {
                     "step": step + 1,
                     "total_steps": self.total_steps,
                     "epoch": self.epoch,
                     "loss": total_loss / total_count,
                     "lr": lr,
-                    "samples_per_s": interval_steps * samples_per_step * env.world_size / interval_s,
+                    "samples_per_s": rank_samples_per_s * env.world_size,
                     "skipped_steps": skipped_steps,
                     "elapsed_s": time.time() - start,
+                    # This rank's own view, for the per-rank display (not written to metrics.jsonl).
+                    "rank_loss": local_loss / local_count,
+                    "rank_samples_per_s": rank_samples_per_s,
                 }
                 if self.task.item_name != "samples":
                     record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
@@ -175,7 +181,8 @@ class Trainer:
         end = time.time()
         steady_s = time.perf_counter() - steady_at if steady_at is not None else end - start
         steady_steps = self.total_steps - measure_from
-        samples_per_s = steady_steps * samples_per_step * env.world_size / steady_s
+        rank_samples_per_s = steady_steps * samples_per_step / steady_s
+        samples_per_s = rank_samples_per_s * env.world_size
         summary: dict[str, Any] = {
             "task": config.task,
             "world_size": env.world_size,
@@ -185,6 +192,7 @@ class Trainer:
             "global_batch_size": config.batch_size * config.grad_accum * env.world_size,
             "final_loss": record["loss"],
             "samples_per_s": samples_per_s,
+            "rank_samples_per_s": rank_samples_per_s,
             "precision": self.precision.name,
             "device": str(self.device.type),
             "backend": dist.get_backend(),
@@ -203,6 +211,17 @@ class Trainer:
         if not math.isfinite(summary["final_loss"]):
             summary["diverged"] = True
         return TrainResult(summary=summary, model=self.model.module)
+
+    def close(self) -> None:
+        """Drop the DDP wrapper while the process group is still alive.
+
+        Freed after destroy_process_group, DDP's reducer takes the last reference to the gloo group, whose
+        destructor joins gloo's worker threads while holding the GIL, and a worker thread that needs the GIL
+        to free a tensor never finishes: the rank hangs at exit (seen here once in a few dozen runs).
+        """
+        dist.barrier()  # every rank's last collective is complete; nothing is in flight
+        del self.model, self.optimizer, self.scaler, self.scheduler
+        gc.collect()
 
     def _optimizer_step(self) -> bool:
         """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""

@@ -6,8 +6,10 @@ spawn calls `run_worker(config)` in each child; torchrun runs `python -m ddp_amp
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -18,31 +20,83 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
 from ddp_amp.precision import resolve_precision
 from ddp_amp.process import die_with_parent
+from ddp_amp.progress.channel import EventSender
+from ddp_amp.progress.events import plain_line
+from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import build_task
 from ddp_amp.train import Trainer
 
 
-class LogReporter:
-    """Each node's local rank 0 prints one plain line per log interval and appends it to metrics.jsonl (the
-    figures are reduced across all ranks already); other ranks stay quiet."""
+class WorkerReporter:
+    """Sends this rank's progress events to the launcher and, on each node's local rank 0, appends the
+    (already all-reduced) metrics to metrics.jsonl. Without a launcher listening (a hand-written torchrun
+    command), rank 0 prints plain lines instead."""
 
-    def __init__(self, env: DistEnv, run_dir: Path, item_name: str) -> None:
-        self.env, self.run_dir, self.item_name = env, run_dir, item_name
+    def __init__(self, env: DistEnv, run_dir: Path, sender: EventSender | None) -> None:
+        self.env, self.run_dir, self.sender = env, run_dir, sender
+        self.item_name = "samples"
+        self.items_per_sample = 1
+        self.last_loss: float | None = None
+
+    def _send(self, event: dict[str, Any]) -> None:
+        event = {"rank": self.env.rank, **event}
+        if self.sender is not None:
+            self.sender.send(event)
+        elif self.env.rank == 0 and (line := plain_line(event)):
+            print(line, flush=True)
+
+    def state(self, status: str, **extra: Any) -> None:
+        self._send({"type": "state", "status": status, "local_rank": self.env.local_rank,
+                    "node": int(os.environ.get("GROUP_RANK", "0")), "world_size": self.env.world_size, **extra})
 
     def on_log(self, record: dict[str, Any]) -> None:
-        if not self.env.writes_run_dir:
-            return
-        checkpoint.append_metrics(self.run_dir, record)
-        line = (f"[rank {self.env.rank}] step {record['step']}/{record['total_steps']} loss {record['loss']:.4f} "
-                f"lr {record['lr']:.1e} {record['samples_per_s']:.0f} samples/s")
+        if self.env.writes_run_dir:
+            checkpoint.append_metrics(self.run_dir, {k: v for k, v in record.items() if not k.startswith("rank_")})
+        self.last_loss = record["rank_loss"]
+        event = {"type": "log", "step": record["step"], "total_steps": record["total_steps"],
+                 "epoch": record["epoch"], "loss": record["rank_loss"], "global_loss": record["loss"],
+                 "lr": record["lr"], "samples_per_s": record["rank_samples_per_s"],
+                 "global_samples_per_s": record["samples_per_s"], "skipped_steps": record["skipped_steps"],
+                 "item_name": self.item_name}
         if self.item_name != "samples":
-            line += f" {record[self.item_name + '_per_s']:.0f} {self.item_name}/s"
+            event["items_per_s"] = record["rank_samples_per_s"] * self.items_per_sample
+            event["global_items_per_s"] = record["samples_per_s"] * self.items_per_sample
         if "loss_scale" in record:
-            line += f" scale {record['loss_scale']:.0f} skipped {record['skipped_steps']}"
-        print(line, flush=True)
+            event["loss_scale"] = record["loss_scale"]
+        self._send(event)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         pass
+
+    def done(self, summary: dict[str, Any], peak_memory_mb: float) -> None:
+        event = {"type": "done", "steps": summary["steps"], "samples_per_s": summary["rank_samples_per_s"],
+                 "peak_memory_mb": peak_memory_mb, "final_loss": self.last_loss}
+        if self.env.writes_run_dir:
+            event["summary"] = summary
+        self._send(event)
+
+    def error(self, text: str) -> None:
+        self._send({"type": "error", "traceback": text, "time": time.time()})
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def redirect_output(rank: int) -> None:
+    """Send this rank's own stdout/stderr to RUN_DIR/logs/rank<N>.log while a launcher renders progress:
+    a stray print or warning must not garble the live display (failures still arrive as events)."""
+    log_dir = os.environ.get(LOG_DIR_VAR)
+    if not log_dir:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(Path(log_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def run_worker(config: TrainConfig) -> dict[str, Any] | None:
@@ -50,6 +104,22 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     started = time.time()
     die_with_parent()
     env = DistEnv.from_environ()
+    redirect_output(env.rank)
+    sender = EventSender.from_environ()
+    reporter = WorkerReporter(env, Path(config.run_dir), sender)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    reporter.state("restarting" if restart else "starting", restart=restart)
+    try:
+        return _train(config, env, reporter, started)
+    except Exception:
+        reporter.error(traceback.format_exc())
+        raise
+    finally:
+        if sender is not None:
+            sender.close()
+
+
+def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float) -> dict[str, Any] | None:
     device = resolve_device(config.device, env.local_rank)
     threads = set_cpu_threads(env.local_world_size) if device.type == "cpu" else torch.get_num_threads()
     precision = resolve_precision(device.type, config.amp, config.dtype,
@@ -58,19 +128,24 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     with process_group(env, device):
         torch.manual_seed(config.seed)  # identical initial weights on every rank, run after run
         task = build_task(config.task)
-        reporter = LogReporter(env, run_dir, task.item_name)
-        result = Trainer(config, env, device, precision, task, reporter).train()
+        reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
+        trainer = Trainer(config, env, device, precision, task, reporter)
+        reporter.state("running")
+        result = trainer.train()
+        trainer.close()  # on success only: after a failure the launcher stops every rank anyway
         summary = result.summary
         summary["threads_per_rank"] = threads
         summary["worker_start_s"] = started - (config.launch_time or started)
-        if not env.writes_run_dir:
-            return None
-        if task.evaluate is not None:
-            result.model.eval()
-            summary["eval"] = task.evaluate(result.model)
-        summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
-        checkpoint.write_summary(run_dir, summary)
-        return summary
+        if env.writes_run_dir:
+            reporter.state("checkpointing")
+            if task.evaluate is not None:
+                result.model.eval()
+                summary["eval"] = task.evaluate(result.model)
+            summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
+            summary["summary_path"] = str(run_dir / checkpoint.SUMMARY_FILE)
+            checkpoint.write_summary(run_dir, summary)
+        reporter.done(summary, peak_memory_mb(device))
+        return summary if env.writes_run_dir else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         sys.exit("usage: python -m ddp_amp.worker RUN_DIR/config.json")
     config = TrainConfig.from_json(Path(args[0]).read_text())
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.environ.get("RANK") == "0":
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.environ.get("LOCAL_RANK") == "0":
         # torchrun restarted the job from the beginning: the earlier attempt's log lines no longer apply.
         (Path(config.run_dir) / checkpoint.METRICS_FILE).unlink(missing_ok=True)
     run_worker(config)

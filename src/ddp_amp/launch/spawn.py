@@ -38,22 +38,23 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int) -> None:
-    os.environ.update(rank_environment(rank, world_size, port))
+def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int, extra_env: dict[str, str]) -> None:
+    os.environ.update({**extra_env, **rank_environment(rank, world_size, port)})
     from ddp_amp.worker import run_worker
 
     run_worker(config)
 
 
-def spawn(config: TrainConfig, nproc: int) -> None:
-    """Run `nproc` ranks to completion. Raises RunFailed naming the first rank that failed."""
+def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = None) -> None:
+    """Run `nproc` ranks to completion (`extra_env` added to each rank's environment).
+    Raises RunFailed naming the first rank that failed."""
     store = TCPStore(LOOPBACK, 0, world_size=nproc, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=300))
     mp.set_forkserver_preload(PRELOAD)
     # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    context = mp.start_processes(_rank_main, args=(config, nproc, store.port), nprocs=nproc, join=False,
-                                 start_method="forkserver")
+    context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}), nprocs=nproc,
+                                 join=False, start_method="forkserver")
     try:
         # join() returns True once all ranks exited cleanly; on the first failure it terminates the others
         # and raises with the failing rank and its traceback.

@@ -130,22 +130,35 @@ def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, 
     return TorchrunCommand(argv, env)
 
 
-def execute(command: TorchrunCommand) -> None:
-    """Run torchrun to completion; a non-zero exit becomes RunFailed (torchrun has printed the failing rank)."""
+def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, log_path: Path | None = None) -> None:
+    """Run torchrun to completion; a non-zero exit becomes RunFailed.
+
+    log_path: torchrun's own output goes there (while a live display owns the terminal); on failure its last
+    lines become the error's details, for failures that happen before any worker could report one.
+    """
     from ddp_amp.process import die_with_parent
 
-    process = subprocess.Popen(command.argv, env={**os.environ, **command.env},
-                               # torchrun forwards SIGTERM to its workers: if ddp-amp dies, so does the job.
-                               preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed below, after the process ends)
     try:
-        code = process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-        process.wait()
-        raise RunFailed("interrupted", exit_code=130) from None
+        process = subprocess.Popen(command.argv, env={**os.environ, **command.env, **(extra_env or {})},
+                                   stdout=log, stderr=subprocess.STDOUT if log else None,
+                                   # torchrun forwards SIGTERM to its workers: if ddp-amp dies, so does the job.
+                                   preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:
+            process.send_signal(signal.SIGINT)
+            process.wait()
+            raise RunFailed("interrupted", exit_code=130) from None
+    finally:
+        if log:
+            log.close()
     if code != 0:
-        raise RunFailed(f"torchrun exited with code {code}; the failing rank and its error are shown above",
-                        exit_code=code if 0 < code < 128 else 1)
+        details = ""
+        if log_path:
+            details = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-20:])
+        raise RunFailed(f"torchrun exited with code {code}" + (f" (its log: {log_path})" if log_path else ""),
+                        exit_code=code if 0 < code < 128 else 1, details=details)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,23 @@
+"""Helpers shared by the benchmarks: run ddp-amp as a user would and read its summary."""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_ddp_amp(args: list[str], run_dir: Path) -> dict:
+    """One `python -m ddp_amp ARGS --run-dir RUN_DIR`; its summary.json plus the process's own wall time."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "ddp_amp", *args, "--run-dir", str(run_dir)], check=True,
+                   capture_output=True)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["process_wall_s"] = time.perf_counter() - started
+    return summary
+
+
+def spread(values: list[float], fmt: str = ".2f") -> str:
+    """median [min-max]"""
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"

@@ -1,0 +1,39 @@
+"""What progress reporting costs: `spawn` with plain per-rank lines vs `--quiet`, interleaved, medians.
+
+    .venv/bin/python benchmarks/progress_overhead.py [--repeats 5] [--steps 400]
+
+Both send the same events (--quiet only stops printing them), so this measures the display side;
+the worker side is a few small socket writes per log interval. Goal: ratio >= 0.99.
+"""
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from common import run_ddp_amp, spread
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args()
+    base = ["spawn", "-n", "2", "--device", "cpu", "--steps", str(args.steps), "--log-every", "10"]
+    modes = {"plain": ["--log-format", "plain"], "quiet": ["--quiet"]}
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for mode, extra in modes.items():  # interleaved: drift on this shared machine hits both alike
+                summary = run_ddp_amp(base + extra, Path(tmp) / f"{mode}{repeat}")
+                results[mode].append(summary["samples_per_s"])
+    print(f"{'mode':<6} {'samples/s median [min-max]':>30}")
+    for mode, values in results.items():
+        print(f"{mode:<6} {spread(values, '.0f'):>30}")
+    ratios = [p / q for p, q in zip(results["plain"], results["quiet"])]
+    print(f"plain/quiet throughput ratio: {spread(ratios, '.3f')} (per interleaved pair; median "
+          f"{statistics.median(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()

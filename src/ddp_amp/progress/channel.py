@@ -1,0 +1,99 @@
+"""The event channel between workers and their launcher: newline-delimited JSON over a loopback TCP socket.
+
+One mechanism for every launcher: spawn and torchrun both pass the address and a random token to the workers
+through the environment (DDP_AMP_EVENTS, DDP_AMP_EVENTS_TOKEN). The launcher drops any line without the token,
+so another local process cannot inject events. Workers send only at log intervals and state changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import select
+import socket
+import socketserver
+import threading
+from typing import Any
+
+ADDRESS_VAR = "DDP_AMP_EVENTS"
+TOKEN_VAR = "DDP_AMP_EVENTS_TOKEN"
+
+
+class EventServer:
+    """Launcher side: accepts worker connections and queues every event that carries the token."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(16)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.rejected = 0
+        server = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                for raw in self.rfile:
+                    try:
+                        message = json.loads(raw)
+                    except ValueError:
+                        server.rejected += 1
+                        continue
+                    if not isinstance(message, dict) or message.get("token") != server.token:
+                        server.rejected += 1
+                        continue
+                    server.events.put(message["event"])
+
+        # Non-daemon handler threads, joined by server_close(): every line a worker sent before exiting is read.
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ddp-amp-events", daemon=True)
+
+    @property
+    def address(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"{host}:{port}"
+
+    def environment(self) -> dict[str, str]:
+        return {ADDRESS_VAR: self.address, TOKEN_VAR: self.token}
+
+    def __enter__(self) -> EventServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        # A worker that connected, sent and exited within one poll of serve_forever may still wait in the
+        # listen backlog: accept what is there, so none of its events are lost.
+        self._server.timeout = 0
+        while select.select([self._server.socket], [], [], 0)[0]:
+            self._server.handle_request()
+        self._server.server_close()  # joins the handler threads: everything sent has been read
+
+
+class EventSender:
+    """Worker side: one connection, one JSON line per event. Never raises: progress must not kill training."""
+
+    def __init__(self, address: str, token: str) -> None:
+        host, _, port = address.rpartition(":")
+        self._token = token
+        try:
+            self._socket: socket.socket | None = socket.create_connection((host, int(port)), timeout=10)
+        except OSError:
+            self._socket = None
+
+    @classmethod
+    def from_environ(cls) -> EventSender | None:
+        address, token = os.environ.get(ADDRESS_VAR), os.environ.get(TOKEN_VAR)
+        return cls(address, token) if address and token else None
+
+    def send(self, event: dict[str, Any]) -> None:
+        if self._socket is None:
+            return
+        try:
+            self._socket.sendall((json.dumps({"token": self._token, "event": event}) + "\n").encode())
+        except OSError:
+            self._socket = None  # the launcher is gone; keep training, stop reporting
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None

@@ -1,0 +1,270 @@
+"""Launcher-side rendering of progress events: a live rich view on a terminal, plain lines or JSON otherwise.
+
+All displays share `ProgressModel`, which folds events into per-rank state; only `RichDisplay` imports rich.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ddp_amp.progress.events import plain_line
+
+
+@dataclass
+class RankState:
+    rank: int
+    local_rank: int | None = None
+    node: int | None = None
+    status: str = "starting"
+    step: int = 0
+    total_steps: int | None = None
+    epoch: int = 0
+    loss: float | None = None
+    lr: float | None = None
+    samples_per_s: float | None = None
+    loss_scale: float | None = None
+    skipped_steps: int = 0
+    done: dict[str, Any] | None = None
+    traceback: str | None = None
+    failed_at: float = 0.0
+
+
+@dataclass
+class ProgressModel:
+    """Everything the displays show, folded from events. Knows nothing about rendering."""
+
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(default=0.0)
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    global_loss: float | None = None
+    global_samples_per_s: float | None = None
+    item_name: str = "samples"
+    items_per_s: float | None = None
+    summary: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.started = self.started or self.clock()
+
+    def apply(self, event: dict[str, Any]) -> None:
+        state = self.ranks.setdefault(event["rank"], RankState(event["rank"]))
+        kind = event["type"]
+        if kind == "state":
+            state.status = event["status"]
+            state.local_rank = event.get("local_rank", state.local_rank)
+            state.node = event.get("node", state.node)
+        elif kind == "log":
+            state.status = "running"
+            for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "loss_scale",
+                         "skipped_steps"):
+                if name in event:
+                    setattr(state, name, event[name])
+            self.global_loss = event.get("global_loss", self.global_loss)
+            self.global_samples_per_s = event.get("global_samples_per_s", self.global_samples_per_s)
+            self.item_name = event.get("item_name", self.item_name)
+            if "global_items_per_s" in event:
+                self.items_per_s = event["global_items_per_s"]
+        elif kind == "done":
+            state.status = "done"
+            state.done = event
+            state.step = event.get("steps", state.step)
+            if "summary" in event and (self.summary is None or event["rank"] == 0):
+                self.summary = event["summary"]
+        elif kind == "error":
+            state.status = "failed"
+            state.traceback = event["traceback"]
+            state.failed_at = event.get("time", 0.0)
+
+    @property
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    @property
+    def eta(self) -> float | None:
+        running = [s for s in self.ranks.values() if s.total_steps and s.step]
+        if not running:
+            return None
+        done = min(s.step / s.total_steps for s in running)
+        return self.elapsed * (1 - done) / done if done < 1 else 0.0
+
+    def failures(self) -> list[RankState]:
+        """Failed ranks, first failure first: usually the cause; the others mostly saw it vanish."""
+        return sorted((s for s in self.ranks.values() if s.traceback), key=lambda s: (s.failed_at, s.rank))
+
+    def failure_reports(self) -> list[tuple[int, str]]:
+        """(rank, text): the first failure's whole traceback, then one line for each rank that failed after."""
+        failures = self.failures()
+        reports = []
+        for index, state in enumerate(failures):
+            if index == 0:
+                reports.append((state.rank, state.traceback.rstrip()))
+            else:
+                last = state.traceback.strip().splitlines()[-1]
+                reports.append((state.rank, f"{last} (after rank {failures[0].rank} failed)"))
+        return reports
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}:{secs:02d}"
+
+
+def summary_rows(model: ProgressModel) -> list[tuple[str, ...]]:
+    rows = []
+    for state in sorted(model.ranks.values(), key=lambda s: s.rank):
+        done = state.done or {}
+        rows.append((str(state.rank), str(done.get("steps", state.step)), _fmt(done.get("samples_per_s"), ".0f"),
+                     _fmt(done.get("peak_memory_mb"), ".0f"), _fmt(done.get("final_loss", state.loss), ".4f"),
+                     state.status))
+    return rows
+
+
+def summary_footer(model: ProgressModel) -> list[str]:
+    summary = model.summary
+    if not summary:
+        return []
+    lines = [f"wall time {summary['wall_s']:.1f}s, time to first step {summary['time_to_first_step_s']:.1f}s, "
+             f"{summary['samples_per_s']:.0f} samples/s global, precision {summary['precision']}"]
+    if summary.get("eval"):
+        lines.append("eval: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items()))
+    lines.append(f"wrote {summary['model_path']} and {summary['summary_path']}")
+    return lines
+
+
+class PlainDisplay:
+    """One line per rank per log interval, rank first, for pipes, files and CI; `quiet` keeps only the end."""
+
+    def __init__(self, stream: TextIO | None = None, *, quiet: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream or sys.stdout
+        self.quiet = quiet
+        self.model = ProgressModel(clock=clock)
+
+    def handle(self, event: dict[str, Any]) -> None:
+        self.model.apply(event)
+        if self.quiet or event["type"] in ("error", "done"):
+            return  # tracebacks and each rank's totals are shown once, at the end
+        line = plain_line(event)
+        if line:
+            print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        for rank, text in self.model.failure_reports():
+            print(f"[rank {rank}] failed:\n{text}", file=self.stream, flush=True)
+        if self.model.ranks and self.model.summary:
+            for rank, steps, sps, memory, loss, status in summary_rows(self.model):
+                print(f"[rank {rank}] {status}: {steps} steps, {sps} samples/s, peak memory {memory} MB, "
+                      f"final loss {loss}", file=self.stream)
+            for line in summary_footer(self.model):
+                print(line, file=self.stream)
+            self.stream.flush()
+
+
+class JsonDisplay:
+    """One JSON object per event, for tools."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.model = ProgressModel()
+
+    def handle(self, event: dict[str, Any]) -> None:
+        self.model.apply(event)
+        print(json.dumps(event, sort_keys=True), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RichDisplay:
+    """A live table, one row per rank, and a global line; at the end tracebacks, then a summary table."""
+
+    def __init__(self, console=None, *, clock: Callable[[], float] = time.monotonic, live: bool = True) -> None:
+        from rich.console import Console
+
+        self.console = console or Console()
+        self.model = ProgressModel(clock=clock)
+        self._live = None
+        if live:
+            from rich.live import Live
+
+            self._live = Live(self.render(), console=self.console, refresh_per_second=4,
+                              get_renderable=self.render)
+            self._live.start()
+
+    def handle(self, event: dict[str, Any]) -> None:
+        self.model.apply(event)
+
+    def render(self):
+        from rich.console import Group
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(box=None, pad_edge=False, expand=False)
+        ranks = sorted(self.model.ranks.values(), key=lambda s: s.rank)
+        show_node = any(s.node for s in ranks)
+        show_scale = any(s.loss_scale is not None for s in ranks)  # fp16 only
+        headers = ["rank", *(("node", "local") if show_node else ()), "progress", "step", "epoch", "loss", "lr",
+                   "samples/s", *(("scale", "skipped") if show_scale else ()), "status"]
+        for header in headers:
+            table.add_column(header, justify="left" if header in ("progress", "status") else "right")
+        styles = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan"}
+        for state in ranks:
+            total = state.total_steps or 0
+            row = [str(state.rank)]
+            if show_node:
+                row += [_fmt(state.node, "d"), _fmt(state.local_rank, "d")]
+            row += [ProgressBar(total=total or 1, completed=state.step if total else 0, width=12),
+                    f"{state.step}/{total or '?'}", str(state.epoch), _fmt(state.loss, ".4f"), _fmt(state.lr, ".1e"),
+                    _fmt(state.samples_per_s, ".0f")]
+            if show_scale:
+                row += [_fmt(state.loss_scale, ".0f"), str(state.skipped_steps)]
+            row.append(Text(state.status, style=styles.get(state.status, "")))
+            table.add_row(*row)
+        model = self.model
+        throughput = f"{_fmt(model.global_samples_per_s, '.0f')} samples/s"
+        if model.item_name != "samples":
+            throughput = f"{_fmt(model.items_per_s, '.0f')} {model.item_name}/s ({throughput})"
+        line = Text(f"all ranks: loss {_fmt(model.global_loss, '.4f')}  {throughput}  "
+                    f"elapsed {_duration(model.elapsed)}  ETA {_duration(model.eta)}")
+        return Group(table, line)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+        from rich.panel import Panel
+        from rich.table import Table
+
+        for rank, text in self.model.failure_reports():
+            self.console.print(Panel(text, title=f"rank {rank} failed", border_style="red", expand=False))
+        if not self.model.summary:
+            return
+        table = Table(title="summary")
+        for header in ("rank", "steps", "samples/s", "peak MB", "final loss", "status"):
+            table.add_column(header, justify="right")
+        for row in summary_rows(self.model):
+            table.add_row(*row)
+        self.console.print(table)
+        for line in summary_footer(self.model):
+            self.console.print(line, highlight=False)
+
+
+def make_display(log_format: str, *, quiet: bool = False):
+    """auto: rich on a terminal, plain lines otherwise."""
+    if log_format == "auto":
+        log_format = "rich" if sys.stdout.isatty() else "plain"
+    if log_format == "json":
+        return JsonDisplay()
+    if log_format == "rich" and not quiet:
+        return RichDisplay()
+    return PlainDisplay(quiet=quiet)

@@ -1,0 +1,39 @@
+"""Progress events: plain dicts that travel as one JSON line each, and their plain-text rendering.
+
+Every event has "type" and "rank"; the rest depends on the type:
+
+    state  status (starting, running, checkpointing, done, failed, restarting), local_rank, node, world_size,
+           restart (torchrun's restart count)
+    log    step, total_steps, epoch, loss (this rank's, over the interval), global_loss (all ranks), lr,
+           samples_per_s (this rank), global_samples_per_s, items_per_s / item_name, loss_scale, skipped_steps
+    done   steps, samples_per_s (this rank's mean), peak_memory_mb, final_loss, plus the run summary on the
+           node's writer (wall_s, time_to_first_step_s, model_path, summary_path)
+    error  traceback (the failing rank's, sent once)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STATUSES = ("starting", "running", "checkpointing", "done", "failed", "restarting")
+
+
+def plain_line(event: dict[str, Any]) -> str | None:
+    """One line for a non-terminal output, rank first; None for events that print nothing."""
+    kind, rank = event.get("type"), event.get("rank")
+    if kind == "log":
+        line = (f"[rank {rank}] step {event['step']}/{event['total_steps']} loss {event['loss']:.4f} "
+                f"lr {event['lr']:.1e} {event['samples_per_s']:.0f} samples/s")
+        if event.get("item_name", "samples") != "samples":
+            line += f" {event['items_per_s']:.0f} {event['item_name']}/s"
+        if "loss_scale" in event:
+            line += f" scale {event['loss_scale']:.0f} skipped {event['skipped_steps']}"
+        return line
+    if kind == "state" and event["status"] in ("starting", "restarting"):
+        return f"[rank {rank}] {event['status']}" + (f" (restart {event['restart']})" if event.get("restart") else "")
+    if kind == "done":
+        return (f"[rank {rank}] done: {event['steps']} steps, {event['samples_per_s']:.0f} samples/s, "
+                f"peak memory {event['peak_memory_mb']:.0f} MB, final loss {event['final_loss']:.4f}")
+    if kind == "error":
+        return f"[rank {rank}] failed:\n{event['traceback']}"
+    return None

@@ -1,0 +1,56 @@
+"""The launcher's side of progress: an event server feeding a display, for the lifetime of one launch."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+from ddp_amp.progress.channel import EventServer
+
+LOG_DIR_VAR = "DDP_AMP_WORKER_LOG_DIR"
+
+
+class ProgressSession:
+    """`with ProgressSession(display, run_dir) as session:` launch ranks with `session.environment()`."""
+
+    def __init__(self, display, run_dir: Path) -> None:
+        self.display = display
+        self.log_dir = Path(run_dir) / "logs"
+        self._server = EventServer()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="ddp-amp-display", daemon=True)
+
+    def environment(self) -> dict[str, str]:
+        """For every rank: where to send events, and where to write its own stdout/stderr (so that stray
+        prints and warnings cannot garble the display; failures still arrive as events)."""
+        return {**self._server.environment(), LOG_DIR_VAR: str(self.log_dir)}
+
+    def failure_shown(self) -> bool:
+        return bool(self.display.model.failures())
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            self._drain(timeout=0.1)
+
+    def _drain(self, timeout: float = 0.0) -> None:
+        try:
+            event = self._server.events.get(timeout=timeout) if timeout else self._server.events.get_nowait()
+            while True:
+                self.display.handle(event)
+                event = self._server.events.get_nowait()
+        except queue.Empty:
+            pass
+
+    def __enter__(self) -> ProgressSession:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._server.__enter__()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._server.__exit__(*exc)  # closes the listening socket; handler threads finish reading what was sent
+        self._drain()
+        self.display.close()

@@ -1,0 +1,154 @@
+"""Progress: the rich display rendered byte for byte from scripted events, the event channel, real runs."""
+
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ddp_amp.progress.channel import EventSender, EventServer
+from ddp_amp.progress.display import PlainDisplay, RichDisplay
+
+from conftest import assert_ok, run_cli
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def log_event(rank, step, loss, **extra):
+    return {"type": "log", "rank": rank, "step": step, "total_steps": 100, "epoch": 1, "loss": loss,
+            "global_loss": 0.25, "lr": 3e-3, "samples_per_s": 512.0, "global_samples_per_s": 1024.0,
+            "skipped_steps": 0, "item_name": "samples", **extra}
+
+
+SUMMARY = {"wall_s": 12.5, "time_to_first_step_s": 3.25, "samples_per_s": 1000.0, "precision": "bf16",
+           "model_path": "runs/x/model.pt", "summary_path": "runs/x/summary.json", "eval": {"accuracy": 0.95}}
+
+
+def scripted_display():
+    clock = FakeClock()
+    console_file = io.StringIO()
+    from rich.console import Console
+
+    console = Console(file=console_file, force_terminal=True, width=120, color_system=None)
+    display = RichDisplay(console, clock=clock, live=False)
+    for rank in (0, 1):
+        display.handle({"type": "state", "rank": rank, "status": "starting", "local_rank": rank, "node": 0})
+    clock.now += 10
+    display.handle(log_event(0, 40, 0.2))
+    display.handle(log_event(1, 40, 0.3))
+    return display, console, console_file, clock
+
+
+def test_rich_rows_and_global_line():
+    display, console, console_file, _ = scripted_display()
+    console.print(display.render())
+    text = console_file.getvalue()
+    rows = [line for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert len(rows) == 2
+    assert "40/100" in rows[0] and "0.2000" in rows[0] and "3.0e-03" in rows[0] and "512" in rows[0]
+    assert "0.3000" in rows[1] and "running" in rows[1]
+    # 40% done after 10 s: 15 s to go.
+    assert "all ranks: loss 0.2500  1024 samples/s  elapsed 0:10  ETA 0:15" in text
+
+
+def test_rich_failed_rank_and_summary_table():
+    display, console, console_file, _ = scripted_display()
+    display.handle({"type": "error", "rank": 1, "traceback": "Traceback...\nValueError: boom"})
+    display.handle({"type": "done", "rank": 0, "steps": 100, "samples_per_s": 500.0, "peak_memory_mb": 123.0,
+                    "final_loss": 0.125, "summary": SUMMARY})
+    console.print(display.render())
+    live_text = console_file.getvalue()
+    assert any(line.strip().startswith("1 ") and "failed" in line for line in live_text.splitlines())
+    assert "boom" not in live_text, "a traceback must not be drawn into the live rows"
+    display.close()
+    text = console_file.getvalue()[len(live_text):]
+    assert "rank 1 failed" in text and text.count("ValueError: boom") == 1
+    summary_row = next(line for line in text.splitlines() if line.startswith("│    0"))
+    assert [cell.strip() for cell in summary_row.strip("│").split("│")] == ["0", "100", "500", "123", "0.1250",
+                                                                            "done"]
+    assert "wall time 12.5s, time to first step 3.2s, 1000 samples/s global, precision bf16" in text
+    assert "wrote runs/x/model.pt and runs/x/summary.json" in text
+
+
+def test_plain_lines_put_the_rank_first_and_fp16_scale():
+    out = io.StringIO()
+    display = PlainDisplay(out)
+    display.handle(log_event(1, 40, 0.1234, loss_scale=65536.0, skipped_steps=2))
+    assert out.getvalue().strip() == ("[rank 1] step 40/100 loss 0.1234 lr 3.0e-03 512 samples/s "
+                                      "scale 65536 skipped 2")
+
+
+def test_channel_accepts_the_token_and_rejects_everything_else():
+    with EventServer() as server:
+        good = EventSender(server.address, server.token)
+        good.send({"type": "log", "rank": 0})
+        host, _, port = server.address.rpartition(":")
+        with socket.create_connection((host, int(port))) as intruder:
+            intruder.sendall(b'{"token": "wrong", "event": {"type": "log", "rank": 9}}\n')
+            intruder.sendall(b'{"event": {"type": "log", "rank": 8}}\nnot json\n')
+        good.send({"type": "done", "rank": 0})
+        good.close()
+        received = [server.events.get(timeout=5), server.events.get(timeout=5)]
+    assert received == [{"type": "log", "rank": 0}, {"type": "done", "rank": 0}]
+    assert server.events.empty()
+    assert server.rejected == 3
+
+
+@pytest.mark.slow
+def test_run_in_json_format_emits_one_object_per_event(tmp_path):
+    result = run_cli("run", "-n", "2", "--device", "cpu", "--steps", "20", "--log-format", "json",
+                     "--run-dir", str(tmp_path))
+    assert_ok(result)
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {e["rank"] for e in events} == {0, 1}
+    for rank in (0, 1):
+        mine = [e for e in events if e["rank"] == rank]
+        assert [e["step"] for e in mine if e["type"] == "log"] == [10, 20]
+        assert mine[-1]["type"] == "done"
+
+
+@pytest.mark.slow
+def test_spawn_piped_prints_every_rank_every_interval_and_a_summary(tmp_path):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "30", "--run-dir", str(tmp_path))
+    assert_ok(result)
+    for rank in (0, 1):
+        for step in (10, 20, 30):
+            assert f"[rank {rank}] step {step}/30 loss " in result.stdout
+        assert f"[rank {rank}] done: 30 steps" in result.stdout
+    assert f"wrote {tmp_path}/model.pt" in result.stdout
+    assert (tmp_path / "logs" / "rank1.log").exists()
+
+
+@pytest.mark.slow
+def test_quiet_prints_only_the_summary(tmp_path):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "20", "--quiet", "--run-dir", str(tmp_path))
+    assert_ok(result)
+    assert "step 10/20" not in result.stdout
+    assert "[rank 1] done: 20 steps" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("script") is None, reason="util-linux `script` is not installed")
+def test_rich_display_under_a_terminal_shows_a_row_per_rank(tmp_path):
+    command = (f"{sys.executable} -m ddp_amp spawn -n 2 --device cpu --steps 40 --log-every 10 "
+               f"--run-dir {tmp_path / 'run'}")
+    typescript = tmp_path / "screen.log"
+    env = {**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm"}
+    result = subprocess.run(["script", "-qfec", command, str(typescript)], capture_output=True, text=True,
+                            timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    screen = typescript.read_text(errors="replace")
+    assert "\x1b[" in screen, "expected a live terminal display"
+    assert "all ranks: loss" in screen
+    summary = screen[screen.index("summary"):]
+    assert "│    0 │" in summary and "│    1 │" in summary
