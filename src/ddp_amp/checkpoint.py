@@ -26,10 +26,13 @@ def save_weights(run_dir: Path, model: torch.nn.Module) -> Path:
     return path
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    path = run_dir / SUMMARY_FILE
-    atomic_write(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+def write_json(path: Path, value: Any) -> Path:
+    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
     return path
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    return write_json(run_dir / SUMMARY_FILE, summary)
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:

@@ -65,16 +65,22 @@ LogFormat = Annotated[str, typer.Option("--log-format", help="Progress: auto (ri
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")]
 
 
-def training_options(command):
-    """Add TRAINING_OPTIONS to a command's signature; the command receives them as one dict, `train`."""
+def training_options(command=None, **defaults: Any):
+    """Add TRAINING_OPTIONS to a command's signature; the command receives them as one dict, `train`.
+    `@training_options(task="mlp-wide")` changes a default for that command; an option the command defines
+    itself (bench's --amp) replaces the training one."""
+    if command is None:
+        return functools.partial(training_options, **defaults)
     signature = inspect.signature(command, eval_str=True)
     own = [p for p in signature.parameters.values() if p.name != "train"]
-    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-             for name, (default, annotation) in TRAINING_OPTIONS.items()]
+    shared = [name for name in TRAINING_OPTIONS if name not in signature.parameters]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, default),
+                               annotation=annotation)
+             for name, (default, annotation) in TRAINING_OPTIONS.items() if name in shared]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        train = {name: kwargs.pop(name) for name in TRAINING_OPTIONS}
+        train = {name: kwargs.pop(name) for name in shared}
         return command(train=train, **kwargs)
 
     wrapper.__signature__ = signature.replace(parameters=own + added)
@@ -227,6 +233,68 @@ def _write_new_file(path: Path, text: str, flag: str) -> None:
     from ddp_amp.files import atomic_write
 
     atomic_write(path, text.encode())
+
+
+@app.command()
+@training_options(task="mlp-wide")
+def bench(
+    train: dict,
+    amp: Annotated[str, typer.Option("--amp", help="both (off and on, interleaved), on or off.")] = "both",
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps before the timed --steps.")] = 10,
+    repeats: Annotated[int, typer.Option("--repeats", help="Interleaved repeats of each precision.")] = 2,
+    nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
+                                              "GPU with CUDA, 2 on CPU].")] = None,
+    launcher: Annotated[str, typer.Option("--launcher", help="spawn or run (torchrun).")] = "spawn",
+    tf32: Annotated[str | None, typer.Option("--tf32", help="CUDA: allow TF32 for fp32 matmuls, on or off "
+                                             "\\[default: torch's].")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw figure to this file.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
+    run_dir: RunDir = None,
+) -> None:
+    """Measure what mixed precision buys: the same training with AMP off and on, interleaved."""
+    from ddp_amp.bench import DEFAULT_STEPS, BenchOptions
+    from ddp_amp.launch.preflight import RUNS_ROOT, default_run_dir
+
+    steps = train.pop("steps")
+    options = BenchOptions(amp=amp, steps=DEFAULT_STEPS if steps is None else steps, warmup=warmup,
+                           repeats=repeats, launcher=launcher, tf32=tf32)
+    if train["epochs"] is not None:
+        raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'ddp-amp[plot]' (or pip install matplotlib)") \
+                from None
+    if nproc is None:
+        import torch
+
+        cuda = train["device"] != "cpu" and torch.cuda.is_available()
+        nproc = torch.cuda.device_count() if cuda else 2
+    from ddp_amp.bench import run_bench
+
+    # Every flag is checked (by the first launch's preflight) before the bench directory is created.
+    from ddp_amp.config import TrainConfig
+
+    TrainConfig(**train, steps=options.warmup + options.steps)
+    root = Path(run_dir) if run_dir else RUNS_ROOT / f"bench-{default_run_dir().name}"
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--run-dir {str(root)!r} is an existing file, not a directory")
+    report = run_bench(train, options, nproc=nproc, run_root=root,
+                       status=lambda line: typer.echo(line, err=True))
+    from rich.console import Console
+
+    from ddp_amp.report import bench_plot, bench_table
+
+    Console().print(bench_table(report))
+    if json_path is not None:
+        from ddp_amp.checkpoint import write_json
+
+        write_json(json_path, report)
+        typer.echo(f"ddp-amp: wrote {json_path}", err=True)
+    if plot is not None:
+        bench_plot(report, plot)
+        typer.echo(f"ddp-amp: wrote {plot}", err=True)
 
 
 @app.command()

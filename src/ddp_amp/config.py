@@ -65,6 +65,10 @@ class TrainConfig:
     """Where rank 0 writes model.pt, summary.json and metrics.jsonl."""
     launch_time: float = 0.0
     """time.time() when the launcher started; time_to_first_step_s is measured from it."""
+    record_step_times: bool = False
+    """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
+    tf32: bool | None = None
+    """CUDA only: allow TF32 for fp32 matmuls (None leaves torch's default)."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []

@@ -40,6 +40,8 @@ class TrainResult:
     summary: dict[str, Any]
     model: torch.nn.Module
     """The trained model without its DDP wrapper."""
+    step_s: list[float]
+    """Each optimizer step's duration on this rank, when config.record_step_times (else empty)."""
 
 
 def steady_state_start(total_steps: int) -> int:
@@ -118,6 +120,8 @@ class Trainer:
         first_step_at = steady_at = None
         interval_start, interval_steps = time.perf_counter(), 0
         record: dict[str, Any] = {}
+        step_s: list[float] = []
+        step_started = time.perf_counter()
         self.model.train()
         for step in range(self.total_steps):
             lr = self.scheduler.get_last_lr()[0]
@@ -143,6 +147,12 @@ class Trainer:
                 # GradScaler found inf/NaN and skipped the update; the schedule must not advance either.
                 skipped_steps += 1
             interval_steps += 1
+            if config.record_step_times:
+                # Benchmark mode: wait for the device so each step's time is its own.
+                self._sync()
+                now = time.perf_counter()
+                step_s.append(now - step_started)
+                step_started = now
             if first_step_at is None:
                 self._sync()
                 first_step_at = time.time()
@@ -206,11 +216,13 @@ class Trainer:
         }
         if self.task.item_name != "samples":
             summary[f"{self.task.item_name}_per_s"] = samples_per_s * self.task.items_per_sample
+        if self.task.flops_per_item:
+            summary[f"model_flops_per_{self.task.item_name.rstrip('s')}"] = self.task.flops_per_item
         if self.scaler.is_enabled():
             summary["loss_scale"] = self.scaler.get_scale()
         if not math.isfinite(summary["final_loss"]):
             summary["diverged"] = True
-        return TrainResult(summary=summary, model=self.model.module)
+        return TrainResult(summary=summary, model=self.model.module, step_s=step_s)
 
     def close(self) -> None:
         """Drop the DDP wrapper while the process group is still alive.

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddp_amp import checkpoint
+from ddp_amp.bench import STEP_TIMES_FILE
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
 from ddp_amp.precision import resolve_precision
@@ -121,6 +123,9 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
 
 def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float) -> dict[str, Any] | None:
     device = resolve_device(config.device, env.local_rank)
+    if device.type == "cuda" and config.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = config.tf32
+        torch.backends.cudnn.allow_tf32 = config.tf32
     threads = set_cpu_threads(env.local_world_size) if device.type == "cpu" else torch.get_num_threads()
     precision = resolve_precision(device.type, config.amp, config.dtype,
                                   cuda_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported())
@@ -134,6 +139,11 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         result = trainer.train()
         trainer.close()  # on success only: after a failure the launcher stops every rank anyway
         summary = result.summary
+        rank_times = None
+        if config.record_step_times:
+            rank_times = [None] * env.world_size
+            dist.all_gather_object(rank_times, {"rank": env.rank, "step_s": result.step_s,
+                                                "peak_memory_mb": peak_memory_mb(device)})
         summary["threads_per_rank"] = threads
         summary["worker_start_s"] = started - (config.launch_time or started)
         if env.writes_run_dir:
@@ -143,6 +153,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
                 summary["eval"] = task.evaluate(result.model)
             summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
             summary["summary_path"] = str(run_dir / checkpoint.SUMMARY_FILE)
+            if rank_times is not None:
+                checkpoint.write_json(run_dir / STEP_TIMES_FILE, rank_times)
             checkpoint.write_summary(run_dir, summary)
         reporter.done(summary, peak_memory_mb(device))
         return summary if env.writes_run_dir else None

@@ -33,10 +33,12 @@ def default_run_dir() -> Path:
 
 
 def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
-              run_dir: str | None = None) -> LaunchPlan:
-    """Validate and prepare one launch. `flag` names the process-count option in messages."""
+              run_dir: str | None = None, extra: dict | None = None) -> LaunchPlan:
+    """Validate and prepare one launch. `flag` names the process-count option in messages; `extra` sets
+    TrainConfig fields that are not command-line options."""
     launch_time = time.time()
-    config = TrainConfig(**train_options, run_dir=str(run_dir or default_run_dir()), launch_time=launch_time)
+    config = TrainConfig(**train_options, **(extra or {}), run_dir=str(run_dir or default_run_dir()),
+                         launch_time=launch_time)
     if nproc_per_node < 1:
         raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
     import torch  # only now: --help and flag errors above stay fast

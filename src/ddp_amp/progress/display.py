@@ -144,10 +144,11 @@ def summary_footer(model: ProgressModel) -> list[str]:
 class PlainDisplay:
     """One line per rank per log interval, rank first, for pipes, files and CI; `quiet` keeps only the end."""
 
-    def __init__(self, stream: TextIO | None = None, *, quiet: bool = False,
+    def __init__(self, stream: TextIO | None = None, *, quiet: bool = False, final_summary: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stream = stream or sys.stdout
         self.quiet = quiet
+        self.final_summary = final_summary
         self.model = ProgressModel(clock=clock)
 
     def handle(self, event: dict[str, Any]) -> None:
@@ -161,7 +162,7 @@ class PlainDisplay:
     def close(self) -> None:
         for rank, text in self.model.failure_reports():
             print(f"[rank {rank}] failed:\n{text}", file=self.stream, flush=True)
-        if self.model.ranks and self.model.summary:
+        if self.final_summary and self.model.ranks and self.model.summary:
             for rank, steps, sps, memory, loss, status in summary_rows(self.model):
                 print(f"[rank {rank}] {status}: {steps} steps, {sps} samples/s, peak memory {memory} MB, "
                       f"final loss {loss}", file=self.stream)

@@ -23,6 +23,7 @@ BUILTIN = {
     "linear": "ddp_amp.tasks.linear:build",
     "mlp": "ddp_amp.tasks.mlp:build",
     "transformer": "ddp_amp.tasks.transformer:build",
+    "mlp-wide": "ddp_amp.tasks.mlp:build_wide",
 }
 
 
@@ -48,6 +49,8 @@ class Task:
     """How many counted items a sample holds (tokens per sequence for language models)."""
     item_name: str = "samples"
     """What the throughput counts: summary.json reports `<item_name>_per_s` next to samples_per_s."""
+    flops_per_item: float | None = None
+    """Optional: training FLOPs (forward + backward) per item, for `ddp-amp bench`'s MFU."""
 
 
 def resolve_factory(spec: str) -> Callable[[], Task]:

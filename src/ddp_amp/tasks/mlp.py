@@ -15,20 +15,29 @@ CLUSTER_SPREAD = 1.0
 DATA_SEED = 1234
 
 
+WIDE_FEATURES = 256
+WIDE_HIDDEN = 1024
+
+
 def _clusters(centers: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.randint(0, CLASSES, (n,), generator=gen)
-    points = centers[labels] + CLUSTER_SPREAD * torch.randn(n, FEATURES, generator=gen)
+    points = centers[labels] + CLUSTER_SPREAD * torch.randn(n, centers.shape[1], generator=gen)
     return points, labels
 
 
-def build(hidden: int = HIDDEN) -> Task:
+def build_wide() -> Task:
+    """The bench's default: the same problem, 256 features and 1024-wide layers, so matmuls dominate a step."""
+    return build(hidden=WIDE_HIDDEN, features=WIDE_FEATURES)
+
+
+def build(hidden: int = HIDDEN, features: int = FEATURES) -> Task:
     gen = torch.Generator().manual_seed(DATA_SEED)
     # Centres ~ N(0, 1) in 32 dimensions lie ~8 apart: separable, but only after a few dozen steps of training.
-    centers = torch.randn(CLASSES, FEATURES, generator=gen)
+    centers = torch.randn(CLASSES, features, generator=gen)
     train_x, train_y = _clusters(centers, TRAIN_SAMPLES, gen)
     test_x, test_y = _clusters(centers, TEST_SAMPLES, gen)
     model = nn.Sequential(
-        nn.Linear(FEATURES, hidden), nn.GELU(),
+        nn.Linear(features, hidden), nn.GELU(),
         nn.Linear(hidden, hidden), nn.GELU(),
         nn.Linear(hidden, CLASSES),
     )

@@ -79,11 +79,16 @@ def build() -> Task:
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
+    model = TinyLM()
+    parameters = sum(p.numel() for p in model.parameters())
+    # 6 FLOPs per parameter per token (forward + backward), plus attention scores and values.
+    flops_per_token = 6 * parameters + 12 * LAYERS * D_MODEL * SEQ_LEN
     return Task(
-        model=TinyLM(),
+        model=model,
         dataset=TensorDataset(windows[:, :-1].contiguous(), windows[:, 1:].contiguous()),
         loss_fn=loss_fn,
         evaluate=lambda model: {"entropy_floor": entropy, "uniform_loss": math.log(VOCAB)},
         items_per_sample=SEQ_LEN,
         item_name="tokens",
+        flops_per_item=flops_per_token,
     )

@@ -1,0 +1,235 @@
+"""`ddp-amp bench`: the same training with AMP off and on, interleaved, per-step times from every rank.
+
+Launcher side only: each measurement is an ordinary launch (spawn or torchrun) of the common core with
+`record_step_times`, which makes every rank time each optimizer step (synchronising the device first) and
+rank 0 write all ranks' times to step_times.json. This module turns those files into honest figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STEP_TIMES_FILE = "step_times.json"
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs whose name we can match, for MFU.
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
+                   "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]), as numpy's default."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class Measurement:
+    """One launch: every rank's timed step durations (warm-up already dropped) and its summary."""
+
+    precision: str
+    repeat: int
+    step_s: dict[int, list[float]]
+    peak_memory_mb: dict[int, float]
+    summary: dict[str, Any]
+
+    @classmethod
+    def load(cls, run_dir: Path, precision: str, repeat: int, warmup: int) -> Measurement:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        ranks = json.loads((run_dir / STEP_TIMES_FILE).read_text())
+        return cls(precision, repeat, {r["rank"]: r["step_s"][warmup:] for r in ranks},
+                   {r["rank"]: r["peak_memory_mb"] for r in ranks}, summary)
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(t for times in self.step_s.values() for t in times)
+
+
+def analyse(measurements: list[Measurement]) -> dict[str, Any]:
+    """Per precision: step-time median/p90 over all ranks' steps, the slowest rank's median, throughput, peak
+    memory, final loss; then the speedup of the AMP precision over fp32 per interleaved repeat."""
+    by_precision: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        by_precision.setdefault(m.precision, []).append(m)
+    results: dict[str, Any] = {}
+    for precision, runs in by_precision.items():
+        pooled = [t for m in runs for times in m.step_s.values() for t in times]
+        per_rank = {rank: statistics.median(t for m in runs for t in m.step_s[rank]) for rank in runs[0].step_s}
+        first = runs[0].summary
+        median = statistics.median(pooled)
+        samples_per_s = first["global_batch_size"] / median
+        entry = {
+            "step_s_median": median,
+            "step_s_p90": percentile(pooled, 90),
+            "slowest_rank_step_s_median": max(per_rank.values()),
+            "per_rank_step_s_median": {str(rank): value for rank, value in per_rank.items()},
+            "samples_per_s": samples_per_s,
+            "peak_memory_mb": max(max(m.peak_memory_mb.values()) for m in runs),
+            "final_loss": statistics.median(m.summary["final_loss"] for m in runs),
+            "repeats": [{"repeat": m.repeat, "step_s_median": m.median_step_s, "final_loss": m.summary["final_loss"],
+                         "step_s": {str(rank): times for rank, times in m.step_s.items()}} for m in runs],
+        }
+        if first.get("tokens_per_s") is not None:
+            entry["tokens_per_s"] = samples_per_s * first["tokens_per_s"] / first["samples_per_s"]
+        results[precision] = entry
+    report: dict[str, Any] = {"precisions": results}
+    amp = next((p for p in results if p != "fp32"), None)
+    if "fp32" in results and amp:
+        off, on = by_precision["fp32"], by_precision[amp]
+        pairs = [a.median_step_s / b.median_step_s for a, b in zip(off, on)]
+        report["speedup"] = {
+            "amp": amp,
+            "median": results["fp32"]["step_s_median"] / results[amp]["step_s_median"],
+            "per_repeat": pairs,
+            "min": min(pairs),
+            "max": max(pairs),
+        }
+        loss_off, loss_on = results["fp32"]["final_loss"], results[amp]["final_loss"]
+        report["loss_agreement"] = {"fp32": loss_off, amp: loss_on,
+                                    "relative_difference": abs(loss_on - loss_off) / max(abs(loss_off), 1e-12)}
+    return report
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def environment(device_type: str, nproc: int, summary: dict[str, Any], tf32: bool | None) -> dict[str, Any]:
+    import torch
+
+    from ddp_amp.precision import cpu_has_native_bf16
+
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "world_size": summary["world_size"],
+        "backend": summary["backend"],
+        "threads_per_rank": summary.get("threads_per_rank"),
+        "cpu": cpu_name(),
+        "cpu_native_bf16": cpu_has_native_bf16(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    if device_type == "cuda":
+        env["device"] = torch.cuda.get_device_name(0)
+        env["tf32_matmul"] = bool(tf32) if tf32 is not None else torch.backends.cuda.matmul.allow_tf32
+    else:
+        env["device"] = env["cpu"]
+    return env
+
+
+def mfu(device_name: str, tokens_per_s: float, flops_per_token: float) -> float | None:
+    for name, peak in GPU_PEAK_TFLOPS.items():
+        if name in device_name:
+            return tokens_per_s * flops_per_token / (peak * 1e12)
+    return None
+
+
+AMP_CHOICES = ("both", "on", "off")
+LAUNCHERS = ("spawn", "run")
+DEFAULT_STEPS = 30
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    amp: str = "both"
+    steps: int = DEFAULT_STEPS
+    """Timed optimizer steps per launch."""
+    warmup: int = 10
+    """Untimed steps first: DDP's bucket rebuild, the allocator, GradScaler's first skips."""
+    repeats: int = 2
+    launcher: str = "spawn"
+    tf32: str | None = None
+
+    def __post_init__(self) -> None:
+        from ddp_amp.errors import UsageError
+
+        problems = []
+        if self.amp not in AMP_CHOICES:
+            problems.append(f"--amp {self.amp!r} is not one of {', '.join(AMP_CHOICES)}")
+        if self.steps < 1:
+            problems.append(f"--steps must be >= 1, got {self.steps}")
+        if self.warmup < 0:
+            problems.append(f"--warmup must be >= 0, got {self.warmup}")
+        if self.repeats < 1:
+            problems.append(f"--repeats must be >= 1, got {self.repeats}")
+        if self.launcher not in LAUNCHERS:
+            problems.append(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.tf32 not in (None, "on", "off"):
+            problems.append(f"--tf32 {self.tf32!r} is not on or off")
+        if problems:
+            raise UsageError(*problems)
+
+    @property
+    def modes(self) -> list[str]:
+        return ["off", "on"] if self.amp == "both" else [self.amp]
+
+
+def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: int, run_root: Path,
+              status=print) -> dict[str, Any]:
+    """Launch every (repeat, precision) once, interleaved off, on, off, on..., and analyse the step times."""
+    import sys
+
+    from ddp_amp.launch import torchrun
+    from ddp_amp.launch.preflight import preflight
+    from ddp_amp.launch.spawn import spawn
+    from ddp_amp.progress.display import PlainDisplay
+    from ddp_amp.progress.session import ProgressSession
+
+    measurements, notes, summary, plan = [], [], None, None
+    total = options.repeats * len(options.modes)
+    for repeat in range(options.repeats):
+        for mode in options.modes:
+            run_options = {**train_options, "amp": mode, "steps": options.warmup + options.steps,
+                           "log_every": max(1, options.warmup + options.steps)}
+            if mode == "off":
+                run_options["dtype"] = "auto"
+            run_dir = run_root / f"{mode}-{repeat}"
+            plan = preflight(run_options, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir),
+                             extra={"record_step_times": True,
+                                    "tf32": None if options.tf32 is None else options.tf32 == "on"})
+            if plan.precision.warning and plan.precision.warning not in notes:
+                notes.append(plan.precision.warning)
+            session = ProgressSession(PlainDisplay(sys.stderr, quiet=True, final_summary=False), run_dir)
+            with session:
+                if options.launcher == "spawn":
+                    spawn(plan.config, nproc, extra_env=session.environment())
+                else:
+                    command = torchrun.standalone_command(plan.config_path, nproc_per_node=nproc, max_restarts=0,
+                                                          monitor_interval=0.1, device_type=plan.device_type)
+                    torchrun.execute(command, session.environment(), run_dir / "logs" / "torchrun.log")
+            measurement = Measurement.load(run_dir, plan.precision.name, repeat, options.warmup)
+            measurements.append(measurement)
+            summary = measurement.summary
+            status(f"bench: {len(measurements)}/{total} {plan.precision.name} repeat {repeat + 1}: "
+                   f"{measurement.median_step_s * 1e3:.2f} ms/step (median)")
+    report = analyse(measurements)
+    env = environment(plan.device_type, nproc, summary, None if options.tf32 is None else options.tf32 == "on")
+    flops = summary.get("model_flops_per_token")
+    if flops:
+        env["model_flops_per_token"] = flops
+        for entry in report["precisions"].values():
+            if "tokens_per_s" in entry:
+                entry["mfu"] = mfu(env["device"], entry["tokens_per_s"], flops) if plan.device_type == "cuda" else None
+    report["environment"] = env
+    report["notes"] = notes
+    report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,
+                        "order": "interleaved " + ", ".join(options.modes), "launcher": options.launcher,
+                        "nproc": nproc, "task": train_options["task"], "run_root": str(run_root)}
+    return report
