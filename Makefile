@@ -21,7 +21,7 @@ help:
 	@echo "make test       the whole test suite, slow multi-process tests included"
 	@echo "make test-fast  the tests not marked slow"
 	@echo "make lint       ruff"
-	@echo "make bench      benchmarks/: spawn vs torchrun launch times (interleaved, medians); the AMP bench is to come"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, spawn vs run, progress cost, AMP speedup"
 
 install: $(STAMP)
 
@@ -47,7 +47,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/cli_startup.py
+	$(BIN)/python benchmarks/core_overhead.py --repeats 3 --nproc 2 4
 	$(BIN)/python benchmarks/launchers.py --repeats 3 --nproc $(NPROC)
+	$(BIN)/python benchmarks/progress_overhead.py --repeats 5
+	$(BIN)/ddp-amp bench --device auto --repeats 3
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -100,9 +100,14 @@ def spawn(
     quiet: Quiet = False,
 ) -> None:
     """Launch N ranks on this machine with torch.multiprocessing."""
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.launch.forkserver import start_forkserver
     from ddp_amp.launch.preflight import preflight
 
     _check_log_format(log_format)
+    if nproc >= 1:
+        TrainConfig(**train)  # the cheap checks first, so a bad flag starts nothing
+        start_forkserver()  # imports torch for the ranks while this process imports it for the checks below
     plan = preflight(train, nproc_per_node=nproc, flag="--gpus", overwrite=overwrite, run_dir=run_dir)
     from ddp_amp.launch.spawn import spawn as spawn_ranks
 

@@ -17,11 +17,9 @@ from torch.distributed import TCPStore
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.errors import RunFailed
+from ddp_amp.launch.forkserver import start_forkserver
 
 LOOPBACK = "127.0.0.1"
-# Modules every rank needs, imported once in the fork server instead of once per rank.
-# torch._dynamo is imported by DDP's constructor and is the slowest of them.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -50,7 +48,7 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     Raises RunFailed naming the first rank that failed."""
     store = TCPStore(LOOPBACK, 0, world_size=nproc, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=300))
-    mp.set_forkserver_preload(PRELOAD)
+    start_forkserver()  # usually already running: the CLI starts it before importing torch
     # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}), nprocs=nproc,

@@ -45,7 +45,9 @@ class EventServer:
 
         # Non-daemon handler threads, joined by server_close(): every line a worker sent before exiting is read.
         self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="ddp-amp-events", daemon=True)
+        # A short poll: shutdown() waits up to one poll interval, and every launch ends with it.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="ddp-amp-events", daemon=True)
 
     @property
     def address(self) -> str:
