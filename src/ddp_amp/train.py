@@ -122,17 +122,21 @@ class Trainer:
         record: dict[str, Any] = {}
         step_s: list[float] = []
         step_started = time.perf_counter()
+        on_gpu = self.device.type != "cpu"
         self.model.train()
         for step in range(self.total_steps):
             lr = self.scheduler.get_last_lr()[0]
             for micro in range(config.grad_accum):
-                inputs, target = to_device(next(batches), self.device)
+                inputs, target = next(batches)
+                if on_gpu:
+                    inputs, target = to_device((inputs, target), self.device)
                 # Gradients are all-reduced only on the last micro-step; the others accumulate locally.
                 sync = contextlib.nullcontext() if micro == config.grad_accum - 1 else self.model.no_sync()
                 with sync:
                     with autocast(self.precision, self.device.type):
                         loss = self.task.loss_fn(self.model(inputs), target)
-                    self.scaler.scale(loss / config.grad_accum).backward()
+                    # Each micro-step contributes 1/K of the mean; no extra kernel when there is one micro-step.
+                    self.scaler.scale(loss if config.grad_accum == 1 else loss / config.grad_accum).backward()
                 loss_sum += loss.detach().float()
                 loss_count += 1
             if config.clip_grad is not None:
