@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STEP_TIMES_FILE = "step_times.json"
+from ddp_amp.checkpoint import STEP_TIMES_FILE
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs whose name we can match, for MFU.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,

@@ -14,6 +14,7 @@ from ddp_amp.files import atomic_write
 MODEL_FILE = "model.pt"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+STEP_TIMES_FILE = "step_times.json"  # only with record_step_times (ddp-amp bench): every rank's step durations
 
 
 def save_weights(run_dir: Path, model: torch.nn.Module) -> Path:

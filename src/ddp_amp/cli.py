@@ -191,8 +191,10 @@ def multinode(
     if rdzv_timeout <= 0:
         raise UsageError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout:g}")
     where = network.parse_endpoint(endpoint)
+    TrainConfig(**train)  # every cheap check before the network ones, which can wait up to --rdzv-timeout
     if emit_slurm is not None:
-        TrainConfig(**train)  # validate the options the script will pass on
+        if nproc_per_node not in ("gpu", "cpu", "auto"):
+            torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
         args = ["--nproc-per-node", nproc_per_node, *_training_args(train)]
         if max_restarts:
             args += ["--max-restarts", str(max_restarts)]

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp import checkpoint
-from ddp_amp.bench import STEP_TIMES_FILE
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
 from ddp_amp.precision import resolve_precision
@@ -154,7 +153,7 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
             summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
             summary["summary_path"] = str(run_dir / checkpoint.SUMMARY_FILE)
             if rank_times is not None:
-                checkpoint.write_json(run_dir / STEP_TIMES_FILE, rank_times)
+                checkpoint.write_json(run_dir / checkpoint.STEP_TIMES_FILE, rank_times)
             checkpoint.write_summary(run_dir, summary)
         reporter.done(summary, peak_memory_mb(device))
         return summary if env.writes_run_dir else None
