@@ -60,6 +60,7 @@ def test_json_holds_both_precisions_with_every_ranks_step_times(bench_both):
     assert "relative_difference" in report["loss_agreement"]
     env = report["environment"]
     assert env["world_size"] == 2 and env["backend"] == "gloo" and "torch" in env and "cpu_native_bf16" in env
+    assert env["threads_per_rank"] >= 1 and isinstance(env["cpu_flags"], list)
 
 
 @pytest.mark.slow
@@ -79,3 +80,19 @@ def test_warmup_is_not_timed(tmp_path, helper_task):
     entry = json.loads((tmp_path / "o.json").read_text())["precisions"]["fp32"]
     assert entry["step_s_median"] < 0.1  # the three 0.5 s warm-up steps are not in it
     assert max(t for times in entry["repeats"][0]["step_s"].values() for t in times) < 0.4
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(capsys, tmp_path):
+    pytest.importorskip("rich")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("matplotlib is installed here")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--device", "cpu", "--plot", str(tmp_path / "p.png"), "--run-dir", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "pip install 'ddp-amp[plot]'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()

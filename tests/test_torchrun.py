@@ -173,3 +173,14 @@ def test_a_killed_worker_is_restarted(tmp_path, helper_task):
     assert_ok(result)
     assert read_summary(tmp_path)["steps"] == 10
     assert [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()].__len__() == 2
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_do_not_collide(tmp_path):
+    commands = [[sys.executable, "-m", "ddp_amp", "run", "-n", "2", "--device", "cpu", "--steps", "10", "--task",
+                 "linear", "--run-dir", str(tmp_path / name)] for name in ("a", "b")]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
+    for job in jobs:
+        _, err = job.communicate(timeout=240)
+        assert job.returncode == 0, err
+    assert read_summary(tmp_path / "a")["world_size"] == read_summary(tmp_path / "b")["world_size"] == 2

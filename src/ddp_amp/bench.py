@@ -101,6 +101,22 @@ def analyse(measurements: list[Measurement]) -> dict[str, Any]:
     return report
 
 
+CPU_FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features that decide bf16/fp16 matmul speed, as /proc/cpuinfo lists them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in CPU_FLAGS_THAT_MATTER if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -124,6 +140,7 @@ def environment(device_type: str, nproc: int, summary: dict[str, Any], tf32: boo
         "threads_per_rank": summary.get("threads_per_rank"),
         "cpu": cpu_name(),
         "cpu_native_bf16": cpu_has_native_bf16(),
+        "cpu_flags": cpu_flags(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
     if device_type == "cuda":
