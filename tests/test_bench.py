@@ -15,6 +15,8 @@ BAD_INPUTS = [
     (["--warmup", "-1"], "--warmup"),
     (["--launcher", "mpirun"], "--launcher"),
     (["--tf32", "maybe"], "--tf32"),
+    (["--json", "/no/such/dir/out.json"], "--json"),
+    (["--lr", "0"], "--lr"),
 ]
 
 

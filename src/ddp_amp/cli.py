@@ -267,6 +267,9 @@ def bench(
                            repeats=repeats, launcher=launcher, tf32=tf32)
     if train["epochs"] is not None:
         raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
+    for flag, path in (("--json", json_path), ("--plot", plot)):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -279,11 +282,9 @@ def bench(
         cuda = train["device"] != "cpu" and torch.cuda.is_available()
         nproc = torch.cuda.device_count() if cuda else 2
     from ddp_amp.bench import run_bench
-
-    # Every flag is checked (by the first launch's preflight) before the bench directory is created.
     from ddp_amp.config import TrainConfig
 
-    TrainConfig(**train, steps=options.warmup + options.steps)
+    TrainConfig(**train, steps=options.warmup + options.steps)  # all flags checked before anything is created
     root = Path(run_dir) if run_dir else RUNS_ROOT / f"bench-{default_run_dir().name}"
     if root.exists() and not root.is_dir():
         raise UsageError(f"--run-dir {str(root)!r} is an existing file, not a directory")
