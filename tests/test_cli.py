@@ -30,6 +30,7 @@ BAD_INPUTS = [
     (["--warmup-steps", "100", "--steps", "100"], "--warmup-steps"),
     (["--amp", "off", "--dtype", "fp16"], "--dtype"),
     (["--steps", "10", "--epochs", "1"], "--epochs"),
+    (["--log-format", "fancy"], "--log-format"),
 ]
 
 

@@ -29,6 +29,9 @@ BAD_INPUTS = [
     (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--rdzv-timeout", "0"], "--rdzv-timeout"),
     (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--max-restarts", "-1"], "--max-restarts"),
     (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--ifname", "nosuchif0"], "--ifname"),
+    # 203.0.113.0/24 is TEST-NET-3: never this machine's; the check only tries to bind it, sends nothing.
+    (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--local-addr", "203.0.113.5"], "--local-addr"),
     (["run", "--nproc-per-node", "0"], "--nproc-per-node"),
     (["run", "--nproc-per-node", "many"], "--nproc-per-node"),
     (["run", "--max-restarts", "-1"], "--max-restarts"),

@@ -22,8 +22,6 @@ class Recorder:
     def on_log(self, record):
         self.records.append(record)
 
-    def on_end(self, summary):
-        pass
 
 
 @pytest.fixture

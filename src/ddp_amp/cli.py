@@ -55,63 +55,86 @@ TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
     "seed": _option(0, "--seed", type_=int, help="Seed: same seed and world size, same result."),
 }
 
+OUTPUT = "Output"
 RunDir = Annotated[str | None, typer.Option("--run-dir", help="Output directory \\[default: runs/<timestamp>].",
-                                            rich_help_panel=TRAINING)]
-Overwrite = Annotated[bool, typer.Option("--overwrite", help="Allow --run-dir to replace an earlier run's files.",
-                                         rich_help_panel=TRAINING)]
+                                            rich_help_panel=OUTPUT)]
 LOG_FORMATS = ("auto", "rich", "plain", "json")
-LogFormat = Annotated[str, typer.Option("--log-format", help="Progress: auto (rich on a terminal, else plain), rich, "
-                                        "plain (a line per rank per interval) or json (an object per event).")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")]
+
+# What a launch writes and shows, the same on spawn, run and multinode (passed to them as one dict, `output`).
+OUTPUT_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "run_dir": (None, RunDir),
+    "overwrite": (False, Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT,
+                                                      help="Allow --run-dir to replace an earlier run's files.")]),
+    "log_format": ("auto", Annotated[str, typer.Option(
+        "--log-format", rich_help_panel=OUTPUT, help="Progress: auto (rich on a terminal, else plain), rich, "
+        "plain (a line per rank per interval) or json (an object per event).")]),
+    "quiet": (False, Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT,
+                                                  help="Print only the final summary.")]),
+}
+
+
+def _check_output(output: dict) -> None:
+    if output["log_format"] not in LOG_FORMATS:
+        raise UsageError(f"--log-format {output['log_format']!r} is not one of {', '.join(LOG_FORMATS)}")
+
+
+def option_group(options: dict[str, tuple[Any, Any]], into: str, check=None, **defaults: Any):
+    """A decorator adding `options` to a command's signature; the command receives them as one dict named
+    `into`, checked by `check` first. `defaults` change a default for that command; an option the command
+    defines itself (bench's --amp) replaces the group's one."""
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != into]
+        shared = [name for name in options if name not in signature.parameters]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, options[name][0]),
+                                   annotation=options[name][1]) for name in shared]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            group = {name: kwargs.pop(name) for name in shared}
+            if check is not None:
+                check(group)
+            return command(**{into: group}, **kwargs)
+
+        wrapper.__signature__ = signature.replace(parameters=own + added)
+        wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
+        return wrapper
+
+    return decorate
 
 
 def training_options(command=None, **defaults: Any):
-    """Add TRAINING_OPTIONS to a command's signature; the command receives them as one dict, `train`.
-    `@training_options(task="mlp-wide")` changes a default for that command; an option the command defines
-    itself (bench's --amp) replaces the training one."""
-    if command is None:
-        return functools.partial(training_options, **defaults)
-    signature = inspect.signature(command, eval_str=True)
-    own = [p for p in signature.parameters.values() if p.name != "train"]
-    shared = [name for name in TRAINING_OPTIONS if name not in signature.parameters]
-    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, default),
-                               annotation=annotation)
-             for name, (default, annotation) in TRAINING_OPTIONS.items() if name in shared]
+    """Add TRAINING_OPTIONS as the dict `train`: `@training_options` or `@training_options(task=...)`."""
+    decorate = option_group(TRAINING_OPTIONS, "train", **defaults)
+    return decorate if command is None else decorate(command)
 
-    @functools.wraps(command)
-    def wrapper(**kwargs: Any) -> Any:
-        train = {name: kwargs.pop(name) for name in shared}
-        return command(train=train, **kwargs)
 
-    wrapper.__signature__ = signature.replace(parameters=own + added)
-    wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
-    return wrapper
+output_options = option_group(OUTPUT_OPTIONS, "output", check=_check_output)
 
 
 @app.command()
 @training_options
+@output_options
 def spawn(
     train: dict,
+    output: dict,
     nproc: Annotated[int, typer.Option("--gpus", "--nproc", "-n",
                                        help="Ranks to start: one per GPU with CUDA, CPU processes otherwise.")] = 1,
-    run_dir: RunDir = None,
-    overwrite: Overwrite = False,
-    log_format: LogFormat = "auto",
-    quiet: Quiet = False,
 ) -> None:
     """Launch N ranks on this machine with torch.multiprocessing."""
     from ddp_amp.config import TrainConfig
     from ddp_amp.launch.forkserver import start_forkserver
     from ddp_amp.launch.preflight import preflight
 
-    _check_log_format(log_format)
     if nproc >= 1:
         TrainConfig(**train)  # the cheap checks first, so a bad flag starts nothing
         start_forkserver()  # imports torch for the ranks while this process imports it for the checks below
-    plan = preflight(train, nproc_per_node=nproc, flag="--gpus", overwrite=overwrite, run_dir=run_dir)
+    plan = preflight(train, nproc_per_node=nproc, flag="--gpus", overwrite=output["overwrite"],
+                     run_dir=output["run_dir"])
     from ddp_amp.launch.spawn import spawn as spawn_ranks
 
-    _launch(plan, nproc, log_format, quiet, lambda env: spawn_ranks(plan.config, nproc, extra_env=env))
+    _launch(plan, nproc, output, lambda env: spawn_ranks(plan.config, nproc, extra_env=env))
 
 
 NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--gpus", "-n",
@@ -123,37 +146,37 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun comm
 
 @app.command()
 @training_options
+@output_options
 def run(
     train: dict,
+    output: dict,
     nproc_per_node: NprocPerNode = "1",
     max_restarts: MaxRestarts = 0,
     monitor_interval: MonitorInterval = 0.1,
     dry_run: DryRun = False,
-    run_dir: RunDir = None,
-    overwrite: Overwrite = False,
-    log_format: LogFormat = "auto",
-    quiet: Quiet = False,
 ) -> None:
     """Launch N ranks on this machine through torchrun (standalone rendezvous on loopback)."""
     from ddp_amp.launch import torchrun
     from ddp_amp.launch.preflight import preflight
 
-    _check_log_format(log_format)
     _check_torchrun_numbers(max_restarts, monitor_interval)
     nproc = torchrun.parse_nproc(nproc_per_node)
-    plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=overwrite, run_dir=run_dir)
+    plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
+                     run_dir=output["run_dir"])
     command = torchrun.standalone_command(plan.config_path, nproc_per_node=nproc, max_restarts=max_restarts,
                                           monitor_interval=monitor_interval, device_type=plan.device_type)
     if dry_run:
         typer.echo(command.shell())
         return
-    _launch_torchrun(plan, nproc, log_format, quiet, command)
+    _launch_torchrun(plan, nproc, output, command)
 
 
 @app.command()
 @training_options
+@output_options
 def multinode(
     train: dict,
+    output: dict,
     nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic range.")],
     endpoint: Annotated[str, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted); "
                                           "the node owning that address hosts it.")],
@@ -173,17 +196,12 @@ def multinode(
     emit_slurm: Annotated[Path | None, typer.Option("--emit-slurm", help="Write an sbatch script running this "
                                                     "on every node of an allocation, and exit.")] = None,
     dry_run: DryRun = False,
-    run_dir: RunDir = None,
-    overwrite: Overwrite = False,
-    log_format: LogFormat = "auto",
-    quiet: Quiet = False,
 ) -> None:
     """Launch this node's ranks through torchrun with c10d rendezvous across machines."""
     from ddp_amp.config import TrainConfig
     from ddp_amp.launch import network, torchrun
     from ddp_amp.launch.preflight import preflight
 
-    _check_log_format(log_format)
     _check_torchrun_numbers(max_restarts, monitor_interval)
     nodes = torchrun.parse_nnodes(nnodes)
     if node_rank is not None and not 0 <= node_rank < nodes.max:
@@ -204,7 +222,8 @@ def multinode(
     nproc = torchrun.parse_nproc(nproc_per_node)
     net = torchrun.detect_node_network(where, is_host=is_host, local_addr=local_addr, ifname=ifname,
                                        rdzv_timeout=rdzv_timeout, check_reachable=not dry_run)
-    plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=overwrite, run_dir=run_dir)
+    plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
+                     run_dir=output["run_dir"])
     job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
     command = torchrun.multinode_command(
         plan.config_path, endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
@@ -215,7 +234,7 @@ def multinode(
         typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
                    f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
         return
-    _launch_torchrun(plan, nproc, log_format, quiet, command)
+    _launch_torchrun(plan, nproc, output, command)
 
 
 def _check_torchrun_numbers(max_restarts: int, monitor_interval: float) -> None:
@@ -322,12 +341,7 @@ def env() -> None:
                    f"bf16: {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
 
 
-def _check_log_format(log_format: str) -> None:
-    if log_format not in LOG_FORMATS:
-        raise UsageError(f"--log-format {log_format!r} is not one of {', '.join(LOG_FORMATS)}")
-
-
-def _launch(plan, nproc: int, log_format: str, quiet: bool, start) -> None:
+def _launch(plan, nproc: int, output: dict, start) -> None:
     """Start the ranks with `start(extra_env)` while a progress session renders their events."""
     from ddp_amp.progress.display import make_display
     from ddp_amp.progress.session import ProgressSession
@@ -338,7 +352,7 @@ def _launch(plan, nproc: int, log_format: str, quiet: bool, start) -> None:
                f"task {config.task}, run dir {config.run_dir}", err=True)
     if plan.precision.warning:
         typer.echo(f"ddp-amp: warning: {plan.precision.warning}", err=True)
-    session = ProgressSession(make_display(log_format, quiet=quiet), plan.config_path.parent)
+    session = ProgressSession(make_display(output["log_format"], quiet=output["quiet"]), plan.config_path.parent)
     try:
         with session:
             start(session.environment())
@@ -348,12 +362,12 @@ def _launch(plan, nproc: int, log_format: str, quiet: bool, start) -> None:
         raise
 
 
-def _launch_torchrun(plan, nproc: int, log_format: str, quiet: bool, command) -> None:
+def _launch_torchrun(plan, nproc: int, output: dict, command) -> None:
     from ddp_amp.launch import torchrun
 
     typer.echo(f"ddp-amp: {command.shell()}", err=True)
     log_path = plan.config_path.parent / "logs" / "torchrun.log"
-    _launch(plan, nproc, log_format, quiet, lambda env: torchrun.execute(command, env, log_path))
+    _launch(plan, nproc, output, lambda env: torchrun.execute(command, env, log_path))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,10 +29,7 @@ class Reporter(Protocol):
     """How the core tells the outside world what it is doing. Called on every rank."""
 
     def on_log(self, record: dict[str, Any]) -> None:
-        """Metrics of one log interval, already reduced across ranks (identical on every rank)."""
-
-    def on_end(self, summary: dict[str, Any]) -> None:
-        """The run's summary (rank 0 holds the evaluation too)."""
+        """Metrics of one log interval: the all-reduced figures, plus this rank's own under `rank_*` keys."""
 
 
 @dataclass

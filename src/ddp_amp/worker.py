@@ -66,9 +66,6 @@ class WorkerReporter:
             event["loss_scale"] = record["loss_scale"]
         self._send(event)
 
-    def on_end(self, summary: dict[str, Any]) -> None:
-        pass
-
     def done(self, summary: dict[str, Any], peak_memory_mb: float) -> None:
         event = {"type": "done", "steps": summary["steps"], "samples_per_s": summary["rank_samples_per_s"],
                  "peak_memory_mb": peak_memory_mb, "final_loss": self.last_loss}

@@ -11,6 +11,7 @@ import ipaddress
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -179,6 +180,13 @@ def detect_node_network(endpoint: Endpoint, *, is_host: bool | None, local_addr:
     from ddp_amp.launch import network
 
     addresses = network.resolve(endpoint)
+    if local_addr is not None and not network.is_local_address(local_addr):
+        raise UsageError(f"--local-addr {local_addr!r} is not an address of this machine")
+    if ifname is not None:
+        try:
+            socket.if_nametoindex(ifname)
+        except OSError:
+            raise UsageError(f"--ifname {ifname!r}: no such network interface on this machine") from None
     loopback = all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
     if is_host is None and not loopback:
         # A loopback endpoint is "local" to every node on this machine; there torchrun's own try-to-host,

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-STATUSES = ("starting", "running", "checkpointing", "done", "failed", "restarting")
-
 
 def plain_line(event: dict[str, Any]) -> str | None:
     """One line for a non-terminal output, rank first; None for events that print nothing."""
