@@ -38,8 +38,10 @@ def build() -> Task:
     )
 
     @torch.no_grad()
-    def evaluate(model: nn.Module) -> dict[str, float]:
-        return {"accuracy": (model(test_x).argmax(1) == test_y).float().mean().item()}
+    def evaluate(model: nn.Module, device: torch.device) -> dict[str, float]:
+        # The trained model is on the rank's device (a GPU under --device cuda): bring the data to it.
+        predicted = model(test_x.to(device)).argmax(1)
+        return {"accuracy": (predicted == test_y.to(device)).float().mean().item()}
 
     return Task(model=model, dataset=TensorDataset(train_x, train_y), loss_fn=nn.CrossEntropyLoss(),
                 evaluate=evaluate)

@@ -6,10 +6,11 @@ Each is a small regression whose loss function does something on a chosen call (
 import os
 import signal
 import time
+from collections import namedtuple
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from ddp_amp.tasks import Task
 
@@ -74,3 +75,88 @@ def slow_start() -> Task:
 
 def not_a_task():
     return "a string, not a Task"
+
+
+def eval_fails() -> Task:
+    """Trains normally; its evaluation raises."""
+    task = _regression_with(lambda call, loss: loss)
+
+    def evaluate(model, device):
+        raise RuntimeError("evaluation exploded")
+
+    task.evaluate = evaluate
+    return task
+
+
+def eval_reports_device() -> Task:
+    """Its evaluation reports whether it was handed the device the model is on, and the model's mode."""
+    task = _regression_with(lambda call, loss: loss)
+
+    def evaluate(model, device):
+        on_device = next(model.parameters()).device == torch.device(device)
+        return {"on_model_device": float(on_device), "training_mode": float(model.training)}
+
+    task.evaluate = evaluate
+    return task
+
+
+Target = namedtuple("Target", ["value", "weight"])
+
+
+class _StructuredData(Dataset):
+    """Items are ({"x": features}, Target(value, weight)): a dict for inputs, a namedtuple for targets."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(7)
+        self.x = torch.randn(64, 4, generator=gen)
+        self.y = self.x.sum(dim=1, keepdim=True)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return {"x": self.x[index]}, Target(self.y[index], torch.ones(1))
+
+
+class _DictModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, inputs):
+        return self.linear(inputs["x"])
+
+
+def structured_batches() -> Task:
+    def loss_fn(output, target):
+        return ((output - target.value) ** 2 * target.weight).mean()
+
+    return Task(model=_DictModel(), dataset=_StructuredData(), loss_fn=loss_fn)
+
+
+DRAWS_DIR_VAR = "DDP_AMP_TEST_DRAWS_DIR"
+RECORDED_DRAWS = 3
+
+
+class _DrawsInForward(nn.Module):
+    """Draws a random number in every forward pass (as dropout does) and records the first few per rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.draws = []
+
+    def forward(self, x):
+        noise = torch.rand(())
+        self.draws.append(noise.item())
+        if len(self.draws) == RECORDED_DRAWS:
+            path = os.path.join(os.environ[DRAWS_DIR_VAR], f"rank{os.environ['RANK']}.txt")
+            with open(path, "w") as f:
+                f.write(" ".join(repr(d) for d in self.draws))
+        return self.linear(x) + 0 * noise
+
+
+def draws_in_forward() -> Task:
+    task = _regression_with(lambda call, loss: loss)
+    task.model = _DrawsInForward()
+    return task

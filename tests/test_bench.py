@@ -98,3 +98,14 @@ def test_plot_without_matplotlib_says_how_to_install_it(capsys, tmp_path):
     assert exit_info.value.code == 2
     assert "pip install 'ddp-amp[plot]'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()
+
+
+def test_mfu_is_per_gpu():
+    from ddp_amp.bench import GPU_PEAK_TFLOPS, mfu
+
+    peak = GPU_PEAK_TFLOPS["H100"] * 1e12
+    # 8 GPUs together process 8x the tokens of one: the utilisation of each is that of one alone.
+    one = mfu("NVIDIA H100 80GB HBM3", tokens_per_s=1e5, flops_per_token=1e6, gpus=1)
+    eight = mfu("NVIDIA H100 80GB HBM3", tokens_per_s=8e5, flops_per_token=1e6, gpus=8)
+    assert one == pytest.approx(1e11 / peak) and eight == pytest.approx(one)
+    assert mfu("Some Unknown GPU", 1e5, 1e6, gpus=1) is None

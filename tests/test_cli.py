@@ -31,6 +31,8 @@ BAD_INPUTS = [
     (["--amp", "off", "--dtype", "fp16"], "--dtype"),
     (["--steps", "10", "--epochs", "1"], "--epochs"),
     (["--log-format", "fancy"], "--log-format"),
+    (["--tf32", "yes"], "--tf32"),
+    (["--num-workers", "-2"], "--num-workers"),
 ]
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import resolve_precision
+from ddp_amp.precision import cuda_devices_have_native_bf16, cuda_has_native_bf16, resolve_precision
 
 
 @pytest.mark.parametrize(
@@ -36,3 +36,27 @@ def test_emulated_cpu_bf16_warns_once_in_words():
 def test_bf16_on_a_gpu_without_it_is_a_usage_error():
     with pytest.raises(UsageError, match="--dtype bf16"):
         resolve_precision("cuda", "on", "bf16", cuda_bf16=False)
+
+
+@pytest.mark.parametrize(("capability", "native"), [((6, 0), False), ((7, 0), False), ((7, 5), False),
+                                                     ((8, 0), True), ((8, 6), True), ((9, 0), True)])
+def test_gpu_bf16_is_native_from_compute_capability_8(capability, native):
+    # V100 (7.0) and T4 (7.5) emulate bf16: torch.cuda.is_bf16_supported() says yes there; --amp auto must not.
+    assert cuda_has_native_bf16(capability) is native
+    expected = "bf16" if native else "fp16"
+    assert resolve_precision("cuda", "auto", "auto", cuda_bf16=cuda_has_native_bf16(capability)).name == expected
+
+
+def test_one_old_gpu_among_the_ranks_means_fp16_for_all(monkeypatch):
+    import torch
+
+    capabilities = {0: (9, 0), 1: (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
+    assert cuda_devices_have_native_bf16([0]) is True
+    assert cuda_devices_have_native_bf16([0, 1]) is False
+
+
+def test_emulated_cpu_fp16_warns():
+    precision = resolve_precision("cpu", "on", "fp16", cpu_native_bf16=False, cpu_native_fp16=False)
+    assert precision.name == "fp16" and "emulated" in precision.warning
+    assert resolve_precision("cpu", "on", "fp16", cpu_native_fp16=True).warning is None

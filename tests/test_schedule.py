@@ -56,4 +56,22 @@ def test_onecycle_peaks_at_end_of_warmup():
     lrs = trace("onecycle", 10, TOTAL)
     assert max(range(TOTAL), key=lrs.__getitem__) == 10
     assert lrs[10] == pytest.approx(LR)
-    assert lrs[-1] < LR / 100
+    assert lrs[-1] == pytest.approx(LR * 0.1)  # ends at --min-lr-ratio (0.1 in trace)
+
+
+@pytest.mark.parametrize("min_lr_ratio", [0.1, 0.0])
+def test_onecycle_honours_min_lr_ratio_and_leaves_momentum_alone(min_lr_ratio):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizers = [torch.optim.SGD([param], lr=LR, momentum=0.7), torch.optim.AdamW([param], lr=LR, betas=(0.8, 0.9))]
+    for optimizer in optimizers:
+        scheduler = build_scheduler(optimizer, schedule="onecycle", total_steps=TOTAL, warmup_steps=5,
+                                    min_lr_ratio=min_lr_ratio)
+        lrs = []
+        for _ in range(TOTAL):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            group = optimizer.param_groups[0]
+            assert group.get("momentum", 0.7) == 0.7 and group.get("betas", (0.8, 0.9)) == (0.8, 0.9)
+            optimizer.step()
+            scheduler.step()
+        assert max(lrs) == pytest.approx(LR)
+        assert lrs[-1] == pytest.approx(LR * min_lr_ratio, abs=1e-12)

@@ -9,6 +9,7 @@ import torch
 from ddp_amp.schedule import closed_form_lr
 
 from conftest import assert_ok, load_weights, read_metrics, read_summary, run_cli
+from helper_tasks import DRAWS_DIR_VAR, RECORDED_DRAWS
 
 pytestmark = pytest.mark.slow
 
@@ -134,3 +135,49 @@ def test_two_jobs_started_together_do_not_collide(tmp_path):
 def test_the_readme_example_task_trains(tmp_path):
     spawn(tmp_path, "--device", "cpu", "--task", "examples/my_task.py:build", "--steps", "60")
     assert read_summary(tmp_path)["eval"]["accuracy"] >= 0.9
+
+
+def test_a_failing_evaluation_keeps_the_weights_and_exits_1(tmp_path, helper_task):
+    task = helper_task("eval_fails")
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", task, "--steps", "6", "--run-dir",
+                     str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"ddp-amp: error: task {task}: evaluate failed: RuntimeError: evaluation exploded")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert load_weights(tmp_path)  # saved before the evaluation ran
+    summary = read_summary(tmp_path)
+    assert "eval" not in summary and "evaluation exploded" in summary["eval_error"]
+    assert summary["steps"] == 6
+    assert "RuntimeError: evaluation exploded" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+def test_evaluate_is_handed_the_models_device(tmp_path, helper_task):
+    spawn(tmp_path, "--device", "cpu", "--task", helper_task("eval_reports_device"), "--steps", "4", nproc=1)
+    assert read_summary(tmp_path)["eval"] == {"on_model_device": 1.0, "training_mode": 0.0}
+
+
+def test_loader_workers_train_the_same_weights(two_rank_run, tmp_path):
+    run_dir, _ = two_rank_run
+    spawn(tmp_path, *SGD_FP32, "--batch-size", "16", "--num-workers", "2")
+    assert read_summary(tmp_path)["loader_workers"] == 2
+    assert read_summary(run_dir)["loader_workers"] == 0  # the CPU default
+    first, second = load_weights(run_dir), load_weights(tmp_path)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_ranks_draw_different_random_numbers_reproducibly(tmp_path, helper_task):
+    draws = []
+    for attempt in ("first", "second"):
+        draws_dir = tmp_path / f"draws-{attempt}"
+        draws_dir.mkdir()
+        result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", helper_task("draws_in_forward"),
+                         "--steps", "4", "--run-dir", str(tmp_path / attempt), env={DRAWS_DIR_VAR: str(draws_dir)})
+        assert_ok(result)
+        draws.append([(draws_dir / f"rank{rank}.txt").read_text().split() for rank in (0, 1)])
+    (first_rank0, first_rank1), (second_rank0, second_rank1) = draws
+    assert len(first_rank0) == RECORDED_DRAWS
+    assert first_rank0 != first_rank1, "both ranks drew the same random numbers"
+    assert (first_rank0, first_rank1) == (second_rank0, second_rank1), "the same seed drew other numbers"
+    weights = [load_weights(tmp_path / attempt) for attempt in ("first", "second")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

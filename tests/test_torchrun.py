@@ -1,5 +1,6 @@
 """`ddp-amp run` and `ddp-amp multinode`: real torchrun processes, their command lines, their errors."""
 
+import json
 import shlex
 import socket
 import subprocess
@@ -36,6 +37,8 @@ BAD_INPUTS = [
     (["run", "--nproc-per-node", "many"], "--nproc-per-node"),
     (["run", "--max-restarts", "-1"], "--max-restarts"),
     (["run", "--lr", "nan"], "--lr"),
+    (["run", "--tf32", "maybe"], "--tf32"),
+    (["run", "--num-workers", "-1"], "--num-workers"),
 ]
 
 
@@ -187,3 +190,61 @@ def test_two_runs_started_together_do_not_collide(tmp_path):
         _, err = job.communicate(timeout=240)
         assert job.returncode == 0, err
     assert read_summary(tmp_path / "a")["world_size"] == read_summary(tmp_path / "b")["world_size"] == 2
+
+
+def own_global_ipv4() -> str:
+    """A non-loopback IPv4 address of this machine (using it sends nothing anywhere: it is our own)."""
+    try:
+        output = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True,
+                                text=True).stdout
+    except FileNotFoundError:
+        output = ""
+    for line in output.splitlines():
+        return line.split()[3].split("/")[0]
+    pytest.skip("this machine has no global IPv4 address")
+
+
+def multinode_dry_run(endpoint: str, tmp_path, capsys, *extra: str):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multinode", "--nnodes", "2", "--endpoint", endpoint, "--device", "cpu", "--dry-run",
+              "--run-dir", str(tmp_path), *extra])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured
+
+
+def test_an_exported_interface_is_never_overridden(tmp_path, capsys, monkeypatch):
+    address = own_global_ipv4()
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")  # the user's choice, not the route to the endpoint
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    code, captured = multinode_dry_run(f"{address}:29400", tmp_path, capsys)
+    assert code == 0, captured.err
+    env, argv = parse_dry_run(captured.out)
+    assert "NCCL_SOCKET_IFNAME" not in env
+    detected = env["GLOO_SOCKET_IFNAME"]
+    assert detected != "lo" and flag_value(argv, "--local-addr") == address
+    note = [line for line in captured.err.splitlines() if "collectives on" in line]
+    assert note and detected in note[0] and "NCCL_SOCKET_IFNAME=lo (exported, kept)" in note[0]
+
+
+def test_an_explicit_ifname_sets_both_variables(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth9")
+    code, captured = multinode_dry_run(f"{own_global_ipv4()}:29400", tmp_path, capsys, "--ifname", "lo")
+    assert code == 0, captured.err
+    env, _ = parse_dry_run(captured.out)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_a_loopback_local_addr_for_a_network_endpoint_is_refused(tmp_path, capsys):
+    code, captured = multinode_dry_run(f"{own_global_ipv4()}:29400", tmp_path, capsys, "--local-addr", "127.0.0.1")
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1
+    assert "--local-addr 127.0.0.1 is a loopback address" in lines[0]
+    assert not tmp_path.joinpath("config.json").exists()
+
+
+def test_tf32_is_a_training_option_of_every_launcher(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--nproc-per-node", "2", "--device", "cpu", "--tf32", "off", "--dry-run",
+              "--run-dir", str(tmp_path)])
+    assert exit_info.value.code == 0
+    assert json.loads((tmp_path / "config.json").read_text())["tf32"] == "off"

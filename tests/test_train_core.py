@@ -1,6 +1,8 @@
 """The training core in this process, as a real one-rank gloo group: the fp16 skip path, step by step."""
 
 import warnings
+from collections import OrderedDict, namedtuple
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group
 from ddp_amp.launch.spawn import rank_environment
 from ddp_amp.precision import Precision
-from ddp_amp.train import Trainer
+from ddp_amp.train import Trainer, to_device
 
 import helper_tasks
 
@@ -82,3 +84,62 @@ def test_bf16_autocast_runs_the_forward_in_bf16(one_rank_group, tmp_path):
     trainer.train()
     trainer.close()
     assert seen and all(dtype == torch.bfloat16 for dtype in seen)
+
+
+def test_fp16_counts_skips_without_reading_the_scale_every_step(one_rank_group, tmp_path, monkeypatch):
+    # get_scale() waits for the device; the only reads allowed are one per log interval and one for the summary.
+    reads = []
+    original = torch.amp.GradScaler.get_scale
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or original(self))
+    config = TrainConfig(task="inline", steps=12, log_every=4, lr=0.1, schedule="constant", batch_size=16,
+                         dtype="fp16", amp="on", run_dir=str(tmp_path))
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp16"),
+                      helper_tasks.inf_at_third_step(), Recorder())
+    result = trainer.train()
+    trainer.close()
+    assert result.summary["skipped_steps"] == 1
+    assert len(reads) == 12 // 4 + 1
+
+
+def test_dict_and_namedtuple_batches_train(one_rank_group, tmp_path):
+    task = helper_tasks.structured_batches()
+    config = TrainConfig(task="inline", steps=3, log_every=1, amp="off", run_dir=str(tmp_path), batch_size=8)
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), task, Recorder())
+    result = trainer.train()
+    trainer.close()
+    assert result.summary["steps"] == 3 and result.summary["final_loss"] > 0
+
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+class FrozenMapping(Mapping):
+    """A read-only Mapping type that cannot be built from a dict."""
+
+    def __init__(self, *items):
+        self._data = dict(items)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+def test_every_tensor_of_a_nested_batch_reaches_the_device():
+    meta = torch.device("meta")  # a device every build has: where a tensor ends up is visible without a GPU
+    t = torch.ones(2)
+    batch = ({"image": t, "meta": {"ids": [t, t], "name": "x"}}, Pair(t, (t, 3)),
+             OrderedDict(a=t), FrozenMapping(("b", t)), [t, [t]])
+    moved = to_device(batch, meta)
+    dict_part, pair, ordered, frozen, nested = moved
+    assert dict_part["image"].device == meta and dict_part["meta"]["ids"][1].device == meta
+    assert dict_part["meta"]["name"] == "x"
+    assert isinstance(pair, Pair) and pair.left.device == meta and pair.right[0].device == meta
+    assert pair.right[1] == 3
+    assert isinstance(ordered, OrderedDict) and ordered["a"].device == meta
+    assert frozen["b"].device == meta
+    assert nested[0].device == meta and nested[1][0].device == meta

@@ -151,10 +151,12 @@ def environment(device_type: str, nproc: int, summary: dict[str, Any], tf32: boo
     return env
 
 
-def mfu(device_name: str, tokens_per_s: float, flops_per_token: float) -> float | None:
+def mfu(device_name: str, tokens_per_s: float, flops_per_token: float, gpus: int) -> float | None:
+    """Model FLOPs utilisation per GPU: the global `tokens_per_s` is shared by `gpus` GPUs, each with the peak
+    of `device_name` (None when that peak is not known)."""
     for name, peak in GPU_PEAK_TFLOPS.items():
         if name in device_name:
-            return tokens_per_s * flops_per_token / (peak * 1e12)
+            return tokens_per_s / gpus * flops_per_token / (peak * 1e12)
     return None
 
 
@@ -172,7 +174,6 @@ class BenchOptions:
     """Untimed steps first: DDP's bucket rebuild, the allocator, GradScaler's first skips."""
     repeats: int = 2
     launcher: str = "spawn"
-    tf32: str | None = None
 
     def __post_init__(self) -> None:
         from ddp_amp.errors import UsageError
@@ -188,8 +189,6 @@ class BenchOptions:
             problems.append(f"--repeats must be >= 1, got {self.repeats}")
         if self.launcher not in LAUNCHERS:
             problems.append(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
-        if self.tf32 not in (None, "on", "off"):
-            problems.append(f"--tf32 {self.tf32!r} is not on or off")
         if problems:
             raise UsageError(*problems)
 
@@ -219,8 +218,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
                 run_options["dtype"] = "auto"
             run_dir = run_root / f"{mode}-{repeat}"
             plan = preflight(run_options, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir),
-                             extra={"record_step_times": True,
-                                    "tf32": None if options.tf32 is None else options.tf32 == "on"})
+                             extra={"record_step_times": True})
             if plan.precision.warning and plan.precision.warning not in notes:
                 notes.append(plan.precision.warning)
             session = ProgressSession(PlainDisplay(sys.stderr, quiet=True, final_summary=False), run_dir)
@@ -237,13 +235,15 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
             status(f"bench: {len(measurements)}/{total} {plan.precision.name} repeat {repeat + 1}: "
                    f"{measurement.median_step_s * 1e3:.2f} ms/step (median)")
     report = analyse(measurements)
-    env = environment(plan.device_type, nproc, summary, None if options.tf32 is None else options.tf32 == "on")
+    tf32 = train_options.get("tf32")
+    env = environment(plan.device_type, nproc, summary, None if tf32 is None else tf32 == "on")
     flops = summary.get("model_flops_per_token")
     if flops:
         env["model_flops_per_token"] = flops
         for entry in report["precisions"].values():
             if "tokens_per_s" in entry:
-                entry["mfu"] = mfu(env["device"], entry["tokens_per_s"], flops) if plan.device_type == "cuda" else None
+                entry["mfu"] = (mfu(env["device"], entry["tokens_per_s"], flops, gpus=summary["world_size"])
+                                if plan.device_type == "cuda" else None)
     report["environment"] = env
     report["notes"] = notes
     report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,

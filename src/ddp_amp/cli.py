@@ -53,6 +53,10 @@ TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
     "clip_grad": _option(None, "--clip-grad", type_=float | None, help="Clip the gradient norm (after unscale)."),
     "log_every": _option(10, "--log-every", type_=int, help="Reduce and log metrics every N steps."),
     "seed": _option(0, "--seed", type_=int, help="Seed: same seed and world size, same result."),
+    "num_workers": _option(None, "--num-workers", type_=int | None,
+                           help="DataLoader workers per rank \\[default: 0 on CPU, a few per GPU rank]."),
+    "tf32": _option(None, "--tf32", type_=str | None,
+                    help="CUDA: allow TF32 for fp32 matmuls, on or off \\[default: torch's]."),
 }
 
 OUTPUT = "Output"
@@ -227,8 +231,10 @@ def multinode(
     job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
     command = torchrun.multinode_command(
         plan.config_path, endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
-        is_host=net.is_host, local_addr=net.local_addr, ifname=net.ifname, max_restarts=max_restarts,
+        is_host=net.is_host, local_addr=net.local_addr, ifname_env=net.ifname_env, max_restarts=max_restarts,
         monitor_interval=monitor_interval, rdzv_timeout=rdzv_timeout, device_type=plan.device_type)
+    if net.note:
+        typer.echo(f"ddp-amp: {net.note}", err=True)
     if dry_run:
         typer.echo(command.shell())
         typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
@@ -271,8 +277,6 @@ def bench(
     nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
                                               "GPU with CUDA, 2 on CPU].")] = None,
     launcher: Annotated[str, typer.Option("--launcher", help="spawn or run (torchrun).")] = "spawn",
-    tf32: Annotated[str | None, typer.Option("--tf32", help="CUDA: allow TF32 for fp32 matmuls, on or off "
-                                             "\\[default: torch's].")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw figure to this file.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
     run_dir: RunDir = None,
@@ -283,7 +287,7 @@ def bench(
 
     steps = train.pop("steps")
     options = BenchOptions(amp=amp, steps=DEFAULT_STEPS if steps is None else steps, warmup=warmup,
-                           repeats=repeats, launcher=launcher, tf32=tf32)
+                           repeats=repeats, launcher=launcher)
     if train["epochs"] is not None:
         raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
     for flag, path in (("--json", json_path), ("--plot", plot)):
@@ -330,15 +334,17 @@ def env() -> None:
     import torch
 
     from ddp_amp.dist import usable_cores
-    from ddp_amp.precision import cpu_has_native_bf16
+    from ddp_amp.precision import cpu_has_native_bf16, cuda_has_native_bf16
 
     typer.echo(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     typer.echo(f"cores {usable_cores()}, CPU native bf16: {'yes' if cpu_has_native_bf16() else 'no (emulated)'}")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     typer.echo(f"CUDA devices: {count}")
     for index in range(count):
-        typer.echo(f"  cuda:{index} {torch.cuda.get_device_name(index)} "
-                   f"bf16: {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+        major, minor = torch.cuda.get_device_capability(index)
+        native = cuda_has_native_bf16((major, minor))
+        typer.echo(f"  cuda:{index} {torch.cuda.get_device_name(index)} (compute capability {major}.{minor}) "
+                   f"bf16: {'native' if native else 'no (emulated; --amp auto uses fp16)'}")
 
 
 def _launch(plan, nproc: int, output: dict, start) -> None:
@@ -348,7 +354,8 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
 
     config = plan.config
     # Diagnostics go to stderr: stdout carries the progress itself (JSON lines with --log-format json).
-    typer.echo(f"ddp-amp: {nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}, "
+    tf32 = f", tf32 {config.tf32}" if config.tf32 and plan.device_type == "cuda" else ""
+    typer.echo(f"ddp-amp: {nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}{tf32}, "
                f"task {config.task}, run dir {config.run_dir}", err=True)
     if plan.precision.warning:
         typer.echo(f"ddp-amp: warning: {plan.precision.warning}", err=True)
@@ -360,6 +367,22 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
         raise
+    _check_evaluation(Path(config.run_dir))
+
+
+def _check_evaluation(run_dir: Path) -> None:
+    """Training succeeded and the weights are saved; a failed evaluation still fails the command."""
+    import json
+
+    from ddp_amp.checkpoint import SUMMARY_FILE
+
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if summary.get("eval_error"):
+        raise RunFailed(f"{summary['eval_error']} (the trained weights are in {run_dir / 'model.pt'}; "
+                        f"the traceback in {run_dir / 'logs'}/)")
 
 
 def _launch_torchrun(plan, nproc: int, output: dict, command) -> None:

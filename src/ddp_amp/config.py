@@ -18,6 +18,7 @@ AMP_MODES = ("auto", "on", "off")
 DTYPES = ("auto", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
 OPTIMIZERS = ("adamw", "sgd")
+TF32_MODES = ("on", "off")
 DEFAULT_STEPS = 100
 
 
@@ -67,8 +68,11 @@ class TrainConfig:
     """time.time() when the launcher started; time_to_first_step_s is measured from it."""
     record_step_times: bool = False
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
-    tf32: bool | None = None
-    """CUDA only: allow TF32 for fp32 matmuls (None leaves torch's default)."""
+    tf32: str | None = None
+    """CUDA only: on or off to allow TF32 for fp32 matmuls and convolutions (None leaves torch's default)."""
+    num_workers: int | None = None
+    """DataLoader worker processes per rank (None: 0 on CPU ranks, a few per rank on CUDA, leaving cores to
+    the other ranks)."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -82,6 +86,8 @@ class TrainConfig:
         choice("--dtype", self.dtype, DTYPES)
         choice("--schedule", self.schedule, SCHEDULES)
         choice("--optimizer", self.optimizer, OPTIMIZERS)
+        if self.tf32 is not None:
+            choice("--tf32", self.tf32, TF32_MODES)
         if self.amp == "off" and self.dtype != "auto":
             problems.append(f"--dtype {self.dtype} conflicts with --amp off (fp32); drop one of them")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -110,6 +116,8 @@ class TrainConfig:
             problems.append(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
+        if self.num_workers is not None and self.num_workers < 0:
+            problems.append(f"--num-workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
             problems.append(f"--seed must be >= 0, got {self.seed}")
         if problems:

@@ -35,21 +35,49 @@ class Precision:
 
 
 @lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True on CPUs with bf16 instructions (AVX512-BF16 or AMX); elsewhere bf16 matmuls are emulated and slow."""
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with bf16 instructions (AVX512-BF16 or AMX); elsewhere bf16 matmuls are emulated and slow."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_native_fp16() -> bool:
+    """True on CPUs with fp16 arithmetic (AVX512-FP16 or AMX-FP16); elsewhere fp16 autocast is emulated."""
+    return bool(_cpu_flags() & {"avx512_fp16", "amx_fp16"})
+
+
+NATIVE_BF16_CAPABILITY = (8, 0)
+
+
+def cuda_has_native_bf16(capability: tuple[int, int]) -> bool:
+    """bf16 tensor cores start with Ampere (compute capability 8.0).
+
+    Not torch.cuda.is_bf16_supported(): by default it counts emulation and answers yes on V100 and T4, where
+    bf16 runs far slower than fp16.
+    """
+    return tuple(capability) >= NATIVE_BF16_CAPABILITY
+
+
+def cuda_devices_have_native_bf16(device_indices) -> bool:
+    """Whether every one of these local GPUs computes bf16 natively (ranks must agree on one precision)."""
+    import torch
+
+    return all(cuda_has_native_bf16(torch.cuda.get_device_capability(index)) for index in device_indices)
 
 
 def resolve_precision(
-    device_type: str, amp: str, dtype: str, *, cuda_bf16: bool = False, cpu_native_bf16: bool | None = None
+    device_type: str, amp: str, dtype: str, *, cuda_bf16: bool = False, cpu_native_bf16: bool | None = None,
+    cpu_native_fp16: bool | None = None,
 ) -> Precision:
     """Turn --amp/--dtype into a concrete precision for a device type ("cpu" or "cuda").
 
@@ -58,13 +86,16 @@ def resolve_precision(
     """
     if cpu_native_bf16 is None:
         cpu_native_bf16 = cpu_has_native_bf16()
+    if cpu_native_fp16 is None:
+        cpu_native_fp16 = cpu_has_native_fp16()
     if amp == "off":
         return Precision("fp32")
     if device_type == "cuda":
         if dtype == "auto":
             return Precision("bf16" if cuda_bf16 else "fp16")
         if dtype == "bf16" and not cuda_bf16:
-            raise UsageError("--dtype bf16 is not supported by this GPU; use --dtype fp16")
+            raise UsageError("--dtype bf16 needs a GPU of compute capability 8.0 or newer (Ampere); "
+                             "use --dtype fp16")
         return Precision(dtype)
     # CPU
     if dtype == "auto":
@@ -77,6 +108,11 @@ def resolve_precision(
         )
     if dtype == "fp16" and not cpu_autocast_supports_fp16():
         raise UsageError("--dtype fp16 is not supported on CPU by this torch build; use --dtype bf16 or --amp off")
+    if dtype == "fp16" and not cpu_native_fp16:
+        return Precision(
+            "fp16", warning="this CPU has no native fp16 (avx512_fp16/amx_fp16): fp16 autocast is emulated and will "
+            "be slow"
+        )
     return Precision(dtype)
 
 

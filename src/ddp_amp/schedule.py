@@ -15,6 +15,7 @@ from torch.optim import lr_scheduler
 STEP_MILESTONES = (1 / 3, 2 / 3)
 STEP_GAMMA = 0.1
 _FOREVER = 2**62
+ONECYCLE_DIV_FACTOR = 25.0  # OneCycleLR's default: it starts at max_lr / 25
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, total_steps: int, warmup_steps: int,
@@ -33,8 +34,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, total_st
         # OneCycleLR has its own warm-up phase; composing a second one would double it.
         # OneCycleLR peaks at step pct_start * total_steps - 1; peak at step `warmup_steps`, like the others.
         pct_start = (warmup_steps + 1) / total_steps if warmup_steps else 0.3
+        # It ends at max_lr / (div_factor * final_div_factor): choose final_div_factor to end at --min-lr-ratio.
+        # cycle_momentum=False: cycling would silently override --momentum and AdamW's beta1.
+        final_div_factor = 1 / (ONECYCLE_DIV_FACTOR * min_lr_ratio) if min_lr_ratio > 0 else math.inf
         return lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
-                                       total_steps=total_steps, pct_start=pct_start)
+                                       total_steps=total_steps, pct_start=pct_start, div_factor=ONECYCLE_DIV_FACTOR,
+                                       final_div_factor=final_div_factor, cycle_momentum=False)
     decay_steps = max(1, total_steps - warmup_steps)
     phases: list[tuple[lr_scheduler.LRScheduler, int]] = []  # (scheduler, steps it owns); the last owns the rest
     if warmup_steps:

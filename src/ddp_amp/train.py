@@ -9,7 +9,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistEnv
+from ddp_amp.dist import DistEnv, usable_cores
 from ddp_amp.precision import Precision, autocast, grad_scaler
 from ddp_amp.schedule import build_scheduler
 from ddp_amp.tasks import Task
@@ -41,17 +41,49 @@ class TrainResult:
     """Each optimizer step's duration on this rank, when config.record_step_times (else empty)."""
 
 
+MAX_DEFAULT_WORKERS = 4
+
+
 def steady_state_start(total_steps: int) -> int:
     """Steps excluded from the throughput figure: start-up, DDP's bucket rebuild, the first allocations."""
     return 0 if total_steps < 4 else min(20, max(1, total_steps // 10))
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor inside `batch` (tensors, mappings, namedtuples, lists, tuples, nested) moved to `device`;
+    anything else is returned as it is. non_blocking: from pinned memory the copy overlaps compute."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        moved = {key: to_device(value, device) for key, value in batch.items()}
+        try:
+            return type(batch)(moved)
+        except (TypeError, ValueError):  # a Mapping type that cannot be built from a dict
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields positionally
+        return type(batch)(*(to_device(value, device) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
+        return type(batch)(to_device(value, device) for value in batch)
     return batch
+
+
+def loader_workers(requested: int | None, device: torch.device, local_world_size: int) -> int:
+    """DataLoader workers per rank. CPU ranks already use every core for compute, so loading stays in the rank;
+    a GPU rank gets a few workers out of its share of the cores, so the GPU does not wait for the next batch."""
+    if requested is not None:
+        return requested
+    if device.type == "cpu":
+        return 0
+    return max(0, min(MAX_DEFAULT_WORKERS, usable_cores() // local_world_size - 1))
+
+
+def build_loader(dataset: Any, sampler: Any, batch_size: int, workers: int, device: torch.device) -> DataLoader:
+    extra: dict[str, Any] = {}
+    if workers:
+        # Workers live as long as the run (not re-forked every epoch) and keep two batches each ready.
+        extra = {"persistent_workers": True, "prefetch_factor": 2}
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      pin_memory=device.type == "cuda", **extra)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -70,12 +102,18 @@ class Trainer:
         self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer = build_optimizer(model, config)
         self.scaler = grad_scaler(precision, device.type)
+        # Counts the optimizer steps actually taken. GradScaler calls optimizer.step() only when the gradients
+        # are finite (it learns that with the one host sync it already makes), so a skipped step is seen here
+        # without reading the scale back from the device. (Fused optimizers that take the scaler's found_inf
+        # themselves would break this; build_optimizer never makes one.)
+        self.steps_taken = 0
+        self.optimizer.register_step_post_hook(self._count_step)
         self.sampler = DistributedSampler(task.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                           seed=config.seed, drop_last=False)
         # The sampler pads every rank to the same number of samples, so every rank runs the same number of
         # batches: no rank waits forever in an all-reduce the others never join.
-        self.loader = DataLoader(task.dataset, batch_size=config.batch_size, sampler=self.sampler,
-                                 pin_memory=device.type == "cuda")
+        self.loader_workers = loader_workers(config.num_workers, device, env.local_world_size)
+        self.loader = build_loader(task.dataset, self.sampler, config.batch_size, self.loader_workers, device)
         micro_per_epoch = len(self.loader)
         if config.steps is not None:
             self.total_steps = config.steps
@@ -184,7 +222,7 @@ class Trainer:
                 if self.task.item_name != "samples":
                     record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
                 if self.scaler.is_enabled():
-                    record["loss_scale"] = self.scaler.get_scale()
+                    record["loss_scale"] = self.scaler.get_scale()  # a host sync, at log intervals only
                 self.reporter.on_log(record)
                 loss_sum.zero_()
                 loss_count, interval_start, interval_steps = 0, now, 0
@@ -213,6 +251,7 @@ class Trainer:
             "skipped_steps": skipped_steps,
             "final_lr": self.scheduler.get_last_lr()[0],
             "seed": config.seed,
+            "loader_workers": self.loader_workers,
             "torch_version": torch.__version__,
         }
         if self.task.item_name != "samples":
@@ -233,17 +272,18 @@ class Trainer:
         to free a tensor never finishes: the rank hangs at exit (seen here once in a few dozen runs).
         """
         dist.barrier()  # every rank's last collective is complete; nothing is in flight
-        del self.model, self.optimizer, self.scaler, self.scheduler
+        del self.model, self.optimizer, self.scaler, self.scheduler, self.loader  # the loader's workers end too
         gc.collect()
+
+    def _count_step(self, *_: Any) -> None:
+        self.steps_taken += 1
 
     def _optimizer_step(self) -> bool:
         """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""
         if not self.scaler.is_enabled():
             self.optimizer.step()
             return True
-        # scaler.step already waits for the device to learn whether the gradients were finite; reading the
-        # scale around update() costs no further sync. A skipped step is the only thing that lowers the scale.
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() >= scale_before
+        taken = self.steps_taken
+        self.scaler.step(self.optimizer)  # host sync (inside GradScaler): were the gradients finite?
+        self.scaler.update()  # stays on the device
+        return self.steps_taken > taken

@@ -5,7 +5,9 @@ spawn calls `run_worker(config)` in each child; torchrun runs `python -m ddp_amp
 
 from __future__ import annotations
 
+import inspect
 import os
+import random
 import resource
 import sys
 import time
@@ -13,18 +15,19 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ddp_amp import checkpoint
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
-from ddp_amp.precision import resolve_precision
+from ddp_amp.precision import Precision, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
 from ddp_amp.process import die_with_parent
-from ddp_amp.progress.channel import EventSender
+from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.progress.events import plain_line
 from ddp_amp.progress.session import LOG_DIR_VAR
-from ddp_amp.tasks import build_task
+from ddp_amp.tasks import Task, build_task
 from ddp_amp.train import Trainer
 
 
@@ -120,15 +123,17 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
 def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float) -> dict[str, Any] | None:
     device = resolve_device(config.device, env.local_rank)
     if device.type == "cuda" and config.tf32 is not None:
-        torch.backends.cuda.matmul.allow_tf32 = config.tf32
-        torch.backends.cudnn.allow_tf32 = config.tf32
+        torch.backends.cuda.matmul.allow_tf32 = config.tf32 == "on"
+        torch.backends.cudnn.allow_tf32 = config.tf32 == "on"
     threads = set_cpu_threads(env.local_world_size) if device.type == "cpu" else torch.get_num_threads()
-    precision = resolve_precision(device.type, config.amp, config.dtype,
-                                  cuda_bf16=device.type == "cuda" and torch.cuda.is_bf16_supported())
     run_dir = Path(config.run_dir)
     with process_group(env, device):
+        precision = agreed_precision(config, device)
         torch.manual_seed(config.seed)  # identical initial weights on every rank, run after run
         task = build_task(config.task)
+        # The randomness of training itself (dropout, augmentation) differs between ranks, or every rank would
+        # draw the same masks and waste data parallelism; it is still fixed by the seed and the rank.
+        seed_rank_randomness(config.seed + env.rank)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter)
         reporter.state("running")
@@ -142,18 +147,67 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
                                                 "peak_memory_mb": peak_memory_mb(device)})
         summary["threads_per_rank"] = threads
         summary["worker_start_s"] = started - (config.launch_time or started)
+        summary["tf32"] = config.tf32
         if env.writes_run_dir:
             reporter.state("checkpointing")
-            if task.evaluate is not None:
-                result.model.eval()
-                summary["eval"] = task.evaluate(result.model)
+            # The weights and the summary first: an evaluation that fails must not cost the trained model.
             summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
             summary["summary_path"] = str(run_dir / checkpoint.SUMMARY_FILE)
             if rank_times is not None:
                 checkpoint.write_json(run_dir / checkpoint.STEP_TIMES_FILE, rank_times)
             checkpoint.write_summary(run_dir, summary)
+            if task.evaluate is not None:
+                evaluate_into(summary, task, config.task, result.model, device)
+                checkpoint.write_summary(run_dir, summary)
         reporter.done(summary, peak_memory_mb(device))
         return summary if env.writes_run_dir else None
+
+
+def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:
+    """The precision every rank uses, decided from each rank's own device and agreed on by all of them.
+
+    bf16 counts only where it is native (a GPU of compute capability 8.0 or newer): with --amp auto a job
+    whose GPUs are mixed trains in fp16 everywhere, since ranks in one DDP job must step the same way.
+    """
+    if device.type == "cuda":
+        native = cuda_has_native_bf16(torch.cuda.get_device_capability(device))
+    else:
+        native = cpu_has_native_bf16()
+    flag = torch.tensor([1.0 if native else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # once, at start-up
+    native_everywhere = bool(flag.item())
+    return resolve_precision(device.type, config.amp, config.dtype, cuda_bf16=native_everywhere,
+                             cpu_native_bf16=native_everywhere if device.type == "cpu" else None)
+
+
+def seed_rank_randomness(seed: int) -> None:
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def evaluate_into(summary: dict[str, Any], task: Task, task_name: str, model: torch.nn.Module,
+                  device: torch.device) -> None:
+    """Run the task's evaluation on the trained model (on its device) and record its result, or its error
+    under `eval_error` (the launcher then exits 1 with that one line; the traceback goes to this rank's log)."""
+    model.eval()
+    try:
+        if _takes_device(task.evaluate):
+            summary["eval"] = task.evaluate(model, device)
+        else:
+            summary["eval"] = task.evaluate(model)  # the one-argument contract of earlier versions
+    except Exception as exc:  # a user's evaluate: whatever it raises, the trained weights are kept
+        traceback.print_exc()
+        summary["eval_error"] = f"task {task_name}: evaluate failed: {type(exc).__name__}: {exc}"
+
+
+def _takes_device(evaluate: Any) -> bool:
+    try:
+        parameters = inspect.signature(evaluate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,7 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.environ.get("LOCAL_RANK") == "0":
         # torchrun restarted the job from the beginning: the earlier attempt's log lines no longer apply.
         (Path(config.run_dir) / checkpoint.METRICS_FILE).unlink(missing_ok=True)
-    run_worker(config)
+    summary = run_worker(config)
+    if summary and summary.get("eval_error") and not os.environ.get(ADDRESS_VAR):
+        # Started by a hand-written torchrun: no ddp-amp launcher reads the summary, so say it and fail here.
+        print(f"ddp-amp: error: {summary['eval_error']}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

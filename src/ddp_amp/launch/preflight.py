@@ -13,7 +13,7 @@ from pathlib import Path
 from ddp_amp.config import CONFIG_FILE, TrainConfig, prepare_run_dir
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
-from ddp_amp.precision import Precision, resolve_precision
+from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
 
 RUNS_ROOT = Path("runs")
 
@@ -52,8 +52,9 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
             raise UsageError(f"{flag} {nproc_per_node} needs {nproc_per_node} GPUs but {visible} "
                              f"{'is' if visible == 1 else 'are'} visible with --device cuda; "
                              "lower it or use --device cpu")
-    precision = resolve_precision(device_type, config.amp, config.dtype,
-                                  cuda_bf16=device_type == "cuda" and torch.cuda.is_bf16_supported())
+    # What the ranks will decide on this node's GPUs (each rank checks its own device again, and all agree).
+    cuda_bf16 = device_type == "cuda" and cuda_devices_have_native_bf16(range(nproc_per_node))
+    precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=cuda_bf16)
     from ddp_amp.tasks import resolve_factory
 
     resolve_factory(config.task)

@@ -110,8 +110,8 @@ def default_rdzv_id(endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, run
 
 def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int,
                       node_rank: int | None, rdzv_id: str, is_host: bool | None, local_addr: str | None,
-                      ifname: str | None, max_restarts: int, monitor_interval: float, rdzv_timeout: float,
-                      device_type: str) -> TorchrunCommand:
+                      ifname_env: dict[str, str] | None, max_restarts: int, monitor_interval: float,
+                      rdzv_timeout: float, device_type: str) -> TorchrunCommand:
     rdzv_conf = f"join_timeout={rdzv_timeout:g}"
     if is_host is not None:
         rdzv_conf = f"is_host={int(is_host)},{rdzv_conf}"
@@ -125,10 +125,11 @@ def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, 
     if local_addr:
         argv += ["--local-addr", local_addr]
     argv += ["-m", WORKER_MODULE, str(config_path)]
-    env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts)}
-    if ifname:
-        env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
+    env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts), **(ifname_env or {})}
     return TorchrunCommand(argv, env)
+
+
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, log_path: Path | None = None) -> None:
@@ -170,15 +171,38 @@ class NodeNetwork:
     is_host: bool | None
     """None: let torchrun try to host and fall back to joining (several nodes on one machine, loopback)."""
     local_addr: str | None
-    ifname: str | None
+    ifname_env: dict[str, str]
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to set for torchrun: never one the user exported, unless
+    --ifname was given."""
+    note: str | None = None
+    """One line saying which interface the collectives use, and why."""
+
+
+def ifname_environment(ifname: str | None, *, given: bool, environ: dict[str, str]) -> tuple[dict[str, str], str]:
+    """The interface variables to set, and a line explaining the choice. An explicit --ifname sets both; a
+    detected one fills only the variables the user has not exported (their choice may be a fast fabric NIC
+    rather than the route to the store)."""
+    if given:
+        return dict.fromkeys(IFNAME_VARS, ifname), f"collectives on interface {ifname} (--ifname)"
+    exported = {var: environ[var] for var in IFNAME_VARS if environ.get(var)}
+    if ifname is None:
+        if exported:
+            return {}, "collectives on " + ", ".join(f"{k}={v}" for k, v in exported.items()) + " (exported)"
+        return {}, "collectives on the interface gloo/nccl pick (none detected for the route to the endpoint)"
+    env = {var: ifname for var in IFNAME_VARS if var not in exported}
+    parts = [f"interface {ifname} (it holds the address that routes to the endpoint)"] if env else []
+    parts += [f"{k}={v} (exported, kept)" for k, v in exported.items()]
+    return env, "collectives on " + "; ".join(parts)
 
 
 def detect_node_network(endpoint: Endpoint, *, is_host: bool | None, local_addr: str | None,
-                        ifname: str | None, rdzv_timeout: float, check_reachable: bool) -> NodeNetwork:
+                        ifname: str | None, rdzv_timeout: float, check_reachable: bool,
+                        environ: dict[str, str] | None = None) -> NodeNetwork:
     """Resolve the endpoint, decide whether this node hosts the c10d store, find the address and interface
     that route to it, and (on other nodes) wait until the store answers. Problems are one-line errors."""
     from ddp_amp.launch import network
 
+    environ = dict(os.environ) if environ is None else environ
     addresses = network.resolve(endpoint)
     if local_addr is not None and not network.is_local_address(local_addr):
         raise UsageError(f"--local-addr {local_addr!r} is not an address of this machine")
@@ -187,24 +211,43 @@ def detect_node_network(endpoint: Endpoint, *, is_host: bool | None, local_addr:
             socket.if_nametoindex(ifname)
         except OSError:
             raise UsageError(f"--ifname {ifname!r}: no such network interface on this machine") from None
-    loopback = all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
+    loopback = all(_is_loopback(address) for address in addresses)
     if is_host is None and not loopback:
         # A loopback endpoint is "local" to every node on this machine; there torchrun's own try-to-host,
         # else-join fallback is right, and forcing is_host=1 would make every node try to host.
         is_host = any(network.is_local_address(address) for address in addresses)
+    given_local_addr = local_addr is not None
     if local_addr is None:
         try:
             local_addr = network.route_source_address(addresses[0], endpoint.port)
         except OSError:
-            local_addr = None  # no route yet; torchrun falls back to the hostname
-    if ifname is None and local_addr and not local_addr.startswith("127."):
-        ifname = network.interface_of(local_addr)
+            local_addr = None
+    if not loopback and (local_addr is None or _is_loopback(local_addr)):
+        # Advertised, a loopback address (or the hostname torchrun falls back to, which Debian-style hosts map
+        # to 127.0.1.1) sends every other node to itself.
+        problem = (f"--local-addr {local_addr} is a loopback address" if given_local_addr
+                   else f"no non-loopback address of this machine routes to --endpoint {endpoint}")
+        raise UsageError(f"{problem}; pass --local-addr with this node's address that the other nodes reach")
+    detected_ifname = ifname
+    if detected_ifname is None and local_addr and not _is_loopback(local_addr):
+        detected_ifname = network.interface_of(local_addr)
+    ifname_env, note = ifname_environment(detected_ifname, given=ifname is not None, environ=environ)
     if check_reachable and is_host is False and not network.wait_until_reachable(addresses[0], endpoint.port,
                                                                                rdzv_timeout):
         raise RunFailed(f"--endpoint {endpoint} could not be reached within {rdzv_timeout:g}s: check that the "
                         "host node (the one owning that address) is running ddp-amp multinode and that the port "
                         "is open between the nodes")
-    return NodeNetwork(endpoint, is_host, local_addr, ifname)
+    return NodeNetwork(endpoint, is_host, local_addr, ifname_env, note if not loopback else None)
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:  # a host name (as --local-addr may be): what it resolves to here
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+        except OSError:
+            return False
 
 
 def slurm_script(multinode_args: list[str], port: int) -> str:

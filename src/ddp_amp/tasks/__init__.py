@@ -31,9 +31,10 @@ BUILTIN = {
 class Task:
     """What a factory returns.
 
-    Each item of `dataset` is an `(inputs, target)` pair of tensors (or nested tuples of tensors); a batch is
-    moved to the rank's device, `output = model(inputs)` runs under autocast, and `loss_fn(output, target)`
-    must return a scalar tensor, the mean over the batch.
+    Each item of `dataset` is an `(inputs, target)` pair. Either side may be a tensor or any nesting of
+    mappings (dicts), namedtuples, lists and tuples of tensors, as the DataLoader's default collation batches
+    them; every tensor inside a batch is moved to the rank's device. `output = model(inputs)` runs under
+    autocast, and `loss_fn(output, target)` must return a scalar tensor, the mean over the batch.
     """
 
     model: Any
@@ -42,9 +43,12 @@ class Task:
     """A map-style torch Dataset (`__len__` and `__getitem__`), identical on every rank."""
     loss_fn: Callable[[Any, Any], Any]
     """`loss_fn(output, target) -> scalar tensor`."""
-    evaluate: Callable[[Any], dict[str, float]] | None = None
-    """Optional: `evaluate(model) -> {name: value}` on rank 0 after training (plain model, eval mode, no
-    autocast); the values land in summary.json under "eval"."""
+    evaluate: Callable[..., dict[str, float]] | None = None
+    """Optional: `evaluate(model, device) -> {name: value}` on rank 0 after training and after model.pt is
+    saved. The model is the plain trained module, in eval mode, without autocast, still on `device` (the rank's
+    GPU under CUDA): move the evaluation data there. The values land in summary.json under "eval"; an
+    exception lands under "eval_error" and fails the command, the weights kept. A one-argument
+    `evaluate(model)` is still called, with the model as it is."""
     items_per_sample: int = 1
     """How many counted items a sample holds (tokens per sequence for language models)."""
     item_name: str = "samples"

@@ -25,8 +25,9 @@ def build() -> Task:
     loss_fn = nn.MSELoss()
 
     @torch.no_grad()
-    def evaluate(model: nn.Module) -> dict[str, float]:
-        return {"loss": loss_fn(model(inputs), targets).item(), "noise_floor": NOISE_STD**2}
+    def evaluate(model: nn.Module, device: torch.device) -> dict[str, float]:
+        loss = loss_fn(model(inputs.to(device)), targets.to(device)).item()
+        return {"loss": loss, "noise_floor": NOISE_STD**2}
 
     return Task(model=nn.Linear(FEATURES, FEATURES), dataset=TensorDataset(inputs, targets), loss_fn=loss_fn,
                 evaluate=evaluate)

@@ -43,8 +43,9 @@ def build(hidden: int = HIDDEN, features: int = FEATURES) -> Task:
     )
 
     @torch.no_grad()
-    def evaluate(model: nn.Module) -> dict[str, float]:
-        return {"accuracy": (model(test_x).argmax(dim=1) == test_y).float().mean().item()}
+    def evaluate(model: nn.Module, device: torch.device) -> dict[str, float]:
+        predicted = model(test_x.to(device)).argmax(dim=1)
+        return {"accuracy": (predicted == test_y.to(device)).float().mean().item()}
 
     return Task(model=model, dataset=TensorDataset(train_x, train_y), loss_fn=nn.CrossEntropyLoss(),
                 evaluate=evaluate)
