@@ -160,3 +160,18 @@ def draws_in_forward() -> Task:
     task = _regression_with(lambda call, loss: loss)
     task.model = _DrawsInForward()
     return task
+
+
+NAN_FROM_CALL = 4
+
+
+def nan_on_rank1() -> Task:
+    """From its fourth step on, rank 1's loss is NaN (and so, through the all-reduce, every rank's weights)."""
+    return _regression_with(
+        lambda call, loss: loss * float("nan") if call >= NAN_FROM_CALL and os.environ.get("RANK") == "1" else loss
+    )
+
+
+def always_inf() -> Task:
+    """Every loss is inf: under fp16 GradScaler skips every step and its scale collapses."""
+    return _regression_with(lambda call, loss: loss * float("inf"))

@@ -8,6 +8,8 @@ import pytest
 
 from ddp_amp.cli import main
 
+from conftest import run_cli
+
 BAD_INPUTS = [
     (["--gpus", "0"], "--gpus"),
     (["--gpus", "-1"], "--gpus"),
@@ -109,3 +111,21 @@ def test_spawn_help_lists_training_options_and_torchrun_style_aliases():
     for flag in ("--gpus", "--nproc", "-n", "--grad-accum", "--clip-grad", "--schedule", "--warmup-steps",
                  "--run-dir", "--seed", "--log-every", "--amp", "--dtype"):
         assert flag in result.stdout, flag
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("import torch\ndef build(:\n    pass\n", "syntax error in {path}, line 2"),
+    ("import torch\nimport no_such_module_anywhere\n", "importing it failed at {path}, line 2: ModuleNotFoundError"),
+    ("x = 1\nraise RuntimeError('broken at import')\n", "importing it failed at {path}, line 2: RuntimeError: broken"),
+])
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_a_broken_task_file_is_one_line_naming_file_and_line(command, source, expected, tmp_path):
+    path = tmp_path / "broken_task.py"
+    path.write_text(source)
+    run_dir = tmp_path / "run"
+    result = run_cli(command, "-n", "2", "--device", "cpu", "--task", f"{path}:build", "--run-dir", str(run_dir))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and "--task" in lines[0] and expected.format(path=path) in lines[0], result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not run_dir.exists()

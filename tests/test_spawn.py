@@ -1,5 +1,6 @@
 """Real multi-process runs through `ddp-amp spawn` on CPU: 2-rank gloo groups, real files."""
 
+import json
 import subprocess
 import sys
 
@@ -181,3 +182,39 @@ def test_ranks_draw_different_random_numbers_reproducibly(tmp_path, helper_task)
     assert (first_rank0, first_rank1) == (second_rank0, second_rank1), "the same seed drew other numbers"
     weights = [load_weights(tmp_path / attempt) for attempt in ("first", "second")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def strict_json(path):
+    def refuse(token):
+        raise AssertionError(f"{path.name} holds a bare {token} token, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_loss_that_stays_nan_stops_the_run_naming_step_and_rank(tmp_path, helper_task):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--amp", "off", "--task", helper_task("nan_on_rank1"),
+                     "--steps", "200", "--log-every", "10", "--max-nonfinite", "5", "--run-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    # Rank 1's loss is NaN from step 4: five in a row at step 8. Rank 0 follows a step later (NaN weights).
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ddp-amp: error: training diverged at step 8 on rank 1: the loss was inf/NaN "
+                                "for 5 consecutive steps"), result.stderr
+    assert not (tmp_path / "model.pt").exists()
+    summary = strict_json(tmp_path / "summary.json")
+    assert summary["diverged"]["step"] == 8 and summary["diverged"]["rank"] == 1
+    assert summary["steps"] == 10  # stopped at the first log interval after it: no per-step host sync
+    assert summary["final_loss"] is None and "final_loss" in summary["nonfinite"]
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda token: pytest.fail(f"metrics.jsonl holds {token}"))
+
+
+def test_a_collapsed_fp16_loss_scale_stops_the_run(tmp_path, helper_task):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--dtype", "fp16", "--task", helper_task("always_inf"),
+                     "--steps", "200", "--max-nonfinite", "6", "--run-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ddp-amp: error: training diverged at step 6: the fp16 loss scale collapsed"), \
+        result.stderr
+    summary = strict_json(tmp_path / "summary.json")
+    assert summary["skipped_steps"] == 6 and summary["steps"] == 6
+    assert not (tmp_path / "model.pt").exists()

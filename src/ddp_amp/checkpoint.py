@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,44 @@ def save_weights(run_dir: Path, model: torch.nn.Module) -> Path:
     return path
 
 
+def strict(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with every inf/NaN float (at any depth) as null, and their keys listed under "nonfinite":
+    json.dumps would otherwise write bare NaN/Infinity tokens, which strict JSON readers reject."""
+    found: list[str] = []
+
+    def clean(value: Any, key: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append(key)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, key) for v in value]
+        return value
+
+    cleaned = clean(record, "")
+    if found:
+        cleaned["nonfinite"] = sorted(set(found))
+    return cleaned
+
+
 def write_json(path: Path, value: Any) -> Path:
-    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+    if isinstance(value, dict):
+        value = strict(value)
+    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n").encode())
     return path
+
+
+def failure_of(summary: dict[str, Any], run_dir: str | Path) -> str | None:
+    """The one line that fails a run whose ranks all finished: divergence, or an evaluation that raised."""
+    if diverged := summary.get("diverged"):
+        where = f"step {diverged['step']}" + (f" on rank {diverged['rank']}" if diverged.get("rank") is not None
+                                               else "")
+        return f"training diverged at {where}: {diverged['reason']}; no model.pt written (see --max-nonfinite)"
+    if summary.get("eval_error"):
+        return (f"{summary['eval_error']} (the trained weights are in {Path(run_dir) / MODEL_FILE}; the traceback "
+                f"in {Path(run_dir) / 'logs'}/)")
+    return None
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
@@ -39,4 +75,4 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
     # One short line per log interval, written in one call: a reader sees whole lines only.
     with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.write(json.dumps(strict(record), sort_keys=True, allow_nan=False) + "\n")

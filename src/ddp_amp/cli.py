@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from ddp_amp.errors import RunFailed, UsageError
+from ddp_amp.process import StopSignal
 
 app = typer.Typer(
     name="ddp-amp",
@@ -53,6 +54,9 @@ TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
     "clip_grad": _option(None, "--clip-grad", type_=float | None, help="Clip the gradient norm (after unscale)."),
     "log_every": _option(10, "--log-every", type_=int, help="Reduce and log metrics every N steps."),
     "seed": _option(0, "--seed", type_=int, help="Seed: same seed and world size, same result."),
+    "max_nonfinite": _option(20, "--max-nonfinite", type_=int,
+                             help="Stop after this many consecutive non-finite losses or skipped fp16 steps "
+                             "(0: never)."),
     "num_workers": _option(None, "--num-workers", type_=int | None,
                            help="DataLoader workers per rank \\[default: 0 on CPU, a few per GPU rank]."),
     "tf32": _option(None, "--tf32", type_=str | None,
@@ -130,9 +134,11 @@ def spawn(
     from ddp_amp.config import TrainConfig
     from ddp_amp.launch.forkserver import start_forkserver
     from ddp_amp.launch.preflight import preflight
+    from ddp_amp.tasks import precheck_task
 
     if nproc >= 1:
         TrainConfig(**train)  # the cheap checks first, so a bad flag starts nothing
+        precheck_task(train["task"])
         start_forkserver()  # imports torch for the ranks while this process imports it for the checks below
     plan = preflight(train, nproc_per_node=nproc, flag="--gpus", overwrite=output["overwrite"],
                      run_dir=output["run_dir"])
@@ -227,7 +233,7 @@ def multinode(
     net = torchrun.detect_node_network(where, is_host=is_host, local_addr=local_addr, ifname=ifname,
                                        rdzv_timeout=rdzv_timeout, check_reachable=not dry_run)
     plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
-                     run_dir=output["run_dir"])
+                     run_dir=output["run_dir"], lock_run_dir=False)
     job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
     command = torchrun.multinode_command(
         plan.config_path, endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
@@ -349,6 +355,7 @@ def env() -> None:
 
 def _launch(plan, nproc: int, output: dict, start) -> None:
     """Start the ranks with `start(extra_env)` while a progress session renders their events."""
+    from ddp_amp.process import stop_signals_raise
     from ddp_amp.progress.display import make_display
     from ddp_amp.progress.session import ProgressSession
 
@@ -361,28 +368,27 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
         typer.echo(f"ddp-amp: warning: {plan.precision.warning}", err=True)
     session = ProgressSession(make_display(output["log_format"], quiet=output["quiet"]), plan.config_path.parent)
     try:
-        with session:
+        with session, stop_signals_raise():
             start(session.environment())
     except RunFailed as exc:
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
         raise
-    _check_evaluation(Path(config.run_dir))
+    _check_outcome(Path(config.run_dir))
 
 
-def _check_evaluation(run_dir: Path) -> None:
-    """Training succeeded and the weights are saved; a failed evaluation still fails the command."""
+def _check_outcome(run_dir: Path) -> None:
+    """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
     import json
 
-    from ddp_amp.checkpoint import SUMMARY_FILE
+    from ddp_amp.checkpoint import SUMMARY_FILE, failure_of
 
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (OSError, ValueError):
         return
-    if summary.get("eval_error"):
-        raise RunFailed(f"{summary['eval_error']} (the trained weights are in {run_dir / 'model.pt'}; "
-                        f"the traceback in {run_dir / 'logs'}/)")
+    if failure := failure_of(summary, run_dir):
+        raise RunFailed(failure)
 
 
 def _launch_torchrun(plan, nproc: int, output: dict, command) -> None:
@@ -409,6 +415,9 @@ def main(argv: list[str] | None = None) -> None:
         for problem in exc.problems:
             typer.echo(f"ddp-amp: error: {problem}", err=True)
         code = 2
+    except StopSignal as exc:  # a stop signal outside a launcher's own handling (e.g. during its start-up)
+        typer.echo(f"ddp-amp: error: {exc}", err=True)
+        code = exc.exit_code
     except RunFailed as exc:
         if exc.details:
             typer.echo(exc.details, err=True)

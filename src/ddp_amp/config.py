@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_amp.errors import UsageError
+from ddp_amp.files import DirectoryInUse, DirectoryLock, remove_partial_writes
 
 DEVICES = ("auto", "cpu", "cuda")
 AMP_MODES = ("auto", "on", "off")
@@ -70,6 +71,10 @@ class TrainConfig:
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
     tf32: str | None = None
     """CUDA only: on or off to allow TF32 for fp32 matmuls and convolutions (None leaves torch's default)."""
+    max_nonfinite: int = 20
+    """Stop the run (exit 1) once the loss has been inf/NaN for this many consecutive optimizer steps on any
+    rank, or GradScaler has skipped this many in a row (the fp16 loss scale collapsed); 0 never stops. 20 skips
+    divide the scale by 10^6, far beyond its normal settling at the start of a run."""
     num_workers: int | None = None
     """DataLoader worker processes per rank (None: 0 on CPU ranks, a few per rank on CUDA, leaving cores to
     the other ranks)."""
@@ -116,6 +121,8 @@ class TrainConfig:
             problems.append(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
+        if self.max_nonfinite < 0:
+            problems.append(f"--max-nonfinite must be >= 0, got {self.max_nonfinite}")
         if self.num_workers is not None and self.num_workers < 0:
             problems.append(f"--num-workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
@@ -139,33 +146,63 @@ class TrainConfig:
 CONFIG_FILE = "config.json"
 
 
-def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False) -> Path:
-    """Check `--run-dir` before launch and create it. Refuses to clobber a file or an earlier run's weights.
+@dataclass
+class PreparedRunDir:
+    path: Path
+    lock: DirectoryLock | None
+    """Held by the launcher for the whole launch: a second launch into the same directory is refused."""
+
+
+def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False,
+                    lock: bool = True) -> PreparedRunDir:
+    """Check `--run-dir` before launch, create it and lock it. Refuses to clobber a file, an earlier run's
+    weights or metrics, or a directory another launch is using; removes temporary files a killed write left.
 
     unique: the directory must be new; if the name is taken (two runs started in the same second), a -2, -3…
     suffix is added. The check and the creation are one mkdir, so concurrent launches cannot share it.
+    lock: False for multinode, whose nodes may legitimately share one directory on a shared file system.
     """
     path = Path(run_dir)
+    flag = f"--run-dir {str(path)!r}"
     if unique:
         base, n = path, 1
         while True:
             try:
                 path.mkdir(parents=True)
-                return path
+                break
             except FileExistsError:
                 n += 1
                 path = base.with_name(f"{base.name}-{n}")
+            except OSError as exc:
+                raise UsageError(f"{flag} cannot be created: {exc.strerror}") from None
     if path.exists() and not path.is_dir():
-        raise UsageError(f"--run-dir {str(path)!r} is an existing file, not a directory")
+        raise UsageError(f"{flag} is an existing file, not a directory")
     if (path / "model.pt").exists() and not overwrite:
-        raise UsageError(
-            f"--run-dir {str(path)!r} already holds a finished run (model.pt); choose another or pass --overwrite"
-        )
+        raise UsageError(f"{flag} already holds a finished run (model.pt); choose another or pass --overwrite")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"--run-dir {str(path)!r} cannot be created: {exc.strerror}") from None
-    if overwrite:
-        # Old metrics would otherwise be appended to; the old weights stay until the new ones replace them.
-        (path / "metrics.jsonl").unlink(missing_ok=True)
-    return path
+        raise UsageError(f"{flag} cannot be created: {exc.strerror}") from None
+    held = None
+    if lock:
+        try:
+            held = DirectoryLock(path)
+        except DirectoryInUse as busy:
+            raise UsageError(f"{flag} is in use by another ddp-amp launch (pid {busy.pid}); wait for it to end "
+                             "or choose another directory") from None
+        except OSError as exc:
+            raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
+    if not overwrite and any((path / name).exists() for name in ("metrics.jsonl", "summary.json")):
+        if held:
+            held.release()
+        raise UsageError(f"{flag} holds an unfinished earlier run (metrics, no model.pt); pass --overwrite to "
+                         "start over in it, or choose another directory")
+    try:
+        remove_partial_writes(path)
+        if overwrite:
+            # Old metrics would otherwise be appended to; the old weights stay until the new ones replace them.
+            for name in ("metrics.jsonl", "summary.json"):
+                (path / name).unlink(missing_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
+    return PreparedRunDir(path, held)

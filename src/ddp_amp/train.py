@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -93,6 +92,55 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
+class DivergenceWatch:
+    """Notices a run that no longer trains, without a host sync per step.
+
+    Non-finite losses are counted on the device (a streak per rank, and the step where it first reached the
+    limit) and read at log intervals, inside the all-reduce that logging makes anyway. Skipped fp16 steps are
+    already known on the host, so a collapsed loss scale is caught at the step where it happens.
+    """
+
+    NEVER = 2**40
+
+    def __init__(self, limit: int, device: torch.device) -> None:
+        self.limit = limit
+        self.streak = torch.zeros((), dtype=torch.int64, device=device)
+        self.tripped_at = torch.full((), self.NEVER, dtype=torch.int64, device=device)
+        self.step_finite = torch.ones((), dtype=torch.bool, device=device)
+        self.skip_streak = 0
+
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        if self.limit:
+            self.step_finite &= torch.isfinite(loss)
+
+    def end_step(self, step: int, stepped: bool) -> dict[str, Any] | None:
+        if not self.limit:
+            return None
+        self.streak = torch.where(self.step_finite, 0, self.streak + 1)
+        self.tripped_at = torch.where((self.streak >= self.limit) & (self.tripped_at == self.NEVER), step,
+                                      self.tripped_at)
+        self.step_finite.fill_(True)
+        self.skip_streak = 0 if stepped else self.skip_streak + 1
+        if self.skip_streak >= self.limit:
+            return {"step": step, "rank": None,
+                    "reason": f"the fp16 loss scale collapsed: GradScaler skipped {self.limit} steps in a row "
+                              "(inf/NaN gradients every step)"}
+        return None
+
+    def verdict(self, env: DistEnv) -> dict[str, Any] | None:
+        """At a log interval, on every rank: the earliest step (and its rank) where a streak reached the limit."""
+        if not self.limit:
+            return None
+        # Step and rank in one number, so a MIN all-reduce finds the earliest, lowest rank first.
+        code = self.tripped_at * env.world_size + env.rank
+        dist.all_reduce(code, op=dist.ReduceOp.MIN)
+        step, rank = divmod(int(code.item()), env.world_size)
+        if step >= self.NEVER:
+            return None
+        return {"step": step, "rank": rank,
+                "reason": f"the loss was inf/NaN for {self.limit} consecutive steps"}
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
                  reporter: Reporter) -> None:
@@ -152,6 +200,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         loss_count = 0
         skipped_steps = 0
+        divergence = DivergenceWatch(config.max_nonfinite, self.device)
+        diverged: dict[str, Any] | None = None
         first_step_at = steady_at = None
         interval_start, interval_steps = time.perf_counter(), 0
         record: dict[str, Any] = {}
@@ -159,6 +209,7 @@ class Trainer:
         step_started = time.perf_counter()
         on_gpu = self.device.type != "cpu"
         self.model.train()
+        steps_done = 0
         for step in range(self.total_steps):
             lr = self.scheduler.get_last_lr()[0]
             for micro in range(config.grad_accum):
@@ -174,6 +225,7 @@ class Trainer:
                     self.scaler.scale(loss if config.grad_accum == 1 else loss / config.grad_accum).backward()
                 loss_sum += loss.detach().float()
                 loss_count += 1
+                divergence.observe_loss(loss.detach())
             if config.clip_grad is not None:
                 # Clip true gradients: unscale first (a no-op without fp16), then clip, then step.
                 self.scaler.unscale_(self.optimizer)
@@ -186,6 +238,8 @@ class Trainer:
                 # GradScaler found inf/NaN and skipped the update; the schedule must not advance either.
                 skipped_steps += 1
             interval_steps += 1
+            # Known on the host (every rank skips the same steps: the gradients were all-reduced), no sync.
+            diverged = divergence.end_step(step + 1, stepped)
             if config.record_step_times:
                 # Benchmark mode: wait for the device so each step's time is its own.
                 self._sync()
@@ -198,7 +252,10 @@ class Trainer:
             if step + 1 == measure_from:
                 self._sync()
                 steady_at = time.perf_counter()
-            if (step + 1) % config.log_every == 0 or step + 1 == self.total_steps:
+            log_due = (step + 1) % config.log_every == 0 or step + 1 == self.total_steps
+            if log_due and diverged is None:
+                diverged = divergence.verdict(env)  # all-reduced, so every rank reaches the same verdict
+            if log_due or diverged is not None:
                 local = torch.stack([loss_sum, torch.tensor(float(loss_count), device=self.device)])
                 totals = local.clone()
                 dist.all_reduce(totals)  # also a sync point: the interval's time below is real
@@ -226,17 +283,20 @@ class Trainer:
                 self.reporter.on_log(record)
                 loss_sum.zero_()
                 loss_count, interval_start, interval_steps = 0, now, 0
+            steps_done = step + 1
+            if diverged is not None:
+                break  # every rank breaks here, at the same step: no rank waits in a collective alone
         self._sync()
         end = time.time()
         steady_s = time.perf_counter() - steady_at if steady_at is not None else end - start
-        steady_steps = self.total_steps - measure_from
+        steady_steps = max(1, steps_done - measure_from)
         rank_samples_per_s = steady_steps * samples_per_step / steady_s
         samples_per_s = rank_samples_per_s * env.world_size
         summary: dict[str, Any] = {
             "task": config.task,
             "world_size": env.world_size,
-            "steps": self.total_steps,
-            "epochs": round(self.total_steps * config.grad_accum / len(self.loader), 3),
+            "steps": steps_done,
+            "epochs": round(steps_done * config.grad_accum / len(self.loader), 3),
             "batch_size": config.batch_size,
             "global_batch_size": config.batch_size * config.grad_accum * env.world_size,
             "final_loss": record["loss"],
@@ -260,8 +320,8 @@ class Trainer:
             summary[f"model_flops_per_{self.task.item_name.rstrip('s')}"] = self.task.flops_per_item
         if self.scaler.is_enabled():
             summary["loss_scale"] = self.scaler.get_scale()
-        if not math.isfinite(summary["final_loss"]):
-            summary["diverged"] = True
+        if diverged is not None:
+            summary["diverged"] = diverged
         return TrainResult(summary=summary, model=self.model.module, step_s=step_s)
 
     def close(self) -> None:

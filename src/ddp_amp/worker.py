@@ -151,12 +151,14 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         if env.writes_run_dir:
             reporter.state("checkpointing")
             # The weights and the summary first: an evaluation that fails must not cost the trained model.
-            summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
+            # A diverged run's weights are NaN or untrained: not saved, so no model.pt ever looks finished.
+            if "diverged" not in summary:
+                summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
             summary["summary_path"] = str(run_dir / checkpoint.SUMMARY_FILE)
             if rank_times is not None:
                 checkpoint.write_json(run_dir / checkpoint.STEP_TIMES_FILE, rank_times)
             checkpoint.write_summary(run_dir, summary)
-            if task.evaluate is not None:
+            if task.evaluate is not None and "diverged" not in summary:
                 evaluate_into(summary, task, config.task, result.model, device)
                 checkpoint.write_summary(run_dir, summary)
         reporter.done(summary, peak_memory_mb(device))
@@ -220,9 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         # torchrun restarted the job from the beginning: the earlier attempt's log lines no longer apply.
         (Path(config.run_dir) / checkpoint.METRICS_FILE).unlink(missing_ok=True)
     summary = run_worker(config)
-    if summary and summary.get("eval_error") and not os.environ.get(ADDRESS_VAR):
+    failure = summary and checkpoint.failure_of(summary, config.run_dir)
+    if failure and not os.environ.get(ADDRESS_VAR):
         # Started by a hand-written torchrun: no ddp-amp launcher reads the summary, so say it and fail here.
-        print(f"ddp-amp: error: {summary['eval_error']}", file=sys.stderr, flush=True)
+        print(f"ddp-amp: error: {failure}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -3,17 +3,25 @@
 Most of a rank's start is importing torch, torch.distributed and torch._dynamo (which DDP's constructor
 imports). The fork server imports them once and every rank forks warm. Started before the launcher imports
 torch itself, the two imports overlap instead of running one after the other. No torch here: stdlib only.
+
+The ranks' parent is the fork server, not the launcher, so a rank's own parent-death signal fires only when
+the fork server dies; the fork server itself outlived a SIGKILLed launcher. Its first preload therefore ties
+it to the launcher (`ddp_amp.launch.forkserver_tether`): launcher dies -> fork server dies -> ranks die.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
+from ddp_amp.process import LAUNCHER_PID_VAR
+
+PRELOAD = ["ddp_amp.launch.forkserver_tether", "torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
 
 
 def start_forkserver() -> None:
     """Idempotent; torch.multiprocessing's "forkserver" context uses this same server."""
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # inherited by the fork server: whom it must die with
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()

@@ -25,6 +25,8 @@ class LaunchPlan:
     device_type: str
     precision: Precision
     config_path: Path
+    run_dir_lock: object = None
+    """The run directory's lock, held as long as this plan (the launch) lives."""
 
 
 def default_run_dir() -> Path:
@@ -33,7 +35,7 @@ def default_run_dir() -> Path:
 
 
 def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
-              run_dir: str | None = None, extra: dict | None = None) -> LaunchPlan:
+              run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True) -> LaunchPlan:
     """Validate and prepare one launch. `flag` names the process-count option in messages; `extra` sets
     TrainConfig fields that are not command-line options."""
     launch_time = time.time()
@@ -59,9 +61,14 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
 
     resolve_factory(config.task)
     # Last, so that a rejected launch leaves nothing behind.
-    path = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None)
+    prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir)
+    path = prepared.path
     if str(path) != config.run_dir:
         config = config.replace(run_dir=str(path))
     config_path = path / CONFIG_FILE
-    atomic_write(config_path, (config.to_json() + "\n").encode())
-    return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path)
+    try:
+        atomic_write(config_path, (config.to_json() + "\n").encode())
+    except OSError as exc:
+        raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
+    return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
+                      run_dir_lock=prepared.lock)

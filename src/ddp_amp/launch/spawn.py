@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import re
+import time
 from datetime import timedelta
 
 import torch.multiprocessing as mp
@@ -18,6 +19,7 @@ from torch.distributed import TCPStore
 from ddp_amp.config import TrainConfig
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.forkserver import start_forkserver
+from ddp_amp.process import StopSignal
 
 LOOPBACK = "127.0.0.1"
 
@@ -65,12 +67,26 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     except mp.ProcessExitedException as exc:
         raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}") from None
     except KeyboardInterrupt:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+        _stop_ranks(context)
         raise RunFailed("interrupted", exit_code=130) from None
+    except StopSignal as stop:
+        _stop_ranks(context)
+        raise RunFailed(f"{stop}: all {nproc} rank(s) stopped", exit_code=stop.exit_code) from None
     finally:
         del store
+
+
+def _stop_ranks(context: mp.ProcessContext, grace_s: float = 5.0) -> None:
+    """SIGTERM every live rank, then SIGKILL what is still alive after `grace_s`: none outlives the launcher."""
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in context.processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _first_failure(context: mp.ProcessContext, exc: mp.ProcessRaisedException) -> tuple[int, str]:

@@ -138,7 +138,7 @@ def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, l
     log_path: torchrun's own output goes there (while a live display owns the terminal); on failure its last
     lines become the error's details, for failures that happen before any worker could report one.
     """
-    from ddp_amp.process import die_with_parent
+    from ddp_amp.process import StopSignal, die_with_parent
 
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed below, after the process ends)
     try:
@@ -152,6 +152,11 @@ def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, l
             process.send_signal(signal.SIGINT)
             process.wait()
             raise RunFailed("interrupted", exit_code=130) from None
+        except StopSignal as stop:
+            # torchrun forwards the signal to its workers and waits for them.
+            process.send_signal(stop.signum)
+            process.wait()
+            raise RunFailed(f"{stop}: torchrun and its workers stopped", exit_code=stop.exit_code) from None
     finally:
         if log:
             log.close()

@@ -137,7 +137,10 @@ def summary_footer(model: ProgressModel) -> list[str]:
              f"{summary['samples_per_s']:.0f} samples/s global, precision {summary['precision']}"]
     if summary.get("eval"):
         lines.append("eval: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items()))
-    lines.append(f"wrote {summary['model_path']} and {summary['summary_path']}")
+    if summary.get("model_path"):
+        lines.append(f"wrote {summary['model_path']} and {summary['summary_path']}")
+    else:  # a diverged run keeps no weights
+        lines.append(f"wrote {summary['summary_path']} (no model.pt)")
     return lines
 
 

@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,11 @@ def resolve_factory(spec: str) -> Callable[[], Task]:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as exc:
-            raise UsageError(f"--task {spec!r}: module {module_part!r} cannot be imported ({exc})") from None
+            if exc.name and module_part.startswith(exc.name):  # the named module itself is missing
+                raise UsageError(f"--task {spec!r}: module {module_part!r} cannot be imported ({exc})") from None
+            raise UsageError(import_failure(spec, exc)) from None
+        except Exception as exc:  # the user's module raised while importing: say where, in one line
+            raise UsageError(import_failure(spec, exc)) from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise UsageError(f"--task {spec!r}: module {module_part!r} has no attribute {attr!r}")
@@ -87,6 +92,13 @@ def resolve_factory(spec: str) -> Callable[[], Task]:
     except ValueError:
         pass  # some builtins have no inspectable signature; the call itself will tell
     return factory
+
+
+def precheck_task(spec: str) -> None:
+    """What can be checked of --task without importing anything (so without torch): a file task's syntax."""
+    module_part, sep, _ = BUILTIN.get(spec, spec).rpartition(":")
+    if sep and module_part.endswith(".py") and Path(module_part).is_file():
+        check_task_file(spec, Path(module_part))
 
 
 def build_task(spec: str) -> Task:
@@ -102,8 +114,33 @@ def _import_file(spec: str, path: Path):
     name = f"ddp_amp_user_task_{abs(hash(str(path.resolve())))}"
     if name in sys.modules:
         return sys.modules[name]
+    check_task_file(spec, path)
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file raised while importing: say where, in one line
+        del sys.modules[name]
+        raise UsageError(import_failure(spec, exc)) from None
     return module
+
+
+def check_task_file(spec: str, path: Path) -> None:
+    """Compile (not run) a `file.py:factory` task: a syntax error is reported before anything starts."""
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except SyntaxError as exc:
+        raise UsageError(import_failure(spec, exc)) from None
+    except OSError as exc:
+        raise UsageError(f"--task {spec!r}: cannot read {str(path)!r} ({exc.strerror})") from None
+
+
+def import_failure(spec: str, exc: BaseException) -> str:
+    """One line for an exception raised while importing a task: the user's file and line, and the error."""
+    if isinstance(exc, SyntaxError):
+        return f"--task {spec!r}: syntax error in {exc.filename}, line {exc.lineno}: {exc.msg}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename and f"{os.sep}ddp_amp{os.sep}" not in f.filename]
+    where = f" at {user[-1].filename}, line {user[-1].lineno}" if user else ""
+    return f"--task {spec!r}: importing it failed{where}: {type(exc).__name__}: {exc}"

@@ -1,0 +1,162 @@
+"""Real signals against real launches: whatever dies, no process of the run is left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+LONG_RUN = ["--device", "cpu", "--task", "linear", "--steps", "100000", "--log-every", "1", "--log-format", "plain"]
+
+
+MARK_VAR = "DDP_AMP_TEST_RUN_MARK"
+
+
+def run_processes(mark: str) -> list[int]:
+    """PIDs of the live processes that carry `mark` in their environment: the launcher and everything it
+    started, at any depth, in any session (torchrun starts its workers in sessions of their own)."""
+    needle = f"{MARK_VAR}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+class LongRun:
+    """A launch that would train for a long time, returned once every rank is training."""
+
+    def __init__(self, command: str, run_dir: Path, nproc: int = 2) -> None:
+        self.mark = uuid.uuid4().hex
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ddp_amp", command, "-n", str(nproc), *LONG_RUN, "--run-dir", str(run_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, MARK_VAR: self.mark})
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert self.process.poll() is None, self.process.stderr.read()
+            assert time.monotonic() < deadline, "the run never started training"
+            time.sleep(0.2)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def processes(self) -> list[int]:
+        return run_processes(self.mark)
+
+    def wait_until_gone(self, timeout_s: float = 20) -> list[int]:
+        """Polls until no process of the run is alive; returns those still alive after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+
+@pytest.fixture
+def long_run(tmp_path):
+    """Starts LongRuns; whatever they leave running is killed at the end, so a failing test leaks nothing."""
+    runs = []
+
+    def start(command: str, run_dir: Path | None = None) -> LongRun:
+        runs.append(LongRun(command, run_dir or tmp_path))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        for pid in run.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_killing_the_launcher_kills_the_whole_run(command, tmp_path, long_run):
+    run = long_run(command)
+    assert len(run.processes()) >= 4  # launcher, 2 ranks, and the fork server or the torchrun agent
+    run.process.kill()
+    run.process.wait()
+    assert run.wait_until_gone() == [], "processes of the run outlived its launcher"
+    assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_sigterm_stops_every_rank_with_one_line_and_exit_143(command, long_run):
+    run = long_run(command)
+    run.process.terminate()
+    _, stderr = run.process.communicate(timeout=60)
+    assert run.process.returncode == 143, stderr
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ddp-amp: error: stopped by SIGTERM"), stderr
+    assert "Traceback" not in stderr
+    assert run.wait_until_gone() == []
+
+
+def test_a_second_launch_into_a_busy_run_dir_is_refused(tmp_path, long_run):
+    first = long_run("spawn")
+    second = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "5", "--run-dir", str(tmp_path))
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and len(lines) == 1, second.stderr
+    assert f"in use by another ddp-amp launch (pid {first.pid})" in lines[0]
+    assert first.process.poll() is None, "the refused launch disturbed the running one"
+
+    # The first launch dies without cleaning up: its lock goes with it, its metrics stay.
+    first.process.kill()
+    first.process.wait()
+    assert first.wait_until_gone() == []
+    old_lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    again = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "5", "--run-dir", str(tmp_path))
+    assert again.returncode == 2 and "--overwrite" in again.stderr and "unfinished" in again.stderr
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == old_lines  # refused: nothing touched
+    fresh = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "5", "--log-every", "1", "--overwrite",
+                    "--run-dir", str(tmp_path))
+    assert fresh.returncode == 0, fresh.stderr
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4, 5]
+
+
+def test_temporary_files_of_a_killed_write_are_removed_at_the_next_launch(tmp_path):
+    leftover = tmp_path / ".model.pt.k3j2h1.tmp"
+    leftover.write_bytes(b"\0" * 4096)  # what a kill during the save of model.pt leaves
+    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--steps", "3", "--run-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert not leftover.exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(target), str(target)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a read-only bind mount needs root and mount permission")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(target)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only here")
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], capture_output=True)
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2(read_only_dir):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "3", "--run-dir", str(read_only_dir))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "--run-dir" in lines[0] and "not writable" in lines[0] and "Read-only file system" in lines[0]
