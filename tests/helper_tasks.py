@@ -175,3 +175,14 @@ def nan_on_rank1() -> Task:
 def always_inf() -> Task:
     """Every loss is inf: under fp16 GradScaler skips every step and its scale collapses."""
     return _regression_with(lambda call, loss: loss * float("inf"))
+
+
+def hang_on_rank1() -> Task:
+    """Rank 1 hangs in its fifth step's loss (as a stuck data read or a deadlock would); rank 0 waits for it."""
+
+    def on_call(call, loss):
+        if call == 5 and os.environ.get("RANK") == "1":
+            time.sleep(3600)
+        return loss
+
+    return _regression_with(on_call)

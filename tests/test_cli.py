@@ -35,6 +35,9 @@ BAD_INPUTS = [
     (["--log-format", "fancy"], "--log-format"),
     (["--tf32", "yes"], "--tf32"),
     (["--num-workers", "-2"], "--num-workers"),
+    (["--timeout", "0"], "--timeout"),
+    (["--timeout", "inf"], "--timeout"),
+    (["--max-nonfinite", "-1"], "--max-nonfinite"),
 ]
 
 

@@ -152,3 +152,38 @@ def test_rich_display_under_a_terminal_shows_a_row_per_rank(tmp_path):
     assert "all ranks: loss" in screen
     summary = screen[screen.index("summary"):]
     assert "│    0 │" in summary and "│    1 │" in summary
+
+
+def heartbeat(rank, step, micro, phase):
+    phases = ("data", "forward", "backward", "step", "log")
+    return {"type": "heartbeat", "rank": rank, "step": step, "micro": micro, "phase_index": phases.index(phase),
+            "phase": phase, "stall_after_s": 5.0}
+
+
+def test_the_rank_furthest_behind_is_stalled_once_no_loop_moves():
+    display, console, console_file, clock = scripted_display()
+    model = display.model
+    display.handle(heartbeat(0, 41, 0, "backward"))  # waiting in the all-reduce of step 42
+    display.handle(heartbeat(1, 41, 0, "forward"))  # stuck before it
+    clock.now += 4
+    assert model.stalls() == []  # not yet: within stall_after_s
+    display.handle(heartbeat(0, 41, 0, "backward"))  # alive, but not moving
+    clock.now += 2
+    stalls = model.stalls()
+    assert [(e["rank"], e["step"], e["phase"]) for e in stalls] == [(1, 42, "forward")]
+    for event in stalls:
+        display.handle(event)
+    assert [s.rank for s in model.stalled()] == [1] and model.stalls() == []  # reported once
+    console.print(display.render())
+    assert "stalled" in console_file.getvalue()
+    display.handle(heartbeat(1, 41, 0, "backward"))  # it moved on: no longer stalled
+    assert model.ranks[1].status == "running" and model.stalls() == []
+
+
+def test_no_stall_while_any_rank_moves():
+    display, _, _, clock = scripted_display()
+    display.handle(heartbeat(0, 41, 0, "backward"))
+    display.handle(heartbeat(1, 41, 0, "forward"))
+    clock.now += 10
+    display.handle(heartbeat(0, 42, 0, "data"))  # rank 0 still trains (e.g. rank 1 is just slow to report)
+    assert display.model.stalls() == []

@@ -54,6 +54,8 @@ TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
     "clip_grad": _option(None, "--clip-grad", type_=float | None, help="Clip the gradient norm (after unscale)."),
     "log_every": _option(10, "--log-every", type_=int, help="Reduce and log metrics every N steps."),
     "seed": _option(0, "--seed", type_=int, help="Seed: same seed and world size, same result."),
+    "timeout": _option(300.0, "--timeout", type_=float,
+                       help="Seconds a collective waits for the other ranks before the run fails."),
     "max_nonfinite": _option(20, "--max-nonfinite", type_=int,
                              help="Stop after this many consecutive non-finite losses or skipped fp16 steps "
                              "(0: never)."),
@@ -373,6 +375,13 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
     except RunFailed as exc:
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
+        if (stalled := session.stalled()) and exc.exit_code == 1:
+            # The rank that failed is usually one that timed out waiting; the cause is the one it waited for.
+            first = stalled[0]
+            ranks = ", ".join(str(state.rank) for state in stalled)
+            raise RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "
+                            f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc})",
+                            exit_code=exc.exit_code, details=exc.details) from None
         raise
     _check_outcome(Path(config.run_dir))
 

@@ -71,6 +71,10 @@ class TrainConfig:
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
     tf32: str | None = None
     """CUDA only: on or off to allow TF32 for fp32 matmuls and convolutions (None leaves torch's default)."""
+    timeout: float = 300.0
+    """Seconds a collective may wait for the other ranks before the run fails. 300: longer than any solo work
+    between two collectives (rank 0 writing a checkpoint of several GB), short enough that a hung rank costs
+    minutes, not torch's 10-30; the live view marks the stuck rank `stalled` long before."""
     max_nonfinite: int = 20
     """Stop the run (exit 1) once the loss has been inf/NaN for this many consecutive optimizer steps on any
     rank, or GradScaler has skipped this many in a row (the fp16 loss scale collapsed); 0 never stops. 20 skips
@@ -121,6 +125,8 @@ class TrainConfig:
             problems.append(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            problems.append(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
         if self.max_nonfinite < 0:
             problems.append(f"--max-nonfinite must be >= 0, got {self.max_nonfinite}")
         if self.num_workers is not None and self.num_workers < 0:

@@ -41,6 +41,9 @@ class TrainResult:
 
 
 MAX_DEFAULT_WORKERS = 4
+PHASES = ("data", "forward", "backward", "step", "log")
+"""Where the training loop can be, in order within one optimizer step; `Trainer.position` names one."""
+DATA, FORWARD, BACKWARD, STEP, LOG = range(len(PHASES))
 
 
 def steady_state_start(total_steps: int) -> int:
@@ -176,6 +179,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
                                          warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
         self.epoch = 0
+        self.position: tuple[int, int, int] = (0, 0, DATA)
+        """(optimizer step, micro-step, phase): rebound, never mutated, so a watchdog thread reads it whole."""
 
     def _micro_batches(self) -> Iterator[Any]:
         """Batches across epochs, endlessly; set_epoch reshuffles (the same way on every rank) each epoch."""
@@ -213,19 +218,23 @@ class Trainer:
         for step in range(self.total_steps):
             lr = self.scheduler.get_last_lr()[0]
             for micro in range(config.grad_accum):
+                self.position = (step, micro, DATA)
                 inputs, target = next(batches)
                 if on_gpu:
                     inputs, target = to_device((inputs, target), self.device)
                 # Gradients are all-reduced only on the last micro-step; the others accumulate locally.
                 sync = contextlib.nullcontext() if micro == config.grad_accum - 1 else self.model.no_sync()
+                self.position = (step, micro, FORWARD)
                 with sync:
                     with autocast(self.precision, self.device.type):
                         loss = self.task.loss_fn(self.model(inputs), target)
+                    self.position = (step, micro, BACKWARD)  # DDP's all-reduce runs inside backward
                     # Each micro-step contributes 1/K of the mean; no extra kernel when there is one micro-step.
                     self.scaler.scale(loss if config.grad_accum == 1 else loss / config.grad_accum).backward()
                 loss_sum += loss.detach().float()
                 loss_count += 1
                 divergence.observe_loss(loss.detach())
+            self.position = (step, config.grad_accum, STEP)
             if config.clip_grad is not None:
                 # Clip true gradients: unscale first (a no-op without fp16), then clip, then step.
                 self.scaler.unscale_(self.optimizer)
@@ -253,6 +262,8 @@ class Trainer:
                 self._sync()
                 steady_at = time.perf_counter()
             log_due = (step + 1) % config.log_every == 0 or step + 1 == self.total_steps
+            if log_due:
+                self.position = (step, config.grad_accum, LOG)
             if log_due and diverged is None:
                 diverged = divergence.verdict(env)  # all-reduced, so every rank reaches the same verdict
             if log_due or diverged is not None:

@@ -10,6 +10,7 @@ import os
 import random
 import resource
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -28,7 +29,7 @@ from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.progress.events import plain_line
 from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
-from ddp_amp.train import Trainer
+from ddp_amp.train import PHASES, Trainer
 
 
 class WorkerReporter:
@@ -75,6 +76,9 @@ class WorkerReporter:
         if self.env.writes_run_dir:
             event["summary"] = summary
         self._send(event)
+
+    def heartbeat(self, **position: Any) -> None:
+        self._send({"type": "heartbeat", **position})
 
     def error(self, text: str) -> None:
         self._send({"type": "error", "traceback": text, "time": time.time()})
@@ -127,7 +131,9 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         torch.backends.cudnn.allow_tf32 = config.tf32 == "on"
     threads = set_cpu_threads(env.local_world_size) if device.type == "cpu" else torch.get_num_threads()
     run_dir = Path(config.run_dir)
-    with process_group(env, device):
+    if device.type == "cuda":
+        nccl_watchdog_environment(run_dir)
+    with process_group(env, device, timeout_s=config.timeout):
         precision = agreed_precision(config, device)
         torch.manual_seed(config.seed)  # identical initial weights on every rank, run after run
         task = build_task(config.task)
@@ -137,7 +143,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter)
         reporter.state("running")
-        result = trainer.train()
+        with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
+            result = trainer.train()
         trainer.close()  # on success only: after a failure the launcher stops every rank anyway
         summary = result.summary
         rank_times = None
@@ -163,6 +170,53 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
                 checkpoint.write_summary(run_dir, summary)
         reporter.done(summary, peak_memory_mb(device))
         return summary if env.writes_run_dir else None
+
+
+HEARTBEAT_S = 1.0
+
+
+def stall_after_s(timeout_s: float) -> float:
+    """How long no rank's loop may stand still before the launcher calls the furthest-behind one stalled:
+    a quarter of the collective timeout (so it is named well before the timeout fails the run), 2 s to 60 s."""
+    return min(60.0, max(2.0, timeout_s / 4))
+
+
+class Heartbeat:
+    """A thread telling the launcher, every second, where this rank's training loop is (Trainer.position).
+
+    A loop that stands still while its heartbeat goes on is stuck: in a hung user function, or in a collective
+    waiting for a rank that is. The launcher compares the ranks' positions to tell which (see ProgressModel).
+    """
+
+    def __init__(self, reporter: WorkerReporter, trainer: Trainer, stall_after: float) -> None:
+        self.reporter, self.trainer, self.stall_after = reporter, trainer, stall_after
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="ddp-amp-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            step, micro, phase = self.trainer.position
+            self.reporter.heartbeat(step=step, micro=micro, phase_index=phase, phase=PHASES[phase],
+                                    stall_after_s=self.stall_after)
+
+    def __enter__(self) -> Heartbeat:
+        if self.reporter.sender is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def nccl_watchdog_environment(run_dir: Path) -> None:
+    """What torch offers for hangs on NCCL, unless the user chose otherwise: fail a timed-out collective
+    instead of hanging, and have the flight recorder dump every rank's last collectives into the run dir."""
+    for key, value in {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(run_dir.resolve() / "nccl_trace_rank_")}.items():
+        os.environ.setdefault(key, value)
 
 
 def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:

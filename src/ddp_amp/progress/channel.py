@@ -77,6 +77,7 @@ class EventSender:
     def __init__(self, address: str, token: str) -> None:
         host, _, port = address.rpartition(":")
         self._token = token
+        self._lock = threading.Lock()
         try:
             self._socket: socket.socket | None = socket.create_connection((host, int(port)), timeout=10)
         except OSError:
@@ -90,10 +91,13 @@ class EventSender:
     def send(self, event: dict[str, Any]) -> None:
         if self._socket is None:
             return
-        try:
-            self._socket.sendall((json.dumps({"token": self._token, "event": event}) + "\n").encode())
-        except OSError:
-            self._socket = None  # the launcher is gone; keep training, stop reporting
+        line = (json.dumps({"token": self._token, "event": event}) + "\n").encode()
+        with self._lock:  # the heartbeat thread sends too: lines must not interleave
+            try:
+                if self._socket is not None:
+                    self._socket.sendall(line)
+            except OSError:
+                self._socket = None  # the launcher is gone; keep training, stop reporting
 
     def close(self) -> None:
         if self._socket is not None:

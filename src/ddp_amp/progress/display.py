@@ -32,6 +32,10 @@ class RankState:
     done: dict[str, Any] | None = None
     traceback: str | None = None
     failed_at: float = 0.0
+    position: tuple | None = None
+    """(step, micro-step, phase index, phase name) from the rank's heartbeat: where its loop is."""
+    stall_after_s: float | None = None
+    moved_at: float = 0.0
 
 
 @dataclass
@@ -78,6 +82,31 @@ class ProgressModel:
             state.status = "failed"
             state.traceback = event["traceback"]
             state.failed_at = event.get("time", 0.0)
+        elif kind == "heartbeat":
+            position = (event["step"], event["micro"], event["phase_index"], event["phase"])
+            state.stall_after_s = event.get("stall_after_s", state.stall_after_s)
+            if position != state.position:
+                state.position, state.moved_at = position, self.clock()
+                if state.status == "stalled":
+                    state.status = "running"
+        elif kind == "stalled":
+            state.status = "stalled"
+
+    def stalls(self) -> list[dict[str, Any]]:
+        """"stalled" events for ranks that just stalled: no rank's loop has moved for its stall_after_s, and
+        these ranks are the furthest behind. A rank waiting in a collective for a stuck peer has gone further
+        (into its backward pass, whose all-reduce waits) than the peer it waits for."""
+        now = self.clock()
+        beating = [s for s in self.ranks.values() if s.position is not None and s.status in ("running", "stalled")]
+        if not beating or any(now - s.moved_at < (s.stall_after_s or float("inf")) for s in beating):
+            return []
+        behind = min(s.position[:3] for s in beating)
+        return [{"type": "stalled", "rank": s.rank, "step": s.position[0] + 1, "phase": s.position[3],
+                 "silent_s": round(now - s.moved_at, 1)}
+                for s in beating if s.position[:3] == behind and s.status != "stalled"]
+
+    def stalled(self) -> list[RankState]:
+        return sorted((s for s in self.ranks.values() if s.status == "stalled"), key=lambda s: s.rank)
 
     @property
     def elapsed(self) -> float:
@@ -222,7 +251,8 @@ class RichDisplay:
                    "samples/s", *(("scale", "skipped") if show_scale else ()), "status"]
         for header in headers:
             table.add_column(header, justify="left" if header in ("progress", "status") else "right")
-        styles = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan"}
+        styles = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan",
+                  "stalled": "bold yellow"}
         for state in ranks:
             total = state.total_steps or 0
             row = [str(state.rank)]

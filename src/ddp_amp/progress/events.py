@@ -9,6 +9,10 @@ Every event has "type" and "rank"; the rest depends on the type:
     done   steps, samples_per_s (this rank's mean), peak_memory_mb, final_loss, plus the run summary on the
            node's writer (wall_s, time_to_first_step_s, model_path, summary_path)
     error  traceback (the failing rank's, sent once)
+    heartbeat  step (optimizer steps done), micro, phase_index, phase (data, forward, backward, step, log):
+           where the rank's loop is, sent every second; stall_after_s
+    stalled    step, phase, silent_s: made by the launcher when no rank's loop has moved for a while, for the
+           ranks furthest behind (the others wait for them)
 """
 
 from __future__ import annotations
@@ -34,4 +38,7 @@ def plain_line(event: dict[str, Any]) -> str | None:
                 f"peak memory {event['peak_memory_mb']:.0f} MB, final loss {event['final_loss']:.4f}")
     if kind == "error":
         return f"[rank {rank}] failed:\n{event['traceback']}"
+    if kind == "stalled":
+        return (f"[rank {rank}] stalled: no progress for {event['silent_s']:.0f}s in step {event['step']} "
+                f"({event['phase']}); the other ranks are waiting for it")
     return None

@@ -29,9 +29,14 @@ class ProgressSession:
     def failure_shown(self) -> bool:
         return bool(self.display.model.failures())
 
+    def stalled(self) -> list:
+        return self.display.model.stalled()
+
     def _pump(self) -> None:
         while not self._stop.is_set():
             self._drain(timeout=0.1)
+            for event in self.display.model.stalls():
+                self.display.handle(event)
 
     def _drain(self, timeout: float = 0.0) -> None:
         try:
