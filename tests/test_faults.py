@@ -1,5 +1,6 @@
 """Real signals against real launches: whatever dies, no process of the run is left behind."""
 
+import ipaddress
 import json
 import os
 import signal
@@ -172,3 +173,38 @@ def test_a_hung_rank_is_marked_stalled_and_named_when_the_timeout_ends_the_run(t
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("ddp-amp: error: rank 1 stalled in step 5 (forward); the other ranks gave up "
                                 "waiting after --timeout 12s"), result.stderr
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses of the TCP sockets these processes listen on, as "address:port"."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(address_hex)
+            # /proc/net/tcp* print each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append(f"{ipaddress.ip_address(raw)}:{int(port_hex, 16)}")
+    return found
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_every_listening_socket_of_a_run_is_on_loopback(command, long_run):
+    run = long_run(command)
+    addresses = listening_addresses(run.processes())
+    # The launcher's rendezvous store and event channel, gloo's pairs on every rank, the workers' store.
+    assert len(addresses) >= 4, addresses
+    assert all(address.startswith(("127.", "::1:")) for address in addresses), addresses

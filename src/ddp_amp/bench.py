@@ -202,6 +202,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     """Launch every (repeat, precision) once, interleaved off, on, off, on..., and analyse the step times."""
     import sys
 
+    from ddp_amp.dist import loopback_store
     from ddp_amp.launch import torchrun
     from ddp_amp.launch.preflight import preflight
     from ddp_amp.launch.spawn import spawn
@@ -226,9 +227,12 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
                 if options.launcher == "spawn":
                     spawn(plan.config, nproc, extra_env=session.environment())
                 else:
+                    store = loopback_store()  # served as long as this launch runs
                     command = torchrun.standalone_command(plan.config_path, nproc_per_node=nproc, max_restarts=0,
-                                                          monitor_interval=0.1, device_type=plan.device_type)
+                                                          monitor_interval=0.1, device_type=plan.device_type,
+                                                          store_port=store.port)
                     torchrun.execute(command, session.environment(), run_dir / "logs" / "torchrun.log")
+                    del store
             measurement = Measurement.load(run_dir, plan.precision.name, repeat, options.warmup)
             measurements.append(measurement)
             summary = measurement.summary

@@ -175,12 +175,18 @@ def run(
     nproc = torchrun.parse_nproc(nproc_per_node)
     plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
                      run_dir=output["run_dir"])
-    command = torchrun.standalone_command(plan.config_path, nproc_per_node=nproc, max_restarts=max_restarts,
-                                          monitor_interval=monitor_interval, device_type=plan.device_type)
+    options = {"nproc_per_node": nproc, "max_restarts": max_restarts, "monitor_interval": monitor_interval,
+               "device_type": plan.device_type}
     if dry_run:
-        typer.echo(command.shell())
+        typer.echo(torchrun.standalone_command(plan.config_path, **options).shell())
         return
+    from ddp_amp.dist import loopback_store
+
+    # The rendezvous store, served by this launcher on loopback only, for as long as the launch lasts.
+    store = loopback_store(timeout_s=plan.config.timeout)
+    command = torchrun.standalone_command(plan.config_path, store_port=store.port, **options)
     _launch_torchrun(plan, nproc, output, command)
+    del store
 
 
 @app.command()

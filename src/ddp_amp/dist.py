@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,13 +74,55 @@ def set_cpu_threads(local_world_size: int) -> int:
     return threads
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: float = 300) -> dist.TCPStore:
+    """A TCPStore server reachable from this machine only. Given a host and a port, TCPStore listens on every
+    interface, unauthenticated; handed a socket already bound to 127.0.0.1, it serves just that one.
+    port 0: a port the kernel chooses (store.port tells which)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((LOOPBACK, port))
+        listener.listen(128)
+        store = dist.TCPStore(LOOPBACK, listener.getsockname()[1], world_size=world_size, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now and closes it itself
+    return store
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 @contextlib.contextmanager
 def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) -> Iterator[None]:
-    """init_process_group from the environment (env://), torn down on every path, error path included."""
+    """init_process_group from the environment contract, torn down on every path, error path included.
+
+    Where rank 0 must serve the store itself (torchrun without a shared agent store) on a loopback address,
+    it serves it on loopback only (env:// would listen on every interface); otherwise env:// as usual.
+    """
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    common = {"backend": backend, "rank": env.rank, "world_size": env.world_size, "timeout": timeout,
+              "device_id": device if device.type == "cuda" else None}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and _is_loopback(env.master_addr):
+        if env.rank == 0:
+            store = loopback_store(env.master_port, world_size=env.world_size, timeout_s=timeout_s)
+        else:
+            store = dist.TCPStore(LOOPBACK, env.master_port, world_size=env.world_size, is_master=False,
+                                  timeout=timeout)
+        dist.init_process_group(store=store, **common)
+    else:
+        dist.init_process_group(init_method="env://", **common)
     try:
         yield
     finally:

@@ -11,17 +11,14 @@ import os
 import pickle
 import re
 import time
-from datetime import timedelta
 
 import torch.multiprocessing as mp
-from torch.distributed import TCPStore
 
 from ddp_amp.config import TrainConfig
+from ddp_amp.dist import LOOPBACK, loopback_store
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.process import StopSignal
-
-LOOPBACK = "127.0.0.1"
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -48,8 +45,7 @@ def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int, extra
 def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = None) -> None:
     """Run `nproc` ranks to completion (`extra_env` added to each rank's environment).
     Raises RunFailed naming the first rank that failed."""
-    store = TCPStore(LOOPBACK, 0, world_size=nproc, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=300))
+    store = loopback_store(world_size=nproc, timeout_s=config.timeout)
     start_forkserver()  # usually already running: the CLI starts it before importing torch
     # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)

@@ -93,13 +93,25 @@ def restart_env(max_restarts: int) -> dict[str, str]:
 
 
 def standalone_command(config_path: Path, *, nproc_per_node: int, max_restarts: int, monitor_interval: float,
-                       device_type: str) -> TorchrunCommand:
-    argv = [sys.executable, "-m", "torch.distributed.run",
-            # standalone: a local c10d store on a free port that torchrun picks, so two jobs never collide.
-            "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc_per_node),
-            "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval),
-            "-m", WORKER_MODULE, str(config_path)]
-    return TorchrunCommand(argv, {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts)})
+                       device_type: str, store_port: int | None = None) -> TorchrunCommand:
+    """One node. store_port: the port of a loopback-only rendezvous store the launcher serves (see
+    ddp_amp.dist.loopback_store); without it, torchrun's --standalone, whose stores listen on every interface
+    (what --dry-run prints, for a command that runs by hand)."""
+    argv = [sys.executable, "-m", "torch.distributed.run"]
+    env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts)}
+    if store_port is None:
+        # standalone: a local c10d store on a free port that torchrun picks, so two jobs never collide.
+        argv += ["--standalone", "--nnodes", "1"]
+    else:
+        # The agent joins our store as a client (is_host=0); workers get 127.0.0.1 as MASTER_ADDR, and with a
+        # store of their own (not the agent's), rank 0 serves it on loopback too (ddp_amp.dist.process_group).
+        argv += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}",
+                 "--rdzv-id", f"ddp-amp-{os.getpid()}-{store_port}", "--rdzv-conf", "is_host=0",
+                 "--local-addr", "127.0.0.1"]
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    argv += ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts),
+             "--monitor-interval", str(monitor_interval), "-m", WORKER_MODULE, str(config_path)]
+    return TorchrunCommand(argv, env)
 
 
 def default_rdzv_id(endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, run_name: str) -> str:
