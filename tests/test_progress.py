@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ddp_amp.progress.channel import EventSender, EventServer
+from ddp_amp.progress.channel import MAX_LINE_BYTES, TOKEN_WAIT_S, EventSender, EventServer
 from ddp_amp.progress.display import PlainDisplay, RichDisplay
 
 from conftest import assert_ok, run_cli
@@ -93,9 +93,12 @@ def test_channel_accepts_the_token_and_rejects_everything_else():
         good = EventSender(server.address, server.token)
         good.send({"type": "log", "rank": 0})
         host, _, port = server.address.rpartition(":")
-        with socket.create_connection((host, int(port))) as intruder:
-            intruder.sendall(b'{"token": "wrong", "event": {"type": "log", "rank": 9}}\n')
-            intruder.sendall(b'{"event": {"type": "log", "rank": 8}}\nnot json\n')
+        for bad in (b'{"token": "wrong", "event": {"type": "log", "rank": 9}}\n',
+                    b'{"event": {"type": "log", "rank": 8}}\n', b"not json\n"):
+            with socket.create_connection((host, int(port))) as intruder:
+                intruder.sendall(bad)
+                intruder.settimeout(10)
+                assert intruder.recv(1) == b"", "a connection without the token stays open"
         good.send({"type": "done", "rank": 0})
         good.close()
         received = [server.events.get(timeout=5), server.events.get(timeout=5)]
@@ -187,3 +190,35 @@ def test_no_stall_while_any_rank_moves():
     clock.now += 10
     display.handle(heartbeat(0, 42, 0, "data"))  # rank 0 still trains (e.g. rank 1 is just slow to report)
     assert display.model.stalls() == []
+
+
+def test_a_silent_connection_is_closed_and_cannot_hold_the_launcher():
+    server = EventServer()
+    with server:
+        host, _, port = server.address.rpartition(":")
+        silent = socket.create_connection((host, int(port)))  # connects, never sends
+        quiet_after_token = socket.create_connection((host, int(port)))
+        quiet_after_token.sendall(json.dumps({"token": server.token, "event": {"type": "log", "rank": 0}}).encode()
+                                  + b"\n")
+        assert server.events.get(timeout=5) == {"type": "log", "rank": 0}
+        silent.settimeout(TOKEN_WAIT_S + 10)
+        assert silent.recv(1) == b"", "a connection that never presented the token was kept open"
+    # Leaving the block returned although `quiet_after_token` is still open and silent: the launcher can end.
+    quiet_after_token.settimeout(5)
+    assert quiet_after_token.recv(1) == b""
+    silent.close()
+    quiet_after_token.close()
+
+
+def test_an_endless_line_closes_the_connection_without_buffering_it():
+    with EventServer() as server:
+        host, _, port = server.address.rpartition(":")
+        with socket.create_connection((host, int(port))) as flood:
+            sent = 0
+            chunk = b"x" * 65536
+            with pytest.raises(OSError):  # the server hangs up soon after MAX_LINE_BYTES
+                while sent < 64 * MAX_LINE_BYTES:
+                    flood.sendall(chunk)
+                    sent += len(chunk)
+            assert sent < 64 * MAX_LINE_BYTES
+    assert server.rejected == 1
