@@ -248,3 +248,42 @@ def test_tf32_is_a_training_option_of_every_launcher(tmp_path, capsys):
               "--run-dir", str(tmp_path)])
     assert exit_info.value.code == 0
     assert json.loads((tmp_path / "config.json").read_text())["tf32"] == "off"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("task", "expected"), [
+    ("fail_on_rank1", "rank 1 failed: ValueError: injected failure at step 5"),
+    ("killed_once", "rank 1 died with SIGKILL"),  # no restart allowed: the first death ends the job
+])
+def test_a_failing_run_names_the_rank_that_failed_first(tmp_path, helper_task, task, expected):
+    result = run_cli("run", "-n", "2", "--device", "cpu", "--task", helper_task(task), "--steps", "20",
+                     "--run-dir", str(tmp_path), timeout=180)
+    assert result.returncode == 1, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"ddp-amp: error: {expected} (torchrun exited with code 1"), result.stderr
+
+
+def test_a_rank_killed_without_raising_is_the_cause_whatever_torchrun_calls_first():
+    from ddp_amp.launch.torchrun import root_cause
+
+    log = """
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 8430)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 8430
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 8429)
+  error_file: /tmp/x/attempt_0/0/error.json
+  traceback : Traceback (most recent call last):
+    RuntimeError: Connection closed by peer
+============================================================
+"""
+    assert root_cause(log) == (1, "died with SIGKILL")
+    assert root_cause(log.replace("error_file: <N/A>", "error_file: /tmp/e.json")) == \
+        (0, "failed: RuntimeError: Connection closed by peer")
+    assert root_cause("torchrun said nothing useful") is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 import shlex
 import signal
 import socket
@@ -173,11 +174,42 @@ def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, l
         if log:
             log.close()
     if code != 0:
-        details = ""
+        details, cause = "", None
         if log_path:
-            details = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-20:])
-        raise RunFailed(f"torchrun exited with code {code}" + (f" (its log: {log_path})" if log_path else ""),
-                        exit_code=code if 0 < code < 128 else 1, details=details)
+            text = Path(log_path).read_text(errors="replace")
+            details = "\n".join(text.splitlines()[-20:])
+            cause = root_cause(text)
+        where = f"torchrun exited with code {code}" + (f"; its log: {log_path}" if log_path else "")
+        message = f"rank {cause[0]} {cause[1]} ({where})" if cause else where
+        raise RunFailed(message, exit_code=code if 0 < code < 128 else 1, details=details)
+
+
+def root_cause(torchrun_log: str) -> tuple[int, str] | None:
+    """The rank that failed first, and how, from torchrun's failure report in its log.
+
+    A rank killed by a signal without raising (no error file: SIGKILL, the OOM killer) is the cause even
+    when torchrun's "Root Cause" names another rank: those raised "connection closed" because it vanished.
+    """
+    report = torchrun_log.rpartition("Failures:")[2]
+    blocks = []
+    for block in re.split(r"^\[\d+\]:\s*$", report, flags=re.MULTILINE)[1:]:
+        block = block.split("=" * 20, 1)[0]
+        rank = re.search(r"^\s*rank\s*:\s*(\d+)", block, re.MULTILINE)
+        exitcode = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", block, re.MULTILINE)
+        if rank and exitcode:
+            blocks.append((block, int(rank.group(1)), int(exitcode.group(1))))
+    if not blocks:
+        return None
+    killed = [(b, r, c) for b, r, c in blocks if c < 0 and re.search(r"error_file\s*:\s*<N/A>", b)]
+    block, rank, code = killed[0] if killed else blocks[-1]  # the last block is torchrun's root cause
+    if code < 0 and (killed or "error_file: <N/A>" in block):
+        try:
+            return rank, f"died with {signal.Signals(-code).name}"
+        except ValueError:
+            return rank, f"died with signal {-code}"
+    lines = [line.strip() for line in block.split("traceback :", 1)[-1].splitlines() if line.strip()]
+    error = lines[-1] if lines and "To enable traceback" not in lines[-1] else f"exit code {code}"
+    return rank, f"failed: {error}"
 
 
 @dataclass(frozen=True)
