@@ -186,3 +186,16 @@ def hang_on_rank1() -> Task:
         return loss
 
     return _regression_with(on_call)
+
+
+class _DictItems(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return {"x": torch.zeros(8), "y": torch.zeros(1)}
+
+
+def dict_items() -> Task:
+    """Breaks the contract: each item is a dict, not an (inputs, target) pair."""
+    return Task(model=nn.Linear(8, 1), dataset=_DictItems(), loss_fn=nn.functional.mse_loss)

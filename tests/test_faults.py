@@ -208,3 +208,54 @@ def test_every_listening_socket_of_a_run_is_on_loopback(command, long_run):
     # The launcher's rendezvous store and event channel, gloo's pairs on every rank, the workers' store.
     assert len(addresses) >= 4, addresses
     assert all(address.startswith(("127.", "::1:")) for address in addresses), addresses
+
+
+def test_dataset_items_that_are_not_pairs_are_named_in_one_line(tmp_path, helper_task):
+    task = helper_task("dict_items")
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", task, "--steps", "5", "--run-dir",
+                     str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "dataset items must be (inputs, target) pairs, but item 0 is a dict with keys ['x', 'y']" in last_line
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    target = tmp_path / "small"
+    target.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(target)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root and mount permission")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], capture_output=True)
+
+
+def test_no_room_for_the_weights_is_refused_before_training(small_file_system):
+    run_dir = small_file_system / "run"
+    # mlp-wide's weights take about 5 MiB: more than this 2 MiB file system holds.
+    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--task", "mlp-wide", "--steps", "5",
+                     "--run-dir", str(run_dir))
+    assert result.returncode == 1, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert f"--run-dir {run_dir}:" in last_line and "MiB free, but model.pt needs" in last_line
+    assert not (run_dir / "metrics.jsonl").exists(), "it trained before finding out"
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_a_metrics_line_that_does_not_fit_is_cut_back(small_file_system):
+    from ddp_amp.checkpoint import METRICS_FILE, append_metrics
+
+    append_metrics(small_file_system, {"step": 1, "loss": 0.5})
+    first = (small_file_system / METRICS_FILE).read_bytes()
+    filler = small_file_system / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    with pytest.raises(OSError):  # fill the file system to its last byte
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    with pytest.raises(OSError):
+        append_metrics(small_file_system, {"step": 2, "loss": 0.25, "padding": "x" * 100_000})
+    assert (small_file_system / METRICS_FILE).read_bytes() == first

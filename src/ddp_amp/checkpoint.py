@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,18 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    # One short line per log interval, written in one call: a reader sees whole lines only.
-    with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(strict(record), sort_keys=True, allow_nan=False) + "\n")
+    """One short line per log interval, written in one call: a reader sees whole lines only. A write that
+    fails part-way (disk full) is cut back off, so the file never ends in half a line."""
+    line = (json.dumps(strict(record), sort_keys=True, allow_nan=False) + "\n").encode()
+    fd = os.open(run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, f"short write to {METRICS_FILE}")
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)

@@ -17,3 +17,8 @@ class RunFailed(Exception):
         self.exit_code = exit_code
         self.details = details
         """What the failing rank printed (its traceback), shown before the one-line message."""
+
+
+class RankSetupError(Exception):
+    """A problem a rank finds before it trains (the task breaks its contract, no room for the weights). The
+    message says it all: it is reported as one line, without the traceback that led to it."""

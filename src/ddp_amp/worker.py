@@ -9,10 +9,12 @@ import inspect
 import os
 import random
 import resource
+import shutil
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from ddp_amp import checkpoint
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
+from ddp_amp.errors import RankSetupError
 from ddp_amp.precision import Precision, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
 from ddp_amp.process import die_with_parent
 from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
@@ -116,6 +119,9 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     reporter.state("restarting" if restart else "starting", restart=restart)
     try:
         return _train(config, env, reporter, started)
+    except RankSetupError as exc:
+        reporter.error(str(exc))
+        raise
     except Exception:
         reporter.error(traceback.format_exc())
         raise
@@ -137,6 +143,9 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         precision = agreed_precision(config, device)
         torch.manual_seed(config.seed)  # identical initial weights on every rank, run after run
         task = build_task(config.task)
+        check_task_contract(task, config.task)
+        if env.writes_run_dir:
+            check_room_for_weights(run_dir, task.model)
         # The randomness of training itself (dropout, augmentation) differs between ranks, or every rank would
         # draw the same masks and waste data parallelism; it is still fixed by the seed and the rank.
         seed_rank_randomness(config.seed + env.rank)
@@ -172,6 +181,41 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         return summary if env.writes_run_dir else None
 
 
+def check_task_contract(task: Task, spec: str) -> None:
+    """The first item of the data set, checked against the Task contract on every rank: a wrong shape would
+    otherwise surface as a misleading error from deep inside the model."""
+    dataset = task.dataset
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise RankSetupError(f"--task {spec}: the dataset must be map-style (__len__ and __getitem__), got "
+                             f"{type(dataset).__name__}")
+    if len(dataset) == 0:
+        raise RankSetupError(f"--task {spec}: the dataset is empty")
+    item = dataset[0]
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return
+    if isinstance(item, Mapping):
+        shape = f"a {type(item).__name__} with keys {sorted(map(str, item))}"
+    elif isinstance(item, (tuple, list)):
+        shape = f"a {type(item).__name__} of {len(item)} elements"
+    elif isinstance(item, torch.Tensor):
+        shape = f"a single tensor of shape {tuple(item.shape)}"
+    else:
+        shape = f"a {type(item).__name__}"
+    raise RankSetupError(f"--task {spec}: dataset items must be (inputs, target) pairs, but item 0 is {shape}; "
+                         "return a pair from __getitem__ (inputs may themselves be a dict or a tuple)")
+
+
+def check_room_for_weights(run_dir: Path, model: torch.nn.Module) -> None:
+    """Before training: the run dir's file system must hold model.pt, or the trained work would be lost at
+    the very end (the write fails, the weights exist nowhere else)."""
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + WEIGHTS_OVERHEAD
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise RankSetupError(f"--run-dir {run_dir}: {free / 2**20:.1f} MiB free, but model.pt needs "
+                             f"{need / 2**20:.1f} MiB; free some space or choose another --run-dir")
+
+
+WEIGHTS_OVERHEAD = 1 << 20  # torch.save's framing, summary.json and metrics.jsonl, generously
 HEARTBEAT_S = 1.0
 
 
