@@ -199,3 +199,53 @@ class _DictItems(Dataset):
 def dict_items() -> Task:
     """Breaks the contract: each item is a dict, not an (inputs, target) pair."""
     return Task(model=nn.Linear(8, 1), dataset=_DictItems(), loss_fn=nn.functional.mse_loss)
+
+
+class _NoisyRegression(nn.Module):
+    """Dropout in the forward pass: bit-identical resumes need every rank's RNG state restored."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.relu(self.hidden(x))))
+
+
+def resumable() -> Task:
+    """A regression with dropout, steered by environment variables for fault tests:
+    DDP_AMP_TEST_STEP_SLEEP seconds per step; DDP_AMP_TEST_KILL_AT: rank 1 SIGKILLs itself at that step of the
+    first attempt; DDP_AMP_TEST_BIG_SAMPLE: one sample 10^4 times larger, whose fp16 gradients overflow
+    whenever it is in a batch (a GradScaler skip that depends on the data, so it recurs identically on resume)."""
+    pause = float(os.environ.get("DDP_AMP_TEST_STEP_SLEEP", "0"))
+    kill_at = int(os.environ.get("DDP_AMP_TEST_KILL_AT", "0"))
+
+    def on_call(call, loss):
+        if pause:
+            time.sleep(pause)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if call == kill_at and first_attempt and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss
+
+    task = _regression_with(on_call)
+    task.model = _NoisyRegression()
+    if os.environ.get("DDP_AMP_TEST_BIG_SAMPLE"):
+        x, y = task.dataset.tensors
+        x, y = x.clone(), y.clone()
+        x[0] *= 1e4
+        y[0] *= 1e4
+        task.dataset = TensorDataset(x, y)
+    return task
+
+
+class Planted:
+    """Not data: unpickling it runs code (it creates the file named in its argument)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))

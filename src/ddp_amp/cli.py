@@ -54,6 +54,13 @@ TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
     "clip_grad": _option(None, "--clip-grad", type_=float | None, help="Clip the gradient norm (after unscale)."),
     "log_every": _option(10, "--log-every", type_=int, help="Reduce and log metrics every N steps."),
     "seed": _option(0, "--seed", type_=int, help="Seed: same seed and world size, same result."),
+    "checkpoint_every": _option(0, "--checkpoint-every", type_=int,
+                                help="Checkpoint every N optimizer steps into RUN_DIR/checkpoints (0: never)."),
+    "keep": _option(2, "--keep", type_=int, help="Checkpoints to keep (the newest)."),
+    "resume": _option(None, "--resume", type_=str | None,
+                      help="Continue from a checkpoint: auto (the run dir's newest valid one) or a path."),
+    "stop_timeout": _option(60.0, "--stop-timeout", type_=float,
+                            help="Seconds the ranks get to stop and checkpoint after a signal."),
     "timeout": _option(300.0, "--timeout", type_=float,
                        help="Seconds a collective waits for the other ranks before the run fails."),
     "max_nonfinite": _option(20, "--max-nonfinite", type_=int,
@@ -146,7 +153,7 @@ def spawn(
                      run_dir=output["run_dir"])
     from ddp_amp.launch.spawn import spawn as spawn_ranks
 
-    _launch(plan, nproc, output, lambda env: spawn_ranks(plan.config, nproc, extra_env=env))
+    _launch(plan, nproc, output, lambda env, session: spawn_ranks(plan.config, nproc, extra_env=env))
 
 
 NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--gpus", "-n",
@@ -241,7 +248,8 @@ def multinode(
     net = torchrun.detect_node_network(where, is_host=is_host, local_addr=local_addr, ifname=ifname,
                                        rdzv_timeout=rdzv_timeout, check_reachable=not dry_run)
     plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
-                     run_dir=output["run_dir"], lock_run_dir=False)
+                     run_dir=output["run_dir"], lock_run_dir=False,
+                     world_size=nodes.min * nproc if nodes.min == nodes.max else None)
     job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
     command = torchrun.multinode_command(
         plan.config_path, endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
@@ -362,7 +370,7 @@ def env() -> None:
 
 
 def _launch(plan, nproc: int, output: dict, start) -> None:
-    """Start the ranks with `start(extra_env)` while a progress session renders their events."""
+    """Start the ranks with `start(extra_env, session)` while a progress session renders their events."""
     from ddp_amp.process import stop_signals_raise
     from ddp_amp.progress.display import make_display
     from ddp_amp.progress.session import ProgressSession
@@ -377,10 +385,12 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
     session = ProgressSession(make_display(output["log_format"], quiet=output["quiet"]), plan.config_path.parent)
     try:
         with session, stop_signals_raise():
-            start(session.environment())
+            start(session.environment(), session)
     except RunFailed as exc:
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
+        if exc.exit_code > 128:  # stopped by a signal
+            raise RunFailed(_stop_report(Path(config.run_dir), str(exc), config), exit_code=exc.exit_code) from None
         if (stalled := session.stalled()) and exc.exit_code == 1:
             # The rank that failed is usually one that timed out waiting; the cause is the one it waited for.
             first = stalled[0]
@@ -390,6 +400,26 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
                             exit_code=exc.exit_code, details=exc.details) from None
         raise
     _check_outcome(Path(config.run_dir))
+
+
+def _stop_report(run_dir: Path, stopped_by: str, config) -> str:
+    """The one line after a stop signal: at which step the ranks stopped, and where their work is."""
+    import json
+
+    from ddp_amp.checkpoint import SUMMARY_FILE
+
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        summary = {}
+    step = summary.get("stopped_at_step")
+    if step is None:
+        return (f"{stopped_by}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and were "
+                "killed")
+    if summary.get("checkpoint"):
+        return (f"{stopped_by} at step {step}; checkpoint {summary['checkpoint']} (continue with --resume auto "
+                f"--run-dir {run_dir})")
+    return f"{stopped_by} at step {step}; no checkpoint kept (--checkpoint-every 0)"
 
 
 def _check_outcome(run_dir: Path) -> None:
@@ -411,7 +441,39 @@ def _launch_torchrun(plan, nproc: int, output: dict, command) -> None:
 
     typer.echo(f"ddp-amp: {command.shell()}", err=True)
     log_path = plan.config_path.parent / "logs" / "torchrun.log"
-    _launch(plan, nproc, output, lambda env: torchrun.execute(command, env, log_path))
+    sessions = []
+
+    def start(env, session):
+        sessions.append(session)
+        torchrun.execute(command, env, log_path, rank_pids=session.rank_pids, stop_timeout=plan.config.stop_timeout)
+
+    _launch(plan, nproc, output, start)
+    _report_recovery(plan.config, log_path, sessions[0].display.model)
+
+
+def _report_recovery(config, log_path: Path, model) -> None:
+    """A run that torchrun restarted and that then succeeded ends with one line saying what it recovered from."""
+    import json
+
+    from ddp_amp.checkpoint import SUMMARY_FILE
+    from ddp_amp.launch import torchrun
+
+    try:
+        summary = json.loads((Path(config.run_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if not summary.get("restarts"):
+        return
+    restarts = summary["restarts"]
+    line = f"ddp-amp: recovered after {restarts} restart{'s' if restarts > 1 else ''}"
+    causes = torchrun.restart_causes(log_path.read_text(errors="replace")) if log_path.exists() else []
+    if causes:
+        local_rank, what = causes[0]
+        step = model.steps_before_restart.get(local_rank)
+        line += f": rank {local_rank} {what}" + (f" (last seen in step {step})" if step is not None else "")
+    resumed = summary.get("resumed_from_step")
+    line += f"; resumed from step {resumed}" if resumed else "; restarted from the beginning (no checkpoint)"
+    typer.echo(line, err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

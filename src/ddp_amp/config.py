@@ -71,6 +71,16 @@ class TrainConfig:
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
     tf32: str | None = None
     """CUDA only: on or off to allow TF32 for fp32 matmuls and convolutions (None leaves torch's default)."""
+    checkpoint_every: int = 0
+    """Write RUN_DIR/checkpoints/step-<N>.pt every this many optimizer steps (0: never)."""
+    keep: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: str | None = None
+    """A checkpoint to continue from: a path, or "auto" for the run dir's newest valid one (the launcher
+    resolves "auto" to a path before any rank starts)."""
+    stop_timeout: float = 60.0
+    """After a stop signal, how long the ranks get to reach the next log interval and checkpoint before they
+    are killed."""
     timeout: float = 300.0
     """Seconds a collective may wait for the other ranks before the run fails. 300: longer than any solo work
     between two collectives (rank 0 writing a checkpoint of several GB), short enough that a hung rank costs
@@ -127,6 +137,12 @@ class TrainConfig:
             problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             problems.append(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
+        if self.checkpoint_every < 0:
+            problems.append(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.keep < 1:
+            problems.append(f"--keep must be >= 1, got {self.keep}")
+        if not (math.isfinite(self.stop_timeout) and self.stop_timeout > 0):
+            problems.append(f"--stop-timeout must be a finite number of seconds > 0, got {self.stop_timeout}")
         if self.max_nonfinite < 0:
             problems.append(f"--max-nonfinite must be >= 0, got {self.max_nonfinite}")
         if self.num_workers is not None and self.num_workers < 0:
@@ -160,13 +176,14 @@ class PreparedRunDir:
 
 
 def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False,
-                    lock: bool = True) -> PreparedRunDir:
+                    lock: bool = True, resuming: bool = False) -> PreparedRunDir:
     """Check `--run-dir` before launch, create it and lock it. Refuses to clobber a file, an earlier run's
     weights or metrics, or a directory another launch is using; removes temporary files a killed write left.
 
     unique: the directory must be new; if the name is taken (two runs started in the same second), a -2, -3…
     suffix is added. The check and the creation are one mkdir, so concurrent launches cannot share it.
     lock: False for multinode, whose nodes may legitimately share one directory on a shared file system.
+    resuming: an unfinished run's metrics are expected (the resumed run cuts them back to its checkpoint).
     """
     path = Path(run_dir)
     flag = f"--run-dir {str(path)!r}"
@@ -198,17 +215,21 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                              "or choose another directory") from None
         except OSError as exc:
             raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
-    if not overwrite and any((path / name).exists() for name in ("metrics.jsonl", "summary.json")):
+    if not overwrite and not resuming and any((path / name).exists() for name in ("metrics.jsonl", "summary.json")):
         if held:
             held.release()
         raise UsageError(f"{flag} holds an unfinished earlier run (metrics, no model.pt); pass --overwrite to "
                          "start over in it, or choose another directory")
     try:
         remove_partial_writes(path)
+        if (path / "checkpoints").is_dir():
+            remove_partial_writes(path / "checkpoints")
         if overwrite:
             # Old metrics would otherwise be appended to; the old weights stay until the new ones replace them.
             for name in ("metrics.jsonl", "summary.json"):
                 (path / name).unlink(missing_ok=True)
+        elif resuming:
+            (path / "summary.json").unlink(missing_ok=True)  # the stopped attempt's; this run writes its own
     except OSError as exc:
         raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
     return PreparedRunDir(path, held)

@@ -7,12 +7,15 @@ MASTER_PORT itself; torchrun sets the same. Nothing else about the launcher is k
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import ipaddress
 import os
 import socket
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,11 +42,15 @@ class DistEnv:
                    local_world_size=int(env["LOCAL_WORLD_SIZE"]), master_addr=env["MASTER_ADDR"],
                    master_port=int(env["MASTER_PORT"]))
 
+    shares_run_dir_with_rank0: bool = False
+    """This node's run directory is rank 0's (a shared file system): settled by `settle_run_dir_writers`."""
+
     @property
     def writes_run_dir(self) -> bool:
-        """Local rank 0 of every node writes the run directory (rank 0 alone on one node), so each node of a
-        multi-node job holds the weights without a shared file system."""
-        return self.local_rank == 0
+        """Global rank 0 writes the run directory, and so does local rank 0 of every other node whose run
+        directory is not the same one (each node holds the weights without a shared file system, and no two
+        processes ever write one file)."""
+        return self.rank == 0 or (self.local_rank == 0 and not self.shares_run_dir_with_rank0)
 
 
 def usable_cores() -> int:
@@ -127,3 +134,21 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
         yield
     finally:
         dist.destroy_process_group()
+
+
+def settle_run_dir_writers(env: DistEnv, run_dir: Path) -> DistEnv:
+    """On a multi-node job, find out which nodes see rank 0's run directory (a shared file system): rank 0
+    leaves a marker file there, the other nodes' local rank 0 look for it. Two collectives, once."""
+    if env.world_size == env.local_world_size:
+        return env  # one node: local rank 0 is rank 0
+    token = [uuid.uuid4().hex if env.rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(run_dir) / f".writer-{token[0]}"
+    if env.rank == 0:
+        marker.touch()
+    dist.barrier()
+    shared = env.rank != 0 and marker.exists()
+    dist.barrier()
+    if env.rank == 0:
+        marker.unlink(missing_ok=True)
+    return dataclasses.replace(env, shares_run_dir_with_rank0=shared)

@@ -8,7 +8,10 @@ import signal
 from collections.abc import Iterator
 
 LAUNCHER_PID_VAR = "DDP_AMP_LAUNCHER_PID"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+"""What asks a launcher to stop: kill/schedulers, Ctrl-C, a closed terminal, SLURM's --signal warning."""
+GRACEFUL_STOP = signal.SIGUSR1
+"""What a launcher sends its ranks to have them stop together at the next log interval and checkpoint."""
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -45,8 +48,9 @@ class StopSignal(Exception):
 
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise StopSignal in the main thread, so the launcher stops its
-    ranks and says so instead of vanishing with them still running. A second signal is not caught."""
+    """Within the block, the STOP_SIGNALS raise StopSignal in the main thread, so the launcher stops its ranks
+    (gracefully) and says so instead of vanishing with them still running. A second signal is not caught:
+    it ends the launcher at once, and its ranks with it."""
 
     def handler(signum: int, frame: object) -> None:
         for sig in STOP_SIGNALS:  # a second signal ends the launcher at once (its ranks die with it)
@@ -59,3 +63,11 @@ def stop_signals_raise() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def signal_processes(pids, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

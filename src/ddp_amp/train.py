@@ -8,14 +8,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, usable_cores
@@ -79,11 +79,14 @@ def loader_workers(requested: int | None, device: torch.device, local_world_size
     return max(0, min(MAX_DEFAULT_WORKERS, usable_cores() // local_world_size - 1))
 
 
-def build_loader(dataset: Any, sampler: Any, batch_size: int, workers: int, device: torch.device) -> DataLoader:
-    extra: dict[str, Any] = {}
+def build_loader(dataset: Any, sampler: Any, batch_size: int, workers: int, device: torch.device,
+                 seed: int) -> DataLoader:
+    # A generator of its own: each new iterator draws its workers' base seed from it, not from the global
+    # RNG, so where an iterator starts (a resume mid-epoch) does not shift the training randomness.
+    extra: dict[str, Any] = {"generator": torch.Generator().manual_seed(seed)}
     if workers:
         # Workers live as long as the run (not re-forked every epoch) and keep two batches each ready.
-        extra = {"persistent_workers": True, "prefetch_factor": 2}
+        extra.update(persistent_workers=True, prefetch_factor=2)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                       pin_memory=device.type == "cuda", **extra)
 
@@ -93,6 +96,33 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
         return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                                weight_decay=config.weight_decay)
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+class Checkpointer(Protocol):
+    """Saves the trainer's state every so many optimizer steps (the worker provides one)."""
+
+    def due(self, step: int) -> bool: ...
+
+    def save(self, trainer: Trainer, step: int) -> None: ...
+
+
+class ResumableSampler(Sampler):
+    """A DistributedSampler that can start its next pass `skip_batches` batches in, without loading them:
+    a run resumed mid-epoch sees exactly the batches an uninterrupted one would have."""
+
+    def __init__(self, inner: DistributedSampler, batch_size: int) -> None:
+        self.inner, self.batch_size, self.skip_batches = inner, batch_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(self.inner)[self.skip_batches * self.batch_size:]
+        self.skip_batches = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return len(self.inner)
 
 
 class DivergenceWatch:
@@ -159,12 +189,14 @@ class Trainer:
         # themselves would break this; build_optimizer never makes one.)
         self.steps_taken = 0
         self.optimizer.register_step_post_hook(self._count_step)
-        self.sampler = DistributedSampler(task.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True,
-                                          seed=config.seed, drop_last=False)
+        self.sampler = ResumableSampler(DistributedSampler(task.dataset, num_replicas=env.world_size,
+                                                           rank=env.rank, shuffle=True, seed=config.seed,
+                                                           drop_last=False), config.batch_size)
         # The sampler pads every rank to the same number of samples, so every rank runs the same number of
         # batches: no rank waits forever in an all-reduce the others never join.
         self.loader_workers = loader_workers(config.num_workers, device, env.local_world_size)
-        self.loader = build_loader(task.dataset, self.sampler, config.batch_size, self.loader_workers, device)
+        self.loader = build_loader(task.dataset, self.sampler, config.batch_size, self.loader_workers, device,
+                                   seed=config.seed + env.rank)
         micro_per_epoch = len(self.loader)
         if config.steps is not None:
             self.total_steps = config.steps
@@ -179,15 +211,45 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
                                          warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
         self.epoch = 0
+        self.batches_in_epoch = 0
+        """Micro-batches of the current epoch already trained on: where a resumed run picks the data up."""
+        self.start_step = 0
+        self.skipped_steps = 0
         self.position: tuple[int, int, int] = (0, 0, DATA)
         """(optimizer step, micro-step, phase): rebound, never mutated, so a watchdog thread reads it whole."""
+        self.checkpointer: Checkpointer | None = None
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Polled (a host flag, no collective) and agreed on by all ranks at log intervals."""
+        self.stopped_at: int | None = None
 
     def _micro_batches(self) -> Iterator[Any]:
         """Batches across epochs, endlessly; set_epoch reshuffles (the same way on every rank) each epoch."""
         while True:
             self.sampler.set_epoch(self.epoch)
-            yield from self.loader
+            self.sampler.skip_batches = self.batches_in_epoch  # mid-epoch after a resume, else 0
+            for batch in self.loader:
+                self.batches_in_epoch += 1
+                yield batch
             self.epoch += 1
+            self.batches_in_epoch = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""
+        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Continue from a checkpoint taken after optimizer step `step`."""
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])  # the loss scale and its growth tracker
+        self.epoch, self.batches_in_epoch = state["epoch"], state["batches_in_epoch"]
+        self.skipped_steps = state["skipped_steps"]
+        self.start_step = step
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -204,7 +266,7 @@ class Trainer:
         # every step wait for the device.
         loss_sum = torch.zeros((), device=self.device)
         loss_count = 0
-        skipped_steps = 0
+        skipped_steps = self.skipped_steps
         divergence = DivergenceWatch(config.max_nonfinite, self.device)
         diverged: dict[str, Any] | None = None
         first_step_at = steady_at = None
@@ -214,8 +276,8 @@ class Trainer:
         step_started = time.perf_counter()
         on_gpu = self.device.type != "cpu"
         self.model.train()
-        steps_done = 0
-        for step in range(self.total_steps):
+        steps_done = self.start_step
+        for step in range(self.start_step, self.total_steps):
             lr = self.scheduler.get_last_lr()[0]
             for micro in range(config.grad_accum):
                 self.position = (step, micro, DATA)
@@ -246,6 +308,7 @@ class Trainer:
             else:
                 # GradScaler found inf/NaN and skipped the update; the schedule must not advance either.
                 skipped_steps += 1
+            self.skipped_steps = skipped_steps
             interval_steps += 1
             # Known on the host (every rank skips the same steps: the gradients were all-reduced), no sync.
             diverged = divergence.end_step(step + 1, stepped)
@@ -255,6 +318,8 @@ class Trainer:
                 now = time.perf_counter()
                 step_s.append(now - step_started)
                 step_started = now
+            if self.checkpointer is not None and self.checkpointer.due(step + 1):
+                self.checkpointer.save(self, step + 1)
             if first_step_at is None:
                 self._sync()
                 first_step_at = time.time()
@@ -267,12 +332,16 @@ class Trainer:
             if log_due and diverged is None:
                 diverged = divergence.verdict(env)  # all-reduced, so every rank reaches the same verdict
             if log_due or diverged is not None:
-                local = torch.stack([loss_sum, torch.tensor(float(loss_count), device=self.device)])
+                # A stop request (a signal on any rank) rides along: every rank learns it at the same step.
+                flags = torch.tensor([float(loss_count), float(self.stop_requested())], device=self.device)
+                local = torch.cat([loss_sum.reshape(1), flags])
                 totals = local.clone()
                 dist.all_reduce(totals)  # also a sync point: the interval's time below is real
                 now = time.perf_counter()
                 interval_s = now - interval_start
-                local_loss, local_count, total_loss, total_count = torch.cat([local, totals]).tolist()
+                local_loss, local_count, _, total_loss, total_count, stops = torch.cat([local, totals]).tolist()
+                if stops and step + 1 < self.total_steps:
+                    self.stopped_at = step + 1
                 rank_samples_per_s = interval_steps * samples_per_step / interval_s
                 record = {
                     "step": step + 1,
@@ -295,12 +364,12 @@ class Trainer:
                 loss_sum.zero_()
                 loss_count, interval_start, interval_steps = 0, now, 0
             steps_done = step + 1
-            if diverged is not None:
+            if diverged is not None or self.stopped_at is not None:
                 break  # every rank breaks here, at the same step: no rank waits in a collective alone
         self._sync()
         end = time.time()
         steady_s = time.perf_counter() - steady_at if steady_at is not None else end - start
-        steady_steps = max(1, steps_done - measure_from)
+        steady_steps = max(1, steps_done - max(measure_from, self.start_step))
         rank_samples_per_s = steady_steps * samples_per_step / steady_s
         samples_per_s = rank_samples_per_s * env.world_size
         summary: dict[str, Any] = {
@@ -310,7 +379,7 @@ class Trainer:
             "epochs": round(steps_done * config.grad_accum / len(self.loader), 3),
             "batch_size": config.batch_size,
             "global_batch_size": config.batch_size * config.grad_accum * env.world_size,
-            "final_loss": record["loss"],
+            "final_loss": record.get("loss"),
             "samples_per_s": samples_per_s,
             "rank_samples_per_s": rank_samples_per_s,
             "precision": self.precision.name,
@@ -318,7 +387,7 @@ class Trainer:
             "backend": dist.get_backend(),
             "train_s": end - start,
             "wall_s": end - launch,
-            "time_to_first_step_s": first_step_at - launch,
+            "time_to_first_step_s": (first_step_at or end) - launch,
             "skipped_steps": skipped_steps,
             "final_lr": self.scheduler.get_last_lr()[0],
             "seed": config.seed,
@@ -333,6 +402,10 @@ class Trainer:
             summary["loss_scale"] = self.scaler.get_scale()
         if diverged is not None:
             summary["diverged"] = diverged
+        if self.stopped_at is not None:
+            summary["stopped_at_step"] = self.stopped_at
+        if self.start_step:
+            summary["resumed_from_step"] = self.start_step
         return TrainResult(summary=summary, model=self.model.module, step_s=step_s)
 
     def close(self) -> None:

@@ -5,11 +5,13 @@ spawn calls `run_worker(config)` in each child; torchrun runs `python -m ddp_amp
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from ddp_amp import checkpoint
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads
+from ddp_amp.dist import DistEnv, process_group, resolve_device, set_cpu_threads, settle_run_dir_writers
 from ddp_amp.errors import RankSetupError
 from ddp_amp.precision import Precision, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
 from ddp_amp.process import die_with_parent
@@ -116,7 +118,9 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     sender = EventSender.from_environ()
     reporter = WorkerReporter(env, Path(config.run_dir), sender)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    reporter.state("restarting" if restart else "starting", restart=restart)
+    # The pid lets the launcher ask this rank to stop gracefully (SIGUSR1), under torchrun too.
+    reporter.state("restarting" if restart else "starting", restart=restart, pid=os.getpid())
+    stop_on_signals()
     try:
         return _train(config, env, reporter, started)
     except RankSetupError as exc:
@@ -140,6 +144,7 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
     if device.type == "cuda":
         nccl_watchdog_environment(run_dir)
     with process_group(env, device, timeout_s=config.timeout):
+        env = reporter.env = settle_run_dir_writers(env, run_dir)
         precision = agreed_precision(config, device)
         torch.manual_seed(config.seed)  # identical initial weights on every rank, run after run
         task = build_task(config.task)
@@ -151,11 +156,27 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         seed_rank_randomness(config.seed + env.rank)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter)
+        trainer.stop_requested = lambda: STOP_REQUEST.signum is not None
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        resumed = resume(trainer, config, env, run_dir, device, restarted=restarts > 0)
+        checkpointer = RunCheckpointer(config, env, run_dir, device) if config.checkpoint_every else None
+        trainer.checkpointer = checkpointer
         reporter.state("running")
         with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
             result = trainer.train()
-        trainer.close()  # on success only: after a failure the launcher stops every rank anyway
         summary = result.summary
+        if checkpointer is not None:
+            if trainer.stopped_at is not None and not checkpointer.saved(trainer.stopped_at):
+                checkpointer.save(trainer, trainer.stopped_at)  # keep the work: a checkpoint at the stop
+            checkpointer.close()  # waits for the write in flight
+            if checkpointer.last_path is not None:
+                summary["checkpoint"] = str(checkpointer.last_path)
+        trainer.close()  # on success only: after a failure the launcher stops every rank anyway
+        summary["restarts"] = restarts
+        if resumed is not None:
+            summary["resumed_from"] = resumed
+        if trainer.stopped_at is not None:
+            summary["stopped_by"] = STOP_REQUEST.name
         rank_times = None
         if config.record_step_times:
             rank_times = [None] * env.world_size
@@ -167,14 +188,16 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         if env.writes_run_dir:
             reporter.state("checkpointing")
             # The weights and the summary first: an evaluation that fails must not cost the trained model.
-            # A diverged run's weights are NaN or untrained: not saved, so no model.pt ever looks finished.
-            if "diverged" not in summary:
+            # A diverged run's weights are NaN or untrained, a stopped run's unfinished: neither is saved as
+            # model.pt, which marks a finished run.
+            finished = "diverged" not in summary and "stopped_at_step" not in summary
+            if finished:
                 summary["model_path"] = str(checkpoint.save_weights(run_dir, result.model))
             summary["summary_path"] = str(run_dir / checkpoint.SUMMARY_FILE)
             if rank_times is not None:
                 checkpoint.write_json(run_dir / checkpoint.STEP_TIMES_FILE, rank_times)
             checkpoint.write_summary(run_dir, summary)
-            if task.evaluate is not None and "diverged" not in summary:
+            if task.evaluate is not None and finished:
                 evaluate_into(summary, task, config.task, result.model, device)
                 checkpoint.write_summary(run_dir, summary)
         reporter.done(summary, peak_memory_mb(device))
@@ -217,6 +240,117 @@ def check_room_for_weights(run_dir: Path, model: torch.nn.Module) -> None:
 
 WEIGHTS_OVERHEAD = 1 << 20  # torch.save's framing, summary.json and metrics.jsonl, generously
 HEARTBEAT_S = 1.0
+
+
+class StopRequest:
+    """The first stop signal this rank received (SIGUSR1 from its launcher or a scheduler, SIGINT from a
+    terminal). The training loop reads it at log intervals, where all ranks agree to stop at the same step."""
+
+    signum: int | None = None
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum else None
+
+
+STOP_REQUEST = StopRequest()
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGINT)
+
+
+def stop_on_signals() -> None:
+    def handler(signum: int, frame: object) -> None:
+        if STOP_REQUEST.signum is None:
+            STOP_REQUEST.signum = signum
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
+class RunCheckpointer:
+    """Checkpoints every --checkpoint-every steps: every rank's RNG state is gathered, the writer copies the
+    state to host memory and a background thread writes it (atomically), so training waits for the copy only."""
+
+    def __init__(self, config: TrainConfig, env: DistEnv, run_dir: Path, device: torch.device) -> None:
+        self.config, self.env, self.run_dir, self.device = config, env, run_dir, device
+        self.last_path: Path | None = None
+        self.last_step: int | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.config.checkpoint_every == 0
+
+    def saved(self, step: int) -> bool:
+        return self.last_step == step
+
+    def save(self, trainer: Trainer, step: int) -> None:
+        rng = [None] * self.env.world_size
+        dist.all_gather_object(rng, checkpoint.rng_state(self.device))  # a collective: every rank, every time
+        self.last_step = step
+        if not self.env.writes_run_dir:
+            return
+        self._wait()
+        state = {"step": step, "trainer": _to_host(trainer.state_dict()), "rng": rng,
+                 "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
+        self.last_path = checkpoint.checkpoint_dir(self.run_dir) / f"step-{step}.pt"
+        self._thread = threading.Thread(target=self._write, args=(state,), name="ddp-amp-checkpoint")
+        self._thread.start()
+
+    def _write(self, state: dict[str, Any]) -> None:
+        try:
+            checkpoint.save_checkpoint(self.run_dir, state, keep=self.config.keep)
+        except BaseException as exc:  # re-raised in the training thread, at the next save or at close
+            self._error = exc
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self._wait()
+
+
+def _to_host(value: Any) -> Any:
+    """A copy in host memory: training goes on changing the originals while the copy is written."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return value
+
+
+def resume(trainer: Trainer, config: TrainConfig, env: DistEnv, run_dir: Path, device: torch.device, *,
+           restarted: bool) -> dict[str, Any] | None:
+    """Continue from config.resume or, in a worker group torchrun restarted, from the newest checkpoint.
+    Returns {"path", "step"} when it resumed."""
+    path = Path(config.resume) if config.resume else None
+    if path is None and restarted:
+        found = checkpoint.newest_valid_checkpoint(run_dir, warn=lambda line: print(f"warning: {line}"))
+        path = found[0] if found else None
+    if path is None:
+        if restarted and env.writes_run_dir:
+            # Restarted from the beginning: the earlier attempt's log lines no longer apply.
+            (run_dir / checkpoint.METRICS_FILE).unlink(missing_ok=True)
+        return None
+    try:
+        state = checkpoint.load_checkpoint(path)
+    except checkpoint.CheckpointError as exc:
+        raise RankSetupError(f"--resume {exc}") from None
+    differ = checkpoint.mismatches(state["config"], state["world_size"], dataclasses.asdict(config),
+                                   env.world_size)
+    if differ:
+        raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
+    trainer.load_state_dict(state["trainer"], state["step"])
+    checkpoint.set_rng_state(state["rng"][env.rank], device)
+    if env.writes_run_dir:
+        checkpoint.cut_metrics(run_dir, state["step"])
+    return {"path": str(path), "step": state["step"]}
 
 
 def stall_after_s(timeout_s: float) -> float:
@@ -316,9 +450,6 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         sys.exit("usage: python -m ddp_amp.worker RUN_DIR/config.json")
     config = TrainConfig.from_json(Path(args[0]).read_text())
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.environ.get("LOCAL_RANK") == "0":
-        # torchrun restarted the job from the beginning: the earlier attempt's log lines no longer apply.
-        (Path(config.run_dir) / checkpoint.METRICS_FILE).unlink(missing_ok=True)
     summary = run_worker(config)
     failure = summary and checkpoint.failure_of(summary, config.run_dir)
     if failure and not os.environ.get(ADDRESS_VAR):

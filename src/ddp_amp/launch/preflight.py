@@ -5,6 +5,8 @@ Whatever is wrong becomes a UsageError (one line per problem, exit code 2) and n
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,8 +36,31 @@ def default_run_dir() -> Path:
     return RUNS_ROOT / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
+def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
+    """--resume auto|PATH -> the checkpoint's path, after checking it loads and matches this run."""
+    from ddp_amp import checkpoint
+
+    if config.resume == "auto":
+        found = checkpoint.newest_valid_checkpoint(
+            config.run_dir, warn=lambda line: print(f"ddp-amp: warning: {line}", file=sys.stderr))
+        if found is None:
+            raise UsageError(f"--resume auto: no valid checkpoint in {checkpoint.checkpoint_dir(config.run_dir)}")
+        path, state = found
+    else:
+        path = Path(config.resume)
+        try:
+            state = checkpoint.load_checkpoint(path)
+        except checkpoint.CheckpointError as exc:
+            raise UsageError(f"--resume {exc}") from None
+    differ = checkpoint.mismatches(state["config"], state["world_size"], dataclasses.asdict(config), world_size)
+    if differ:
+        raise UsageError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
+    return str(path.resolve())
+
+
 def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
-              run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True) -> LaunchPlan:
+              run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True,
+              world_size: int | None = -1) -> LaunchPlan:
     """Validate and prepare one launch. `flag` names the process-count option in messages; `extra` sets
     TrainConfig fields that are not command-line options."""
     launch_time = time.time()
@@ -43,6 +68,8 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
                          launch_time=launch_time)
     if nproc_per_node < 1:
         raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
+    if world_size == -1:  # one node (spawn, run)
+        world_size = nproc_per_node
     import torch  # only now: --help and flag errors above stay fast
 
     device_type = config.device
@@ -60,8 +87,11 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
     from ddp_amp.tasks import resolve_factory
 
     resolve_factory(config.task)
+    if config.resume is not None:
+        config = config.replace(resume=resolve_resume(config, world_size))
     # Last, so that a rejected launch leaves nothing behind.
-    prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir)
+    prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
+                               resuming=config.resume is not None)
     path = prepared.path
     if str(path) != config.run_dir:
         config = config.replace(run_dir=str(path))

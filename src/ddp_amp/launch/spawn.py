@@ -18,7 +18,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import LOOPBACK, loopback_store
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.forkserver import start_forkserver
-from ddp_amp.process import StopSignal
+from ddp_amp.process import GRACEFUL_STOP, StopSignal, signal_processes
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -51,11 +51,25 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}), nprocs=nproc,
                                  join=False, start_method="forkserver")
+    stop: StopSignal | None = None
     try:
         # join() returns True once all ranks exited cleanly; on the first failure it terminates the others
         # and raises with the failing rank and its traceback.
-        while not context.join():
-            pass
+        deadline = None
+        while True:
+            try:
+                if context.join(timeout=None if stop is None else 0.5):
+                    break
+            except StopSignal as first:
+                # Ask every rank to stop at its next log interval (and checkpoint); wait --stop-timeout.
+                stop, deadline = first, time.monotonic() + config.stop_timeout
+                signal_processes([p.pid for p in context.processes if p.is_alive()], GRACEFUL_STOP)
+                continue
+            if stop is not None and time.monotonic() > deadline:
+                _stop_ranks(context)
+                break
+        if stop is not None:
+            raise RunFailed(str(stop), exit_code=stop.exit_code)
     except mp.ProcessRaisedException as exc:
         rank, traceback_text = _first_failure(context, exc)
         last_line = traceback_text.splitlines()[-1] if traceback_text else "unknown error"
@@ -65,9 +79,6 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     except KeyboardInterrupt:
         _stop_ranks(context)
         raise RunFailed("interrupted", exit_code=130) from None
-    except StopSignal as stop:
-        _stop_ranks(context)
-        raise RunFailed(f"{stop}: all {nproc} rank(s) stopped", exit_code=stop.exit_code) from None
     finally:
         del store
 

@@ -145,20 +145,23 @@ def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, log_path: Path | None = None) -> None:
+def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, log_path: Path | None = None, *,
+            rank_pids=lambda: [], stop_timeout: float = 60.0) -> None:
     """Run torchrun to completion; a non-zero exit becomes RunFailed.
 
     log_path: torchrun's own output goes there (while a live display owns the terminal); on failure its last
     lines become the error's details, for failures that happen before any worker could report one.
     """
-    from ddp_amp.process import StopSignal, die_with_parent
+    from ddp_amp.process import GRACEFUL_STOP, StopSignal, die_with_parent, signal_processes
 
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed below, after the process ends)
     try:
         process = subprocess.Popen(command.argv, env={**os.environ, **command.env, **(extra_env or {})},
                                    stdout=log, stderr=subprocess.STDOUT if log else None,
                                    # torchrun forwards SIGTERM to its workers: if ddp-amp dies, so does the job.
-                                   preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                                   preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+                                   # Ctrl-C reaches ddp-amp alone, which stops the ranks gracefully.
+                                   start_new_session=True)
         try:
             code = process.wait()
         except KeyboardInterrupt:
@@ -166,10 +169,16 @@ def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, l
             process.wait()
             raise RunFailed("interrupted", exit_code=130) from None
         except StopSignal as stop:
-            # torchrun forwards the signal to its workers and waits for them.
-            process.send_signal(stop.signum)
-            process.wait()
-            raise RunFailed(f"{stop}: torchrun and its workers stopped", exit_code=stop.exit_code) from None
+            # Ask the ranks (their pids came with their first event) to stop together at their next log
+            # interval and checkpoint; torchrun ends once they have. Past --stop-timeout, end it all.
+            pids = rank_pids()
+            signal_processes(pids, GRACEFUL_STOP) if pids else process.terminate()
+            try:
+                process.wait(timeout=stop_timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()  # its workers die with it (their parent-death signal)
+                process.wait()
+            raise RunFailed(str(stop), exit_code=stop.exit_code) from None
     finally:
         if log:
             log.close()
@@ -182,6 +191,21 @@ def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, l
         where = f"torchrun exited with code {code}" + (f"; its log: {log_path}" if log_path else "")
         message = f"rank {cause[0]} {cause[1]} ({where})" if cause else where
         raise RunFailed(message, exit_code=code if 0 < code < 128 else 1, details=details)
+
+
+def restart_causes(torchrun_log: str) -> list[tuple[int, str]]:
+    """(local rank, what happened) for each worker failure torchrun logged, restarts included."""
+    causes = []
+    for match in re.finditer(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", torchrun_log):
+        code, local_rank = int(match.group(1)), int(match.group(2))
+        if code < 0:
+            try:
+                causes.append((local_rank, f"died with {signal.Signals(-code).name}"))
+                continue
+            except ValueError:
+                pass
+        causes.append((local_rank, f"exited with code {code}"))
+    return causes
 
 
 def root_cause(torchrun_log: str) -> tuple[int, str] | None:

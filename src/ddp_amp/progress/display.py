@@ -32,6 +32,7 @@ class RankState:
     done: dict[str, Any] | None = None
     traceback: str | None = None
     failed_at: float = 0.0
+    pid: int | None = None
     position: tuple | None = None
     """(step, micro-step, phase index, phase name) from the rank's heartbeat: where its loop is."""
     stall_after_s: float | None = None
@@ -50,6 +51,10 @@ class ProgressModel:
     item_name: str = "samples"
     items_per_s: float | None = None
     summary: dict[str, Any] | None = None
+    restarts: int = 0
+    steps_before_restart: dict[int, int] = field(default_factory=dict)
+    recovered: list[tuple[int, int, str]] = field(default_factory=list)
+    """(attempt, rank, last line) of failures that a restart recovered from: no longer shown as failures."""
 
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()
@@ -58,8 +63,11 @@ class ProgressModel:
         state = self.ranks.setdefault(event["rank"], RankState(event["rank"]))
         kind = event["type"]
         if kind == "state":
+            if event["status"] == "restarting":
+                self._restarted(event.get("restart", 1))
             state.status = event["status"]
             state.local_rank = event.get("local_rank", state.local_rank)
+            state.pid = event.get("pid", state.pid)
             state.node = event.get("node", state.node)
         elif kind == "log":
             state.status = "running"
@@ -91,6 +99,20 @@ class ProgressModel:
                     state.status = "running"
         elif kind == "stalled":
             state.status = "stalled"
+
+    def _restarted(self, attempt: int) -> None:
+        """torchrun restarted the worker group: the earlier attempt's failures are history, not the outcome."""
+        if attempt <= self.restarts:
+            return
+        self.restarts = attempt
+        # The step each rank was last seen in: its heartbeat's, else the one after its last logged step.
+        self.steps_before_restart = {state.rank: state.position[0] + 1 if state.position else state.step + 1
+                                     for state in self.ranks.values()}
+        for state in self.failures():
+            self.recovered.append((attempt - 1, state.rank, state.traceback.strip().splitlines()[-1]))
+        for state in self.ranks.values():
+            state.traceback, state.failed_at, state.done = None, 0.0, None
+            state.position = None
 
     def stalls(self) -> list[dict[str, Any]]:
         """"stalled" events for ranks that just stalled: no rank's loop has moved for its stall_after_s, and

@@ -29,6 +29,11 @@ class ProgressSession:
     def failure_shown(self) -> bool:
         return bool(self.display.model.failures())
 
+    def rank_pids(self) -> list[int]:
+        """The process ids of this node's ranks that have reported (for a graceful stop)."""
+        return [state.pid for state in self.display.model.ranks.values()
+                if state.pid and state.status not in ("done", "failed")]
+
     def stalled(self) -> list:
         return self.display.model.stalled()
 

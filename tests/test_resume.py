@@ -1,0 +1,153 @@
+"""Checkpoints and resume with real processes and real signals: the resumed run's weights equal, bit for bit,
+those of a run that was never interrupted."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import HELPER_TASKS, assert_ok, load_weights, read_metrics, read_summary, run_cli
+from helper_tasks import Planted
+
+pytestmark = pytest.mark.slow
+
+TASK = f"{HELPER_TASKS}:resumable"
+STEPS = 40
+# 512 samples / (16 per rank x 2 ranks): 16 steps an epoch, so a checkpoint at 20 or 30 is mid-epoch.
+ARGS = ["--device", "cpu", "--task", TASK, "--steps", str(STEPS), "--batch-size", "16", "--seed", "5",
+        "--log-every", "1", "--checkpoint-every", "10", "--lr", "0.01"]
+PRECISIONS = {"fp32": ["--amp", "off"], "fp16": ["--dtype", "fp16"]}
+SLOW = {"DDP_AMP_TEST_STEP_SLEEP": "0.15"}
+
+
+def env_for(precision: str, **extra: str) -> dict:
+    env = dict(extra)
+    if precision == "fp16":
+        env["DDP_AMP_TEST_BIG_SAMPLE"] = "1"  # GradScaler skips recur, so its state must be restored exactly
+    return env
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference runs, one per precision, never interrupted."""
+    runs = {}
+    for precision, flags in PRECISIONS.items():
+        run_dir = tmp_path_factory.mktemp(f"reference-{precision}")
+        assert_ok(run_cli("spawn", "-n", "2", *ARGS, *flags, "--run-dir", str(run_dir), env=env_for(precision)))
+        runs[precision] = run_dir
+    return runs
+
+
+def assert_bit_identical(a, b) -> None:
+    first, second = load_weights(a), load_weights(b)
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), f"{key} differs"
+
+
+def launch(command: str, run_dir, precision: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    flag = "-n"
+    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, flag, "2", *ARGS, *PRECISIONS[precision],
+                             *extra, "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **env_for(precision, **SLOW), **(env or {})})
+
+
+def wait_for(path, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_resume_after_the_launcher_is_killed_is_bit_identical(precision, tmp_path, uninterrupted):
+    process = launch("spawn", tmp_path, precision)
+    wait_for(tmp_path / "checkpoints" / "step-20.pt", process)
+    process.kill()  # SIGKILL: no clean-up at all
+    process.wait()
+    assert not (tmp_path / "model.pt").exists()
+    result = run_cli("spawn", "-n", "2", *ARGS, *PRECISIONS[precision], "--resume", "auto",
+                     "--run-dir", str(tmp_path), env=env_for(precision))
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["resumed_from_step"] in (20, 30)
+    assert_bit_identical(tmp_path, uninterrupted[precision])
+    if precision == "fp16":
+        reference = read_summary(uninterrupted["fp16"])
+        assert summary["skipped_steps"] == reference["skipped_steps"] > 0
+        assert summary["loss_scale"] == reference["loss_scale"]
+    # metrics.jsonl was cut back to the checkpoint and continued: every step once, in order.
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, STEPS + 1))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == ["step-30.pt", "step-40.pt"]
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_sigterm_stops_at_one_step_checkpoints_and_resumes(command, tmp_path, uninterrupted):
+    process = launch(command, tmp_path, "fp32")
+    wait_for(tmp_path / "checkpoints" / "step-10.pt", process)
+    process.terminate()
+    _, stderr = process.communicate(timeout=90)
+    assert process.returncode == 143, stderr
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ddp-amp: error: stopped by SIGTERM at step "), stderr
+    stopped_at = read_summary(tmp_path)["stopped_at_step"]
+    checkpoint = tmp_path / "checkpoints" / f"step-{stopped_at}.pt"
+    assert f"checkpoint {checkpoint}" in last_line and checkpoint.exists()
+    assert not (tmp_path / "model.pt").exists()
+    result = run_cli(command, "-n", "2", *ARGS, *PRECISIONS["fp32"], "--resume", "auto", "--run-dir", str(tmp_path))
+    assert_ok(result)
+    assert read_summary(tmp_path)["resumed_from_step"] == stopped_at
+    assert_bit_identical(tmp_path, uninterrupted["fp32"])
+
+
+def test_a_restarted_worker_group_resumes_from_the_newest_checkpoint(tmp_path, uninterrupted):
+    result = run_cli("run", "-n", "2", *ARGS, "--amp", "off", "--max-restarts", "1", "--run-dir", str(tmp_path),
+                     env={"DDP_AMP_TEST_KILL_AT": "25"})
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 20
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ddp-amp: recovered after 1 restart: rank 1 died with SIGKILL (last seen in step ")
+    assert last_line.endswith("; resumed from step 20"), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert_bit_identical(tmp_path, uninterrupted["fp32"])
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped(tmp_path, uninterrupted):
+    process = launch("spawn", tmp_path, "fp32")
+    wait_for(tmp_path / "checkpoints" / "step-20.pt", process)
+    process.kill()
+    process.wait()
+    newest = max((tmp_path / "checkpoints").glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a write cut short
+    result = run_cli("spawn", "-n", "2", *ARGS, "--amp", "off", "--resume", "auto", "--run-dir", str(tmp_path))
+    assert_ok(result)
+    assert f"ddp-amp: warning: skipping checkpoint {newest}" in result.stderr
+    assert read_summary(tmp_path)["resumed_from_step"] < int(newest.stem.split("-")[1])
+    assert_bit_identical(tmp_path, uninterrupted["fp32"])
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused_unopened(tmp_path):
+    marker = tmp_path / "code-ran"
+    planted = tmp_path / "planted.pt"
+    torch.save({"step": 10, "trainer": Planted(str(marker)), "rng": [], "config": {}, "world_size": 2}, planted)
+    result = run_cli("spawn", "-n", "2", *ARGS, "--resume", str(planted), "--run-dir", str(tmp_path / "run"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "--resume" in lines[0] and "refused" in lines[0]
+    assert not marker.exists(), "unpickling ran the object's code"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path, uninterrupted):
+    checkpoint = uninterrupted["fp32"] / "checkpoints" / "step-40.pt"
+    result = run_cli("spawn", "-n", "1", *ARGS, "--amp", "off", "--batch-size", "32", "--resume", str(checkpoint),
+                     "--run-dir", str(tmp_path / "run"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "world size 1 (checkpoint: 2)" in lines[0] and "--batch-size 32 (checkpoint: 16)" in lines[0]
+    assert not (tmp_path / "run").exists()
