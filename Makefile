@@ -21,16 +21,18 @@ help:
 	@echo "make test       the whole test suite, slow multi-process tests included"
 	@echo "make test-fast  the tests not marked slow"
 	@echo "make lint       ruff"
-	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, spawn vs run, progress cost, AMP speedup"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, spawn vs run, progress cost, fp16 skip detection, checkpoint cost, AMP speedup"
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# A local CPU wheel first (no download); then, without a GPU, the PyTorch CPU index; else the default index.
+	@# An extra index: its 2.13.0+cpu (or +cuXXX) outranks the default index's plain 2.13.0, and torch's own
+	@# dependencies still come from the default index.
 	$(BIN)/python -c "import torch" 2>/dev/null \
 	  || $(BIN)/pip install --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null \
-	  || $(BIN)/pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
+	  || $(BIN)/pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/pip install -e ".[dev]"
 	touch $(STAMP)
 
@@ -51,6 +53,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/core_overhead.py --repeats 3 --nproc 2 4
 	$(BIN)/python benchmarks/launchers.py --repeats 3 --nproc $(NPROC)
 	$(BIN)/python benchmarks/progress_overhead.py --repeats 5
+	$(BIN)/python benchmarks/fp16_skip_sync.py --repeats 5
+	$(BIN)/python benchmarks/checkpoint_cost.py --repeats 3
 	$(BIN)/ddp-amp bench --device auto --repeats 3
 
 clean:

@@ -20,7 +20,7 @@ STEPS = 40
 ARGS = ["--device", "cpu", "--task", TASK, "--steps", str(STEPS), "--batch-size", "16", "--seed", "5",
         "--log-every", "1", "--checkpoint-every", "10", "--lr", "0.01"]
 PRECISIONS = {"fp32": ["--amp", "off"], "fp16": ["--dtype", "fp16"]}
-SLOW = {"DDP_AMP_TEST_STEP_SLEEP": "0.15"}
+SLOW = {"DDP_AMP_TEST_STEP_SLEEP": "0.05"}  # slow enough to be caught between two checkpoints
 
 
 def env_for(precision: str, **extra: str) -> dict:

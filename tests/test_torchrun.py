@@ -177,8 +177,11 @@ def test_a_killed_worker_is_restarted(tmp_path, helper_task):
                      helper_task("killed_once"), "--steps", "10", "--log-every", "5", "--run-dir", str(tmp_path),
                      timeout=240)
     assert_ok(result)
-    assert read_summary(tmp_path)["steps"] == 10
+    assert read_summary(tmp_path)["steps"] == 10 and read_summary(tmp_path)["restarts"] == 1
     assert [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()].__len__() == 2
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("ddp-amp: recovered after 1 restart: rank 1 died with SIGKILL")
+    assert last_line.endswith("; restarted from the beginning (no checkpoint)"), result.stderr
 
 
 @pytest.mark.slow

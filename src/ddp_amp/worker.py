@@ -118,9 +118,9 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     sender = EventSender.from_environ()
     reporter = WorkerReporter(env, Path(config.run_dir), sender)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    stop_on_signals()  # before the launcher learns our pid: its SIGUSR1 must never find the default action
     # The pid lets the launcher ask this rank to stop gracefully (SIGUSR1), under torchrun too.
     reporter.state("restarting" if restart else "starting", restart=restart, pid=os.getpid())
-    stop_on_signals()
     try:
         return _train(config, env, reporter, started)
     except RankSetupError as exc:
@@ -329,10 +329,12 @@ def resume(trainer: Trainer, config: TrainConfig, env: DistEnv, run_dir: Path, d
            restarted: bool) -> dict[str, Any] | None:
     """Continue from config.resume or, in a worker group torchrun restarted, from the newest checkpoint.
     Returns {"path", "step"} when it resumed."""
-    path = Path(config.resume) if config.resume else None
-    if path is None and restarted:
+    path = None
+    if restarted:  # the newest checkpoint, which may be newer than the one this launch started from
         found = checkpoint.newest_valid_checkpoint(run_dir, warn=lambda line: print(f"warning: {line}"))
         path = found[0] if found else None
+    if path is None and config.resume:
+        path = Path(config.resume)
     if path is None:
         if restarted and env.writes_run_dir:
             # Restarted from the beginning: the earlier attempt's log lines no longer apply.

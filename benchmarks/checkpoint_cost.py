@@ -1,0 +1,46 @@
+"""What --checkpoint-every costs: the transformer task with and without checkpoints, interleaved, medians.
+
+    .venv/bin/python benchmarks/checkpoint_cost.py [--repeats 3] [--steps 120] [--every 20]
+
+Throughput is summary.json's steady-state samples/s (the first 10% of steps excluded), so the checkpoints
+inside the measured window are what differs. Goal: the ratio stays within noise of 1 (training waits only for
+the copy to host memory; a background thread writes the file).
+"""
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from common import run_ddp_amp, spread
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--every", type=int, default=20)
+    args = parser.parse_args()
+    base = ["spawn", "-n", "2", "--device", "cpu", "--task", "transformer", "--steps", str(args.steps),
+            "--log-every", "20", "--quiet"]
+    modes = {"none": [], "checkpoints": ["--checkpoint-every", str(args.every), "--keep", "2"]}
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for mode, extra in modes.items():  # interleaved: drift on this shared machine hits both alike
+                run_dir = Path(tmp) / f"{mode}{repeat}"
+                results[mode].append(run_ddp_amp(base + extra, run_dir)["samples_per_s"])
+                if extra:
+                    size = max(p.stat().st_size for p in (run_dir / "checkpoints").glob("*.pt"))
+    print(f"transformer, 2 CPU ranks, {args.steps} steps, a checkpoint every {args.every} steps "
+          f"({size / 2**20:.1f} MiB each)")
+    print(f"{'mode':<12} {'samples/s median [min-max]':>30}")
+    for mode, values in results.items():
+        print(f"{mode:<12} {spread(values, '.0f'):>30}")
+    ratios = [p / q for p, q in zip(results["checkpoints"], results["none"])]
+    print(f"checkpoints/none throughput ratio: {spread(ratios, '.3f')} (per interleaved pair; median "
+          f"{statistics.median(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()
