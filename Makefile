@@ -53,7 +53,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/core_overhead.py --repeats 3 --nproc 2 4
 	$(BIN)/python benchmarks/launchers.py --repeats 3 --nproc $(NPROC)
 	$(BIN)/python benchmarks/progress_overhead.py --repeats 5
-	$(BIN)/python benchmarks/fp16_skip_sync.py --repeats 5
+	$(BIN)/python benchmarks/fp16_skip_sync.py --repeats 5 --steps 60
 	$(BIN)/python benchmarks/checkpoint_cost.py --repeats 3
 	$(BIN)/ddp-amp bench --device auto --repeats 3
 

@@ -1,9 +1,9 @@
 """What reading the loss scale around every fp16 step cost: the old skip detection (GradScaler.get_scale()
 before and after update(), two host syncs a step) against the step hook now in the core, interleaved, medians.
 
-    .venv/bin/python benchmarks/fp16_skip_sync.py [--repeats 5] [--steps 200] [--device cpu|cuda]
+    .venv/bin/python benchmarks/fp16_skip_sync.py [--repeats 5] [--steps 60] [--device cpu|cuda]
 
-One rank in this process (a real one-rank gloo/nccl group), the mlp-wide task under fp16 autocast + GradScaler.
+One rank in this process (a real one-rank gloo/nccl group), the mlp task under fp16 autocast + GradScaler.
 On a CPU every "sync" returns at once (nothing runs asynchronously), so a ratio near 1 is expected there; on a
 GPU the syncs stop the host from queuing the next step while the device works.
 """
@@ -12,7 +12,6 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 from common import spread
@@ -42,21 +41,19 @@ class ScaleReadingTrainer(Trainer):
 
 
 def steps_per_s(cls, device: torch.device, env: DistEnv, steps: int, run_dir: str) -> float:
-    config = TrainConfig(task="mlp-wide", steps=steps, log_every=steps, dtype="fp16", amp="on", batch_size=128,
+    config = TrainConfig(task="mlp", steps=steps, log_every=steps, dtype="fp16", amp="on", batch_size=128,
                          run_dir=run_dir)
     torch.manual_seed(0)
-    trainer = cls(config, env, device, Precision("fp16"), build_task("mlp-wide"), Quiet())
-    started = time.perf_counter()
-    trainer.train()
-    elapsed = time.perf_counter() - started
+    trainer = cls(config, env, device, Precision("fp16"), build_task("mlp"), Quiet())
+    summary = trainer.train().summary  # steady state: the first steps (DDP's bucket rebuild...) excluded
     trainer.close()
-    return steps / elapsed
+    return summary["rank_samples_per_s"] / config.batch_size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -67,7 +64,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, cls in (("get_scale x2", ScaleReadingTrainer), ("step hook", Trainer)):
                 results[name].append(steps_per_s(cls, device, DistEnv.from_environ(), args.steps, tmp))
-    print(f"fp16 mlp-wide, batch 128, one rank on {device}, {args.steps} steps x {args.repeats} interleaved repeats")
+    print(f"fp16 mlp, batch 128, one rank on {device}, {args.steps} steps x {args.repeats} interleaved repeats")
     for name, values in results.items():
         print(f"{name:<14} steps/s {spread(values, '.1f')}")
     ratios = [new / old for new, old in zip(results["step hook"], results["get_scale x2"])]

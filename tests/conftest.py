@@ -30,6 +30,11 @@ def load_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "model.pt", weights_only=True)
 
 
+def last_line(text: str) -> str:
+    """The last line a command wrote (where ddp-amp puts its one-line verdict)."""
+    return text.strip().splitlines()[-1]
+
+
 def assert_ok(result) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import last_line, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -109,8 +109,8 @@ def test_sigterm_stops_every_rank_with_one_line_and_exit_143(command, long_run):
     run.process.terminate()
     _, stderr = run.process.communicate(timeout=60)
     assert run.process.returncode == 143, stderr
-    last_line = stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ddp-amp: error: stopped by SIGTERM"), stderr
+    verdict = last_line(stderr)
+    assert verdict.startswith("ddp-amp: error: stopped by SIGTERM"), stderr
     assert "Traceback" not in stderr
     assert run.wait_until_gone() == []
 
@@ -175,8 +175,8 @@ def test_a_hung_rank_is_marked_stalled_and_named_when_the_timeout_ends_the_run(t
     # The live output marked it while the run still waited, then the last line names it, not rank 0.
     assert "[rank 1] stalled: no progress for" in result.stdout and "in step 5 (forward)" in result.stdout
     assert "[rank 0] stalled" not in result.stdout
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ddp-amp: error: rank 1 stalled in step 5 (forward); the other ranks gave up "
+    verdict = last_line(result.stderr)
+    assert verdict.startswith("ddp-amp: error: rank 1 stalled in step 5 (forward); the other ranks gave up "
                                 "waiting after --timeout 8s"), result.stderr
 
 
@@ -211,8 +211,8 @@ def test_dataset_items_that_are_not_pairs_are_named_in_one_line(tmp_path, helper
     result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", task, "--steps", "5", "--run-dir",
                      str(tmp_path))
     assert result.returncode == 1, result.stderr
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert "dataset items must be (inputs, target) pairs, but item 0 is a dict with keys ['x', 'y']" in last_line
+    verdict = last_line(result.stderr)
+    assert "dataset items must be (inputs, target) pairs, but item 0 is a dict with keys ['x', 'y']" in verdict
     assert "Traceback" not in result.stdout + result.stderr
 
 
@@ -235,8 +235,8 @@ def test_no_room_for_the_weights_is_refused_before_training(small_file_system):
     result = run_cli("spawn", "-n", "1", "--device", "cpu", "--task", "mlp-wide", "--steps", "5",
                      "--run-dir", str(run_dir))
     assert result.returncode == 1, result.stderr
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert f"--run-dir {run_dir}:" in last_line and "MiB free, but model.pt needs" in last_line
+    verdict = last_line(result.stderr)
+    assert f"--run-dir {run_dir}:" in verdict and "MiB free, but model.pt needs" in verdict
     assert not (run_dir / "metrics.jsonl").exists(), "it trained before finding out"
     assert not list(run_dir.glob(".*.tmp"))
 

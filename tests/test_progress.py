@@ -108,8 +108,8 @@ def test_channel_accepts_the_token_and_rejects_everything_else():
 
 
 @pytest.mark.slow
-def test_run_in_json_format_emits_one_object_per_event(tmp_path):
-    result = run_cli("run", "-n", "2", "--device", "cpu", "--steps", "20", "--log-format", "json",
+def test_json_format_emits_one_object_per_event(tmp_path):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "20", "--log-format", "json",
                      "--run-dir", str(tmp_path))
     assert_ok(result)
     events = [json.loads(line) for line in result.stdout.splitlines()]

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import HELPER_TASKS, assert_ok, load_weights, read_metrics, read_summary, run_cli
+from conftest import HELPER_TASKS, assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
 from helper_tasks import Planted
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ STEPS = 40
 # 512 samples / (16 per rank x 2 ranks): 16 steps an epoch, so a checkpoint at 20 or 30 is mid-epoch.
 ARGS = ["--device", "cpu", "--task", TASK, "--steps", str(STEPS), "--batch-size", "16", "--seed", "5",
         "--log-every", "1", "--checkpoint-every", "10", "--lr", "0.01"]
-PRECISIONS = {"fp32": ["--amp", "off"], "fp16": ["--dtype", "fp16"]}
+PRECISIONS = {"fp32": ["--amp", "off"], "bf16": ["--dtype", "bf16"], "fp16": ["--dtype", "fp16"]}
 SLOW = {"DDP_AMP_TEST_STEP_SLEEP": "0.05"}  # slow enough to be caught between two checkpoints
 
 
@@ -85,23 +85,24 @@ def test_resume_after_the_launcher_is_killed_is_bit_identical(precision, tmp_pat
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == ["step-30.pt", "step-40.pt"]
 
 
-@pytest.mark.parametrize("command", ["spawn", "run"])
-def test_sigterm_stops_at_one_step_checkpoints_and_resumes(command, tmp_path, uninterrupted):
-    process = launch(command, tmp_path, "fp32")
+@pytest.mark.parametrize(("command", "precision"), [("spawn", "fp16"), ("run", "fp32")])
+def test_sigterm_stops_at_one_step_checkpoints_and_resumes(command, precision, tmp_path, uninterrupted):
+    process = launch(command, tmp_path, precision)
     wait_for(tmp_path / "checkpoints" / "step-10.pt", process)
     process.terminate()
     _, stderr = process.communicate(timeout=90)
     assert process.returncode == 143, stderr
-    last_line = stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ddp-amp: error: stopped by SIGTERM at step "), stderr
+    verdict = last_line(stderr)
+    assert verdict.startswith("ddp-amp: error: stopped by SIGTERM at step "), stderr
     stopped_at = read_summary(tmp_path)["stopped_at_step"]
     checkpoint = tmp_path / "checkpoints" / f"step-{stopped_at}.pt"
-    assert f"checkpoint {checkpoint}" in last_line and checkpoint.exists()
+    assert f"checkpoint {checkpoint}" in verdict and checkpoint.exists()
     assert not (tmp_path / "model.pt").exists()
-    result = run_cli(command, "-n", "2", *ARGS, *PRECISIONS["fp32"], "--resume", "auto", "--run-dir", str(tmp_path))
+    result = run_cli(command, "-n", "2", *ARGS, *PRECISIONS[precision], "--resume", "auto", "--run-dir",
+                     str(tmp_path), env=env_for(precision))
     assert_ok(result)
     assert read_summary(tmp_path)["resumed_from_step"] == stopped_at
-    assert_bit_identical(tmp_path, uninterrupted["fp32"])
+    assert_bit_identical(tmp_path, uninterrupted[precision])
 
 
 def test_a_restarted_worker_group_resumes_from_the_newest_checkpoint(tmp_path, uninterrupted):
@@ -110,9 +111,9 @@ def test_a_restarted_worker_group_resumes_from_the_newest_checkpoint(tmp_path, u
     assert_ok(result)
     summary = read_summary(tmp_path)
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == 20
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ddp-amp: recovered after 1 restart: rank 1 died with SIGKILL (last seen in step ")
-    assert last_line.endswith("; resumed from step 20"), result.stderr
+    verdict = last_line(result.stderr)
+    assert verdict.startswith("ddp-amp: recovered after 1 restart: rank 1 died with SIGKILL (last seen in step ")
+    assert verdict.endswith("; resumed from step 20"), result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert_bit_identical(tmp_path, uninterrupted["fp32"])
 

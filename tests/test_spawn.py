@@ -9,7 +9,7 @@ import torch
 
 from ddp_amp.schedule import closed_form_lr
 
-from conftest import assert_ok, load_weights, read_metrics, read_summary, run_cli
+from conftest import assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
 from helper_tasks import DRAWS_DIR_VAR, RECORDED_DRAWS
 
 pytestmark = pytest.mark.slow
@@ -112,8 +112,8 @@ def test_failing_rank_stops_the_job_and_is_named(tmp_path, helper_task):
     result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", helper_task("fail_on_rank1"), "--steps",
                      "50", "--run-dir", str(tmp_path), timeout=120)
     assert result.returncode == 1
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line == "ddp-amp: error: rank 1 failed: ValueError: injected failure at step 5"
+    verdict = last_line(result.stderr)
+    assert verdict == "ddp-amp: error: rank 1 failed: ValueError: injected failure at step 5"
     output = result.stdout + result.stderr
     # The traceback once, under its rank (its last line), then the one-line summary.
     assert "[rank 1] failed:" in result.stdout
@@ -143,8 +143,8 @@ def test_a_failing_evaluation_keeps_the_weights_and_exits_1(tmp_path, helper_tas
     result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", task, "--steps", "6", "--run-dir",
                      str(tmp_path))
     assert result.returncode == 1, result.stderr
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith(f"ddp-amp: error: task {task}: evaluate failed: RuntimeError: evaluation exploded")
+    verdict = last_line(result.stderr)
+    assert verdict.startswith(f"ddp-amp: error: task {task}: evaluate failed: RuntimeError: evaluation exploded")
     assert "Traceback" not in result.stdout + result.stderr
     assert load_weights(tmp_path)  # saved before the evaluation ran
     summary = read_summary(tmp_path)
@@ -196,8 +196,8 @@ def test_a_loss_that_stays_nan_stops_the_run_naming_step_and_rank(tmp_path, help
                      "--steps", "200", "--log-every", "10", "--max-nonfinite", "5", "--run-dir", str(tmp_path))
     assert result.returncode == 1, result.stderr
     # Rank 1's loss is NaN from step 4: five in a row at step 8. Rank 0 follows a step later (NaN weights).
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ddp-amp: error: training diverged at step 8 on rank 1: the loss was inf/NaN "
+    verdict = last_line(result.stderr)
+    assert verdict.startswith("ddp-amp: error: training diverged at step 8 on rank 1: the loss was inf/NaN "
                                 "for 5 consecutive steps"), result.stderr
     assert not (tmp_path / "model.pt").exists()
     summary = strict_json(tmp_path / "summary.json")
@@ -212,8 +212,8 @@ def test_a_collapsed_fp16_loss_scale_stops_the_run(tmp_path, helper_task):
     result = run_cli("spawn", "-n", "2", "--device", "cpu", "--dtype", "fp16", "--task", helper_task("always_inf"),
                      "--steps", "200", "--max-nonfinite", "6", "--run-dir", str(tmp_path))
     assert result.returncode == 1, result.stderr
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ddp-amp: error: training diverged at step 6: the fp16 loss scale collapsed"), \
+    verdict = last_line(result.stderr)
+    assert verdict.startswith("ddp-amp: error: training diverged at step 6: the fp16 loss scale collapsed"), \
         result.stderr
     summary = strict_json(tmp_path / "summary.json")
     assert summary["skipped_steps"] == 6 and summary["steps"] == 6

@@ -266,7 +266,6 @@ class Trainer:
         # every step wait for the device.
         loss_sum = torch.zeros((), device=self.device)
         loss_count = 0
-        skipped_steps = self.skipped_steps
         divergence = DivergenceWatch(config.max_nonfinite, self.device)
         diverged: dict[str, Any] | None = None
         first_step_at = steady_at = None
@@ -307,8 +306,7 @@ class Trainer:
                 self.scheduler.step()
             else:
                 # GradScaler found inf/NaN and skipped the update; the schedule must not advance either.
-                skipped_steps += 1
-            self.skipped_steps = skipped_steps
+                self.skipped_steps += 1
             interval_steps += 1
             # Known on the host (every rank skips the same steps: the gradients were all-reduced), no sync.
             diverged = divergence.end_step(step + 1, stepped)
@@ -350,7 +348,7 @@ class Trainer:
                     "loss": total_loss / total_count,
                     "lr": lr,
                     "samples_per_s": rank_samples_per_s * env.world_size,
-                    "skipped_steps": skipped_steps,
+                    "skipped_steps": self.skipped_steps,
                     "elapsed_s": time.time() - start,
                     # This rank's own view, for the per-rank display (not written to metrics.jsonl).
                     "rank_loss": local_loss / local_count,
@@ -388,7 +386,7 @@ class Trainer:
             "train_s": end - start,
             "wall_s": end - launch,
             "time_to_first_step_s": (first_step_at or end) - launch,
-            "skipped_steps": skipped_steps,
+            "skipped_steps": self.skipped_steps,
             "final_lr": self.scheduler.get_last_lr()[0],
             "seed": config.seed,
             "loader_workers": self.loader_workers,

@@ -122,7 +122,7 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     # The pid lets the launcher ask this rank to stop gracefully (SIGUSR1), under torchrun too.
     reporter.state("restarting" if restart else "starting", restart=restart, pid=os.getpid())
     try:
-        return _train(config, env, reporter, started)
+        return _train(config, env, reporter, started, restart)
     except RankSetupError as exc:
         reporter.error(str(exc))
         raise
@@ -134,7 +134,8 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
             sender.close()
 
 
-def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float) -> dict[str, Any] | None:
+def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float,
+           restarts: int) -> dict[str, Any] | None:
     device = resolve_device(config.device, env.local_rank)
     if device.type == "cuda" and config.tf32 is not None:
         torch.backends.cuda.matmul.allow_tf32 = config.tf32 == "on"
@@ -157,7 +158,6 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter)
         trainer.stop_requested = lambda: STOP_REQUEST.signum is not None
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         resumed = resume(trainer, config, env, run_dir, device, restarted=restarts > 0)
         checkpointer = RunCheckpointer(config, env, run_dir, device) if config.checkpoint_every else None
         trainer.checkpointer = checkpointer
@@ -174,7 +174,7 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         trainer.close()  # on success only: after a failure the launcher stops every rank anyway
         summary["restarts"] = restarts
         if resumed is not None:
-            summary["resumed_from"] = resumed
+            summary["resumed_from"] = resumed  # the checkpoint's path; its step is resumed_from_step
         if trainer.stopped_at is not None:
             summary["stopped_by"] = STOP_REQUEST.name
         rank_times = None
@@ -326,9 +326,9 @@ def _to_host(value: Any) -> Any:
 
 
 def resume(trainer: Trainer, config: TrainConfig, env: DistEnv, run_dir: Path, device: torch.device, *,
-           restarted: bool) -> dict[str, Any] | None:
+           restarted: bool) -> str | None:
     """Continue from config.resume or, in a worker group torchrun restarted, from the newest checkpoint.
-    Returns {"path", "step"} when it resumed."""
+    Returns the checkpoint's path when it resumed."""
     path = None
     if restarted:  # the newest checkpoint, which may be newer than the one this launch started from
         found = checkpoint.newest_valid_checkpoint(run_dir, warn=lambda line: print(f"warning: {line}"))
@@ -352,7 +352,7 @@ def resume(trainer: Trainer, config: TrainConfig, env: DistEnv, run_dir: Path, d
     checkpoint.set_rng_state(state["rng"][env.rank], device)
     if env.writes_run_dir:
         checkpoint.cut_metrics(run_dir, state["step"])
-    return {"path": str(path), "step": state["step"]}
+    return str(path)
 
 
 def stall_after_s(timeout_s: float) -> float:
