@@ -1,7 +1,8 @@
 """`ddp-amp spawn`: N ranks on this machine through torch.multiprocessing, environment set as torchrun would.
 
-The launcher hosts the rendezvous TCPStore itself on a kernel-chosen port (bound, not guessed, so two jobs on
-one machine never collide) and tells the workers to join it as clients, exactly as a torchrun agent does.
+The launcher hosts the rendezvous TCPStore itself on a kernel-chosen loopback port (bound, not guessed, so two
+jobs on one machine never collide; reachable from this machine only) and tells the workers to join it as
+clients, exactly as a torchrun agent does. A stop signal asks the ranks to stop together (see cli._launch).
 """
 
 from __future__ import annotations
