@@ -222,3 +222,12 @@ def test_an_endless_line_closes_the_connection_without_buffering_it():
                     sent += len(chunk)
             assert sent < 64 * MAX_LINE_BYTES
     assert server.rejected == 1
+
+
+def test_rich_shows_a_traceback_with_brackets_as_it_is():
+    # gloo's errors name their source as "[/path/pair.cc:553]": rich must not read that as a closing tag.
+    display, console, console_file, _ = scripted_display()
+    error = "RuntimeError: [/__w/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting [bold]x[/]"
+    display.handle({"type": "error", "rank": 0, "traceback": f"Traceback...\n{error}"})
+    display.close()
+    assert error in console_file.getvalue()

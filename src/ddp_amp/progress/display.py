@@ -301,8 +301,11 @@ class RichDisplay:
         from rich.panel import Panel
         from rich.table import Table
 
+        from rich.text import Text
+
         for rank, text in self.model.failure_reports():
-            self.console.print(Panel(text, title=f"rank {rank} failed", border_style="red", expand=False))
+            # Text, not a str: tracebacks hold brackets ("[/path/pair.cc:553]") that rich would read as markup.
+            self.console.print(Panel(Text(text), title=f"rank {rank} failed", border_style="red", expand=False))
         if not self.model.summary:
             return
         table = Table(title="summary")
@@ -312,7 +315,7 @@ class RichDisplay:
             table.add_row(*row)
         self.console.print(table)
         for line in summary_footer(self.model):
-            self.console.print(line, highlight=False)
+            self.console.print(line, highlight=False, markup=False)
 
 
 def make_display(log_format: str, *, quiet: bool = False):
