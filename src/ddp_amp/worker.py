@@ -77,7 +77,8 @@ class WorkerReporter:
 
     def done(self, summary: dict[str, Any], peak_memory_mb: float) -> None:
         event = {"type": "done", "steps": summary["steps"], "samples_per_s": summary["rank_samples_per_s"],
-                 "peak_memory_mb": peak_memory_mb, "final_loss": self.last_loss}
+                 "peak_memory_mb": peak_memory_mb, "final_loss": self.last_loss,
+                 "stopped": "stopped_at_step" in summary}
         if self.env.writes_run_dir:
             event["summary"] = summary
         self._send(event)

@@ -81,7 +81,7 @@ class ProgressModel:
             if "global_items_per_s" in event:
                 self.items_per_s = event["global_items_per_s"]
         elif kind == "done":
-            state.status = "done"
+            state.status = "stopped" if event.get("stopped") else "done"
             state.done = event
             state.step = event.get("steps", state.step)
             if "summary" in event and (self.summary is None or event["rank"] == 0):
@@ -274,7 +274,7 @@ class RichDisplay:
         for header in headers:
             table.add_column(header, justify="left" if header in ("progress", "status") else "right")
         styles = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan",
-                  "stalled": "bold yellow"}
+                  "stalled": "bold yellow", "stopped": "yellow"}
         for state in ranks:
             total = state.total_steps or 0
             row = [str(state.rank)]
@@ -300,7 +300,6 @@ class RichDisplay:
             self._live.stop()
         from rich.panel import Panel
         from rich.table import Table
-
         from rich.text import Text
 
         for rank, text in self.model.failure_reports():

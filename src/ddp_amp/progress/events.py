@@ -6,7 +6,8 @@ Every event has "type" and "rank"; the rest depends on the type:
            restart (torchrun's restart count)
     log    step, total_steps, epoch, loss (this rank's, over the interval), global_loss (all ranks), lr,
            samples_per_s (this rank), global_samples_per_s, items_per_s / item_name, loss_scale, skipped_steps
-    done   steps, samples_per_s (this rank's mean), peak_memory_mb, final_loss, plus the run summary on the
+    done   steps, samples_per_s (this rank's mean), peak_memory_mb, final_loss, stopped (by a stop signal,
+           before the last step), plus the run summary on the
            node's writer (wall_s, time_to_first_step_s, model_path, summary_path)
     error  traceback (the failing rank's, sent once)
     heartbeat  step (optimizer steps done), micro, phase_index, phase (data, forward, backward, step, log):
@@ -34,7 +35,8 @@ def plain_line(event: dict[str, Any]) -> str | None:
     if kind == "state" and event["status"] in ("starting", "restarting"):
         return f"[rank {rank}] {event['status']}" + (f" (restart {event['restart']})" if event.get("restart") else "")
     if kind == "done":
-        return (f"[rank {rank}] done: {event['steps']} steps, {event['samples_per_s']:.0f} samples/s, "
+        outcome = "stopped" if event.get("stopped") else "done"
+        return (f"[rank {rank}] {outcome}: {event['steps']} steps, {event['samples_per_s']:.0f} samples/s, "
                 f"peak memory {event['peak_memory_mb']:.0f} MB, final loss {event['final_loss']:.4f}")
     if kind == "error":
         return f"[rank {rank}] failed:\n{event['traceback']}"

@@ -32,7 +32,7 @@ class ProgressSession:
     def rank_pids(self) -> list[int]:
         """The process ids of this node's ranks that have reported (for a graceful stop)."""
         return [state.pid for state in self.display.model.ranks.values()
-                if state.pid and state.status not in ("done", "failed")]
+                if state.pid and state.status not in ("done", "stopped", "failed")]
 
     def stalled(self) -> list:
         return self.display.model.stalled()
