@@ -211,7 +211,9 @@ def multinode(
                                                 "derived from the endpoint, nnodes, nproc and run options].")] = None,
     max_restarts: MaxRestarts = 0,
     monitor_interval: MonitorInterval = 0.1,
-    rdzv_timeout: Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes.")] = 60.0,
+    rdzv_timeout: Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes (torchrun's "
+                                                "own join timeout: a slowly booting node must not fail the job).")
+                            ] = 600.0,
     is_host: Annotated[bool | None, typer.Option("--is-host/--no-is-host", help="Whether this node hosts the store "
                                                  "\\[default: detected from the endpoint address].")] = None,
     local_addr: Annotated[str | None, typer.Option("--local-addr", help="Address this node advertises "
@@ -238,11 +240,17 @@ def multinode(
     if emit_slurm is not None:
         if nproc_per_node not in ("gpu", "cpu", "auto"):
             torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
-        args = ["--nproc-per-node", nproc_per_node, *_training_args(train)]
+        # What every node shares; per-node values (--local-addr, --is-host, --node-rank) are found on each node.
+        args = ["--nproc-per-node", nproc_per_node, *_training_args(train), "--rdzv-timeout", f"{rdzv_timeout:g}",
+                "--monitor-interval", f"{monitor_interval:g}", "--log-format", output["log_format"]]
         if max_restarts:
             args += ["--max-restarts", str(max_restarts)]
-        _write_new_file(emit_slurm, torchrun.slurm_script(args, where.port), "--emit-slurm")
-        typer.echo(f"ddp-amp: wrote {emit_slurm}; submit it with sbatch --nodes=N {emit_slurm}")
+        if ifname:
+            args += ["--ifname", ifname]
+        gpus = int(nproc_per_node) if nproc_per_node.isdigit() and train["device"] != "cpu" else None
+        script = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"])
+        _write_new_file(emit_slurm, script, "--emit-slurm")
+        typer.echo(f"ddp-amp: wrote {emit_slurm}; submit it with sbatch {emit_slurm}")
         return
     nproc = torchrun.parse_nproc(nproc_per_node)
     net = torchrun.detect_node_network(where, is_host=is_host, local_addr=local_addr, ifname=ifname,

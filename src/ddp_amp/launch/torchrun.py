@@ -323,19 +323,58 @@ def _is_loopback(address: str) -> bool:
             return False
 
 
-def slurm_script(multinode_args: list[str], port: int) -> str:
-    """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation."""
+SLURM_STOP_WARNING_S = 120
+"""How long before the time limit SLURM sends SIGUSR1: ddp-amp stops at a log interval and checkpoints."""
+
+
+def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_per_node: int | None,
+                 run_dir: str | None) -> str:
+    """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation.
+
+    Preemption: SLURM sends SIGUSR1 before the time limit (--signal); ddp-amp stops every rank at one step and
+    checkpoints, exits 128+10, and the script requeues the job (--requeue), which resumes from the checkpoint.
+    """
     args = shlex.join(multinode_args)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    header = [
+        "#SBATCH --job-name=ddp-amp",
+        f"#SBATCH --nodes={nodes.max if nodes.min == nodes.max else f'{nodes.min}-{nodes.max}'}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={cores}    # all of a node's cores for its one ddp-amp ({cores} here: set your "
+        "nodes' count)",
+    ]
+    if gpus_per_node:
+        header.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    header += [
+        "#SBATCH --time=01:00:00    # placeholder: your job's time limit",
+        f"#SBATCH --signal=USR1@{SLURM_STOP_WARNING_S}    # ddp-amp stops at one step and checkpoints",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+    ]
+    directory = shlex.quote(run_dir) if run_dir else '"runs/slurm-$SLURM_JOB_ID"'
+    # A requeued job continues from its newest checkpoint; without one, an unfinished run starts over. A
+    # finished run (model.pt) is never overwritten: ddp-amp refuses it.
+    resume = """if ls "$RUN_DIR"/checkpoints/step-*.pt >/dev/null 2>&1; then
+  set -- "$@" --resume auto
+elif [ -e "$RUN_DIR/metrics.jsonl" ] && [ ! -e "$RUN_DIR/model.pt" ]; then
+  set -- "$@" --overwrite
+fi
+"""
+    head = "\n".join(header)
     return f"""#!/bin/bash
-#SBATCH --job-name=ddp-amp
-#SBATCH --ntasks-per-node=1
-# Submit with e.g.: sbatch --nodes=2 --gpus-per-node=4 {{this file}}
-set -euo pipefail
-# The first node of the allocation hosts the c10d rendezvous store.
+{head}
+set -uo pipefail
+RUN_DIR={directory}
+set -- {args} --run-dir "$RUN_DIR"
+{resume}# The first node of the allocation hosts the c10d rendezvous store.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export DDP_AMP_ENDPOINT="$head_node:{port}"
 # One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes.
 srun --ntasks-per-node=1 bash -c 'exec ddp-amp multinode --endpoint "$DDP_AMP_ENDPOINT" \\
-    --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-id "ddp-amp-$SLURM_JOB_ID" "$@"' \\
-    ddp-amp {args}
+    --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-id "ddp-amp-$SLURM_JOB_ID" "$@"' ddp-amp "$@"
+status=$?
+if [ "$status" -eq {128 + 10} ]; then  # stopped by SIGUSR1 before the time limit, work checkpointed
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
 """
