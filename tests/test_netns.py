@@ -1,7 +1,7 @@
-"""Multinode across two network namespaces, each a "host" with its own 10.x address on a veth pair.
+"""Multinode across three network namespaces, each a "host" with its own 10.x address on a bridged veth pair.
 
 This is the case where plain torchrun failed here: the endpoint's node did not recognise the address as its own,
-and workers advertised an unreachable hostname. Traffic stays inside the two namespaces this test makes.
+and workers advertised an unreachable hostname. Traffic stays inside the namespaces this test makes.
 """
 
 import os
@@ -23,43 +23,54 @@ def ip(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def two_hosts():
+def three_hosts():
+    """Three "hosts": a network namespace each with its own 10.x address, joined by a bridge that lives in a
+    fourth namespace of this test's own (so no traffic ever touches the machine's own interfaces)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     if shutil.which("ip") is None:
         pytest.skip("iproute2's `ip` is not installed")
     tag = os.getpid() % 200 + 20
-    names = [f"ddpa{tag}a", f"ddpa{tag}b"]
-    veths = [f"vddpa{tag}a", f"vddpa{tag}b"]
-    if ip("netns", "add", names[0]).returncode != 0:
+    switch = f"ddpa{tag}s"
+    names = [f"ddpa{tag}{letter}" for letter in "abc"]
+    if ip("netns", "add", switch).returncode != 0:
         pytest.skip("cannot create network namespaces here")
     try:
-        ip("netns", "add", names[1])
-        assert ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1]).returncode == 0
-        addresses = []
-        for index, (name, veth) in enumerate(zip(names, veths)):
-            address = SUBNET.format(tag, index + 1)
-            addresses.append(address)
+        def in_ns(ns: str, *command: str) -> None:
+            result = ip("netns", "exec", ns, "ip", *command)
+            assert result.returncode == 0, result.stderr
+
+        in_ns(switch, "link", "add", "br0", "type", "bridge")
+        in_ns(switch, "link", "set", "br0", "up")
+        hosts = []
+        for index, name in enumerate(names):
+            assert ip("netns", "add", name).returncode == 0
+            veth, peer = f"vddpa{tag}{'abc'[index]}", f"pddpa{tag}{'abc'[index]}"
+            assert ip("link", "add", veth, "type", "veth", "peer", "name", peer).returncode == 0
             assert ip("link", "set", veth, "netns", name).returncode == 0
+            assert ip("link", "set", peer, "netns", switch).returncode == 0
+            in_ns(switch, "link", "set", peer, "master", "br0")
+            in_ns(switch, "link", "set", peer, "up")
+            address = SUBNET.format(tag, index + 1)
             for command in (["addr", "add", f"{address}/24", "dev", veth], ["link", "set", veth, "up"],
                             ["link", "set", "lo", "up"]):
-                result = ip("netns", "exec", name, "ip", *command)
-                assert result.returncode == 0, result.stderr
-        yield list(zip(names, addresses))
+                in_ns(name, *command)
+            hosts.append((name, address))
+        yield hosts
     finally:
-        for name in names:
+        for name in [*names, switch]:
             ip("netns", "del", name)  # removes the veth ends inside it too
 
 
-def test_two_namespaces_train_together(two_hosts, tmp_path):
-    (host_ns, host_addr), (other_ns, _) = two_hosts
+def test_three_namespaces_train_together(three_hosts, tmp_path):
+    (host_ns, host_addr), *_ = three_hosts
     port = 29400
     jobs = []
     started = time.monotonic()
-    for name, ns in (("host", host_ns), ("other", other_ns)):
-        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2",
+    for index, (ns, _) in enumerate(three_hosts):
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "3",
                    "--nproc-per-node", "1", "--endpoint", f"{host_addr}:{port}", "--device", "cpu",
-                   "--steps", "20", "--rdzv-timeout", "60", "--run-dir", str(tmp_path / name)]
+                   "--steps", "20", "--rdzv-timeout", "60", "--run-dir", str(tmp_path / f"node{index}")]
         jobs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [job.communicate(timeout=240) for job in jobs]
     elapsed = time.monotonic() - started
@@ -68,7 +79,8 @@ def test_two_namespaces_train_together(two_hosts, tmp_path):
     host_command = outputs[0][1]  # the torchrun command line is shown on stderr
     assert "is_host=1" in host_command and "--local-addr 10.77." in host_command
     assert "GLOO_SOCKET_IFNAME=vddpa" in host_command
-    assert "is_host=0" in outputs[1][1]
-    assert read_summary(tmp_path / "host")["world_size"] == read_summary(tmp_path / "other")["world_size"] == 2
-    assert (tmp_path / "host" / "model.pt").read_bytes() == (tmp_path / "other" / "model.pt").read_bytes()
-    print(f"2-namespace multinode wall time: {elapsed:.1f}s")
+    assert all("is_host=0" in err for _, err in outputs[1:])
+    weights = [(tmp_path / f"node{index}" / "model.pt").read_bytes() for index in range(3)]
+    assert [read_summary(tmp_path / f"node{index}")["world_size"] for index in range(3)] == [3, 3, 3]
+    assert weights[0] == weights[1] == weights[2]
+    print(f"3-namespace multinode wall time: {elapsed:.1f}s")
