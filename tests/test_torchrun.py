@@ -98,7 +98,7 @@ def test_multinode_dry_run_prints_c10d_flags(tmp_path, capsys):
     assert flag_value(argv, "--nnodes") == "1:2"
     assert flag_value(argv, "--nproc-per-node") == "3"
     assert flag_value(argv, "--local-addr") == "127.0.0.1"
-    assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=60"
+    assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=600"  # torchrun's own default
     rdzv_id = flag_value(argv, "--rdzv-id")
     assert rdzv_id.startswith("ddp-amp-")
     assert f"--rdzv-id {rdzv_id}" in out.splitlines()[1], "the hint for the other nodes names the same id"
