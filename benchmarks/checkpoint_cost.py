@@ -9,10 +9,8 @@ the copy to host memory; a background thread writes the file).
 
 import argparse
 import statistics
-import tempfile
-from pathlib import Path
 
-from common import run_ddp_amp, spread
+from common import interleaved, spread
 
 
 def main() -> None:
@@ -24,14 +22,14 @@ def main() -> None:
     base = ["spawn", "-n", "2", "--device", "cpu", "--task", "transformer", "--steps", str(args.steps),
             "--log-every", "20", "--quiet"]
     modes = {"none": [], "checkpoints": ["--checkpoint-every", str(args.every), "--keep", "2"]}
-    results: dict[str, list[float]] = {mode: [] for mode in modes}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for mode, extra in modes.items():  # interleaved: drift on this shared machine hits both alike
-                run_dir = Path(tmp) / f"{mode}{repeat}"
-                results[mode].append(run_ddp_amp(base + extra, run_dir)["samples_per_s"])
-                if extra:
-                    size = max(p.stat().st_size for p in (run_dir / "checkpoints").glob("*.pt"))
+    sizes = []
+
+    def checkpoint_size(mode, run_dir):
+        if mode == "checkpoints":
+            sizes.append(max(p.stat().st_size for p in (run_dir / "checkpoints").glob("*.pt")))
+
+    results = interleaved(base, modes, args.repeats, after=checkpoint_size)
+    size = max(sizes)
     print(f"transformer, 2 CPU ranks, {args.steps} steps, a checkpoint every {args.every} steps "
           f"({size / 2**20:.1f} MiB each)")
     print(f"{'mode':<12} {'samples/s median [min-max]':>30}")

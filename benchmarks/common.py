@@ -21,3 +21,20 @@ def run_ddp_amp(args: list[str], run_dir: Path) -> dict:
 def spread(values: list[float], fmt: str = ".2f") -> str:
     """median [min-max]"""
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def interleaved(base: list[str], modes: dict[str, list[str]], repeats: int, figure: str = "samples_per_s",
+                after=None) -> dict[str, list[float]]:
+    """`repeats` rounds of one `base + extra` launch per mode, in turn (drift on a shared machine hits every mode
+    alike); each launch's summary `figure`, per mode. `after(mode, run_dir)` may look at a run before it goes."""
+    import tempfile
+
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for mode, extra in modes.items():
+                run_dir = Path(tmp) / f"{mode}{repeat}"
+                results[mode].append(run_ddp_amp(base + extra, run_dir)[figure])
+                if after is not None:
+                    after(mode, run_dir)
+    return results

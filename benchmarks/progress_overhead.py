@@ -8,10 +8,8 @@ the worker side is a few small socket writes per log interval. Goal: ratio >= 0.
 
 import argparse
 import statistics
-import tempfile
-from pathlib import Path
 
-from common import run_ddp_amp, spread
+from common import interleaved, spread
 
 
 def main() -> None:
@@ -21,12 +19,7 @@ def main() -> None:
     args = parser.parse_args()
     base = ["spawn", "-n", "2", "--device", "cpu", "--steps", str(args.steps), "--log-every", "10"]
     modes = {"plain": ["--log-format", "plain"], "quiet": ["--quiet"]}
-    results: dict[str, list[float]] = {mode: [] for mode in modes}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for mode, extra in modes.items():  # interleaved: drift on this shared machine hits both alike
-                summary = run_ddp_amp(base + extra, Path(tmp) / f"{mode}{repeat}")
-                results[mode].append(summary["samples_per_s"])
+    results = interleaved(base, modes, args.repeats)
     print(f"{'mode':<6} {'samples/s median [min-max]':>30}")
     for mode, values in results.items():
         print(f"{mode:<6} {spread(values, '.0f'):>30}")

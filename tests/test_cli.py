@@ -38,6 +38,11 @@ BAD_INPUTS = [
     (["--timeout", "0"], "--timeout"),
     (["--timeout", "inf"], "--timeout"),
     (["--max-nonfinite", "-1"], "--max-nonfinite"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every"),
+    (["--keep", "0"], "--keep"),
+    (["--stop-timeout", "0"], "--stop-timeout"),
+    (["--resume", "/no/such/checkpoint.pt"], "--resume"),
+    (["--resume", "auto"], "--resume"),  # the new run dir has no checkpoint to continue from
 ]
 
 
