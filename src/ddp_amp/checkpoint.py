@@ -78,6 +78,14 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     return write_json(run_dir / SUMMARY_FILE, summary)
 
 
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The run's summary.json, or {} when there is none (yet) or it cannot be read."""
+    try:
+        return json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
     """One short line per log interval, written in one call: a reader sees whole lines only. A write that
     fails part-way (disk full) is cut back off, so the file never ends in half a line."""

@@ -412,14 +412,9 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
 
 def _stop_report(run_dir: Path, stopped_by: str, config) -> str:
     """The one line after a stop signal: at which step the ranks stopped, and where their work is."""
-    import json
+    from ddp_amp.checkpoint import read_summary
 
-    from ddp_amp.checkpoint import SUMMARY_FILE
-
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        summary = {}
+    summary = read_summary(run_dir)
     step = summary.get("stopped_at_step")
     if step is None:
         return (f"{stopped_by}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and were "
@@ -432,15 +427,10 @@ def _stop_report(run_dir: Path, stopped_by: str, config) -> str:
 
 def _check_outcome(run_dir: Path) -> None:
     """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
-    import json
+    from ddp_amp.checkpoint import failure_of, read_summary
 
-    from ddp_amp.checkpoint import SUMMARY_FILE, failure_of
-
-    try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        return
-    if failure := failure_of(summary, run_dir):
+    summary = read_summary(run_dir)
+    if summary and (failure := failure_of(summary, run_dir)):
         raise RunFailed(failure)
 
 
@@ -461,15 +451,10 @@ def _launch_torchrun(plan, nproc: int, output: dict, command) -> None:
 
 def _report_recovery(config, log_path: Path, model) -> None:
     """A run that torchrun restarted and that then succeeded ends with one line saying what it recovered from."""
-    import json
-
-    from ddp_amp.checkpoint import SUMMARY_FILE
+    from ddp_amp.checkpoint import read_summary
     from ddp_amp.launch import torchrun
 
-    try:
-        summary = json.loads((Path(config.run_dir) / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        return
+    summary = read_summary(config.run_dir)
     if not summary.get("restarts"):
         return
     restarts = summary["restarts"]

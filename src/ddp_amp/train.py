@@ -129,8 +129,9 @@ class DivergenceWatch:
     """Notices a run that no longer trains, without a host sync per step.
 
     Non-finite losses are counted on the device (a streak per rank, and the step where it first reached the
-    limit) and read at log intervals, inside the all-reduce that logging makes anyway. Skipped fp16 steps are
-    already known on the host, so a collapsed loss scale is caught at the step where it happens.
+    limit); whether any rank tripped travels in the all-reduce that logging makes anyway, and only then does a
+    second one find where. Skipped fp16 steps are already known on the host, so a collapsed loss scale is caught
+    at the step where it happens.
     """
 
     NEVER = 2**40
@@ -160,16 +161,17 @@ class DivergenceWatch:
                               "(inf/NaN gradients every step)"}
         return None
 
-    def verdict(self, env: DistEnv) -> dict[str, Any] | None:
-        """At a log interval, on every rank: the earliest step (and its rank) where a streak reached the limit."""
-        if not self.limit:
-            return None
+    def tripped(self) -> torch.Tensor:
+        """1.0 on the device once this rank's streak has reached the limit (summed across ranks by logging)."""
+        return (self.tripped_at != self.NEVER).float().reshape(1)
+
+    def verdict(self, env: DistEnv) -> dict[str, Any]:
+        """Once some rank tripped, on every rank: the earliest step (and its rank) where a streak reached the
+        limit."""
         # Step and rank in one number, so a MIN all-reduce finds the earliest, lowest rank first.
         code = self.tripped_at * env.world_size + env.rank
         dist.all_reduce(code, op=dist.ReduceOp.MIN)
         step, rank = divmod(int(code.item()), env.world_size)
-        if step >= self.NEVER:
-            return None
         return {"step": step, "rank": rank,
                 "reason": f"the loss was inf/NaN for {self.limit} consecutive steps"}
 
@@ -325,21 +327,22 @@ class Trainer:
                 self._sync()
                 steady_at = time.perf_counter()
             log_due = (step + 1) % config.log_every == 0 or step + 1 == self.total_steps
-            if log_due:
-                self.position = (step, config.grad_accum, LOG)
-            if log_due and diverged is None:
-                diverged = divergence.verdict(env)  # all-reduced, so every rank reaches the same verdict
             if log_due or diverged is not None:
-                # A stop request (a signal on any rank) rides along: every rank learns it at the same step.
+                self.position = (step, config.grad_accum, LOG)
+                # A stop request (a signal on any rank) and a tripped divergence watch ride along: every rank
+                # learns of them at the same step.
                 flags = torch.tensor([float(loss_count), float(self.stop_requested())], device=self.device)
-                local = torch.cat([loss_sum.reshape(1), flags])
+                local = torch.cat([loss_sum.reshape(1), flags, divergence.tripped()])
                 totals = local.clone()
                 dist.all_reduce(totals)  # also a sync point: the interval's time below is real
                 now = time.perf_counter()
                 interval_s = now - interval_start
-                local_loss, local_count, _, total_loss, total_count, stops = torch.cat([local, totals]).tolist()
+                (local_loss, local_count, _, _, total_loss, total_count, stops,
+                 tripped) = torch.cat([local, totals]).tolist()
                 if stops and step + 1 < self.total_steps:
                     self.stopped_at = step + 1
+                if tripped and diverged is None:
+                    diverged = divergence.verdict(env)  # where and on which rank: all-reduced, the same on all
                 rank_samples_per_s = interval_steps * samples_per_step / interval_s
                 record = {
                     "step": step + 1,
