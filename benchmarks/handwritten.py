@@ -1,5 +1,6 @@
 """A minimal hand-written DDP + AMP training script with torch.multiprocessing.spawn: the baseline that
-ddp-amp's core and launcher are measured against. Same model, data, batch, optimizer, schedule and threads.
+ddp-amp's core and launcher are measured against. Same model, data, batch, optimizer, schedule and threads;
+torch's defaults everywhere else (the default AdamW implementation, DDP's default options), as a user's loop has.
 
     python benchmarks/handwritten.py --nproc 2 --steps 200 --out result.json
 """
@@ -13,10 +14,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tasks import wide_regression
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_amp.tasks.mlp import build
+
+TASKS = {"mlp": build, "wide": wide_regression}
 
 
 def worker(rank: int, world: int, port: int, args, started: float, results) -> None:
@@ -24,7 +28,7 @@ def worker(rank: int, world: int, port: int, args, started: float, results) -> N
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    task = build()
+    task = TASKS[args.task]()
     model = DDP(task.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
@@ -67,6 +71,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--amp", action="store_true")
+    parser.add_argument("--task", choices=sorted(TASKS), default="mlp")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     with socket.socket() as s:  # the usual hand-written way: find a free port, then hope it stays free

@@ -249,3 +249,19 @@ class Planted:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
+
+
+HOLD_AT_CALL = 12  # waits_for_a_third_node holds here while the world has fewer than three ranks
+
+
+def waits_for_a_third_node() -> Task:
+    """Trains to HOLD_AT_CALL, then, while the world has fewer than 3 ranks, waits there (every rank alike, so no
+    collective times out): only an elastic restart with a third node lets the job go on."""
+
+    def on_call(call, loss):
+        if call == HOLD_AT_CALL:
+            while int(os.environ["WORLD_SIZE"]) < 3:
+                time.sleep(0.1)
+        return loss
+
+    return _regression_with(on_call)

@@ -4,6 +4,7 @@ This is the case where plain torchrun failed here: the endpoint's node did not r
 and workers advertised an unreachable hostname. Traffic stays inside the namespaces this test makes.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import read_summary
+from conftest import HELPER_TASKS, read_summary
+from helper_tasks import HOLD_AT_CALL
 
 pytestmark = pytest.mark.slow
 SUBNET = "10.77.{}.{}"
@@ -84,3 +86,48 @@ def test_three_namespaces_train_together(three_hosts, tmp_path):
     assert [read_summary(tmp_path / f"node{index}")["world_size"] for index in range(3)] == [3, 3, 3]
     assert weights[0] == weights[1] == weights[2]
     print(f"3-namespace multinode wall time: {elapsed:.1f}s")
+
+
+def test_a_node_that_arrives_later_joins_an_elastic_job_at_a_restart(three_hosts, tmp_path):
+    """--nnodes 2:3: two nodes start and train with world size 2 (their task holds at a step until the world has
+    three ranks); the third node's arrival makes torchrun restart the workers with world size 3. They continue
+    from the newest checkpoint, which the newcomer (its own run dir, no shared file system) receives from the
+    others, and all three finish with the same weights."""
+    (_, host_addr), *_ = three_hosts
+    checkpoint_every = 5
+    last_before_hold = (HOLD_AT_CALL - 1) // checkpoint_every * checkpoint_every
+    run_dirs = [tmp_path / f"node{index}" for index in range(3)]
+
+    def start(index: int) -> subprocess.Popen:
+        ns = three_hosts[index][0]
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2:3",
+                   "--nproc-per-node", "1", "--endpoint", f"{host_addr}:29400", "--device", "cpu",
+                   "--task", f"{HELPER_TASKS}:waits_for_a_third_node", "--steps", "20", "--log-every", "5",
+                   "--checkpoint-every", str(checkpoint_every), "--rdzv-last-call", "1", "--rdzv-timeout", "120",
+                   "--log-format", "plain", "--run-dir", str(run_dirs[index])]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    jobs = [start(0), start(1)]
+    try:
+        held = run_dirs[0] / "checkpoints" / f"step-{last_before_hold}.pt"
+        deadline = time.monotonic() + 180
+        while not held.exists():  # the two-node job has trained up to its hold
+            assert time.monotonic() < deadline and all(job.poll() is None for job in jobs), "no checkpoint"
+            time.sleep(0.2)
+        jobs.append(start(2))
+        outputs = [job.communicate(timeout=240) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    for job, (out, err) in zip(jobs, outputs):
+        assert job.returncode == 0, out + err
+    assert "(world size 2)" in outputs[0][0] and "(world size 3)" in outputs[0][0]
+    summaries = [read_summary(run_dir) for run_dir in run_dirs]
+    assert [s["world_size"] for s in summaries] == [3, 3, 3]
+    assert [s["resumed_from_step"] for s in summaries] == [last_before_hold] * 3
+    assert [s["restarts"] for s in summaries] == [0, 0, 0]  # a membership change is not a failure
+    assert not (run_dirs[2] / "checkpoints" / f"step-{last_before_hold}.pt").exists()  # it was sent, not read
+    weights = [(run_dir / "model.pt").read_bytes() for run_dir in run_dirs]
+    assert weights[0] == weights[1] == weights[2]
+    steps_logged = [json.loads(line)["step"] for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == [5, 10, 15, 20]  # the steps before the change kept once, none logged twice

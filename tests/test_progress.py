@@ -231,3 +231,25 @@ def test_rich_shows_a_traceback_with_brackets_as_it_is():
     display.handle({"type": "error", "rank": 0, "traceback": f"Traceback...\n{error}"})
     display.close()
     assert error in console_file.getvalue()
+
+
+def test_an_elastic_renumbering_replaces_the_process_earlier_rank():
+    """An elastic job that grew numbers its ranks anew: this node's local rank 0 was global rank 1, is now 2.
+    The table shows the rank it is now, not a second row stuck at the old one."""
+    from ddp_amp.progress.display import ProgressModel
+
+    model = ProgressModel(clock=FakeClock())
+    model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 0, "node": 1, "world_size": 2})
+    model.apply(log_event(1, 10, 0.5))
+    model.apply({"type": "state", "rank": 2, "status": "starting", "local_rank": 0, "node": 1, "world_size": 3})
+    assert list(model.ranks) == [2]
+    assert model.ranks[2].status == "starting"
+
+
+def test_a_plain_start_line_names_the_world_size():
+    from ddp_amp.progress.events import plain_line
+
+    assert plain_line({"type": "state", "rank": 2, "status": "starting", "world_size": 3}) == \
+        "[rank 2] starting (world size 3)"
+    assert plain_line({"type": "state", "rank": 0, "status": "restarting", "restart": 1, "world_size": 2}) == \
+        "[rank 0] restarting (restart 1, world size 2)"

@@ -30,6 +30,7 @@ BAD_INPUTS = [
     (["multinode", "--nnodes", "2", "--endpoint", "no-such-host.invalid:29400"], "--endpoint"),
     (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--rdzv-timeout", "0"], "--rdzv-timeout"),
     (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--max-restarts", "-1"], "--max-restarts"),
+    (["multinode", "--nnodes", "2:3", "--endpoint", "127.0.0.1", "--rdzv-last-call", "0"], "--rdzv-last-call"),
     (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--nproc-per-node", "0"], "--nproc-per-node"),
     (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1", "--ifname", "nosuchif0"], "--ifname"),
     # 203.0.113.0/24 is TEST-NET-3: never this machine's; the check only tries to bind it, sends nothing.
@@ -98,7 +99,9 @@ def test_multinode_dry_run_prints_c10d_flags(tmp_path, capsys):
     assert flag_value(argv, "--nnodes") == "1:2"
     assert flag_value(argv, "--nproc-per-node") == "3"
     assert flag_value(argv, "--local-addr") == "127.0.0.1"
-    assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=600"  # torchrun's own default
+    # torchrun's own defaults; the last call only for an elastic range
+    assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=600,last_call_timeout=30"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # or a node joining later waits for MASTER_ADDR
     rdzv_id = flag_value(argv, "--rdzv-id")
     assert rdzv_id.startswith("ddp-amp-")
     assert f"--rdzv-id {rdzv_id}" in out.splitlines()[1], "the hint for the other nodes names the same id"
@@ -210,10 +213,12 @@ def test_two_runs_started_together_do_not_collide_and_match_spawn(tmp_path):
 
 
 @pytest.mark.slow
-def test_multinode_on_one_machine(tmp_path):
+@pytest.mark.parametrize("nnodes", ["2", "2:3"])
+def test_multinode_on_one_machine(tmp_path, nnodes):
+    """2:3 and no third node: once two have joined and the last call has passed, the job runs with two."""
     port = closed_port()
-    commands = [[sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1",
-                 "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--steps", "20",
+    commands = [[sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", nnodes, "--nproc-per-node", "1",
+                 "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--steps", "20", "--rdzv-last-call", "1",
                  "--run-dir", str(tmp_path / name)] for name in ("a", "b")]
     jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
     for job in jobs:
@@ -331,3 +336,11 @@ Root Cause (first observed failure):
     assert root_cause(log.replace("error_file: <N/A>", "error_file: /tmp/e.json")) == \
         (0, "failed: RuntimeError: Connection closed by peer")
     assert root_cause("torchrun said nothing useful") is None
+
+
+def test_a_fractional_rdzv_timeout_reaches_torchrun_as_whole_seconds(tmp_path, capsys):
+    """torchrun parses its rendezvous timeouts with int(): "0.5" would fail in every agent."""
+    code, captured = multinode_dry_run("127.0.0.1:29400", tmp_path, capsys, "--rdzv-timeout", "0.5", "--is-host")
+    assert code == 0
+    _, argv = parse_dry_run(captured.out)
+    assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=1"

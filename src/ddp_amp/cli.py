@@ -214,6 +214,8 @@ def multinode(
     rdzv_timeout: Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes (torchrun's "
                                                 "own join timeout: a slowly booting node must not fail the job).")
                             ] = 600.0,
+    rdzv_last_call: Annotated[int, typer.Option("--rdzv-last-call", help="With --nnodes MIN:MAX: seconds to wait "
+                                                "for more nodes once MIN have joined (torchrun's default).")] = 30,
     is_host: Annotated[bool | None, typer.Option("--is-host/--no-is-host", help="Whether this node hosts the store "
                                                  "\\[default: detected from the endpoint address].")] = None,
     local_addr: Annotated[str | None, typer.Option("--local-addr", help="Address this node advertises "
@@ -235,6 +237,8 @@ def multinode(
         raise UsageError(f"--node-rank must be in 0..{nodes.max - 1} for --nnodes {nodes}, got {node_rank}")
     if rdzv_timeout <= 0:
         raise UsageError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout:g}")
+    if rdzv_last_call < 1:
+        raise UsageError(f"--rdzv-last-call must be >= 1 second, got {rdzv_last_call}")
     where = network.parse_endpoint(endpoint)
     TrainConfig(**train)  # every cheap check before the network ones, which can wait up to --rdzv-timeout
     if emit_slurm is not None:
@@ -242,6 +246,7 @@ def multinode(
             torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
         # What every node shares; per-node values (--local-addr, --is-host, --node-rank) are found on each node.
         args = ["--nproc-per-node", nproc_per_node, *_training_args(train), "--rdzv-timeout", f"{rdzv_timeout:g}",
+                *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max else []),
                 "--monitor-interval", f"{monitor_interval:g}", "--log-format", output["log_format"]]
         if max_restarts:
             args += ["--max-restarts", str(max_restarts)]
@@ -257,12 +262,14 @@ def multinode(
                                        rdzv_timeout=rdzv_timeout, check_reachable=not dry_run)
     plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
                      run_dir=output["run_dir"], lock_run_dir=False,
-                     world_size=nodes.min * nproc if nodes.min == nodes.max else None)
+                     world_size=nodes.min * nproc if nodes.min == nodes.max else None,
+                     extra={"elastic": nodes.min != nodes.max})
     job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
     command = torchrun.multinode_command(
         plan.config_path, endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
         is_host=net.is_host, local_addr=net.local_addr, ifname_env=net.ifname_env, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, rdzv_timeout=rdzv_timeout, device_type=plan.device_type)
+        monitor_interval=monitor_interval, rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call,
+        device_type=plan.device_type)
     if net.note:
         typer.echo(f"ddp-amp: {net.note}", err=True)
     if dry_run:

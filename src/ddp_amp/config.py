@@ -67,6 +67,9 @@ class TrainConfig:
     """Where rank 0 writes model.pt, summary.json and metrics.jsonl."""
     launch_time: float = 0.0
     """time.time() when the launcher started; time_to_first_step_s is measured from it."""
+    elastic: bool = False
+    """An elastic multinode job (--nnodes MIN:MAX): the world size may change when torchrun restarts the workers,
+    and they continue from the newest checkpoint across the change."""
     record_step_times: bool = False
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
     tf32: str | None = None

@@ -242,14 +242,18 @@ class Trainer:
                 "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
                 "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
-        """Continue from a checkpoint taken after optimizer step `step`."""
+    def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None) -> None:
+        """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks."""
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])  # the loss scale and its growth tracker
         self.epoch, self.batches_in_epoch = state["epoch"], state["batches_in_epoch"]
+        if saved_world_size and saved_world_size != self.env.world_size:
+            # An elastic job resized: the epoch goes on from the share of its samples already seen (the shards
+            # differ, so a few samples of this epoch may be seen twice or not at all).
+            self.batches_in_epoch = self.batches_in_epoch * saved_world_size // self.env.world_size
         self.skipped_steps = state["skipped_steps"]
         self.start_step = step
 

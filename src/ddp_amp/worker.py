@@ -328,32 +328,56 @@ def _to_host(value: Any) -> Any:
 
 def resume(trainer: Trainer, config: TrainConfig, env: DistEnv, run_dir: Path, device: torch.device, *,
            restarted: bool) -> str | None:
-    """Continue from config.resume or, in a worker group torchrun restarted, from the newest checkpoint.
-    Returns the checkpoint's path when it resumed."""
-    path = None
-    if restarted:  # the newest checkpoint, which may be newer than the one this launch started from
-        found = checkpoint.newest_valid_checkpoint(run_dir, warn=lambda line: print(f"warning: {line}"))
-        path = found[0] if found else None
-    if path is None and config.resume:
-        path = Path(config.resume)
-    if path is None:
+    """Continue from the newest checkpoint this launch wrote (after torchrun restarted the workers, for a
+    failure or because an elastic job's membership changed: torchrun does not count the latter as a restart),
+    else from config.resume. Every rank ends up with the same state: the ranks agree on the newest checkpoint
+    any of them can read, and ranks that cannot read it (a node that joined later, without a shared file
+    system) receive it from one that can. Returns the checkpoint's path when it resumed."""
+    found = _checkpoint_to_continue(config, run_dir, restarted)
+    views = [None] * env.world_size
+    dist.all_gather_object(views, found[1]["step"] if found else None)
+    steps = [step for step in views if step is not None]
+    if not steps:
         if restarted and env.writes_run_dir:
             # Restarted from the beginning: the earlier attempt's log lines no longer apply.
             (run_dir / checkpoint.METRICS_FILE).unlink(missing_ok=True)
         return None
-    try:
-        state = checkpoint.load_checkpoint(path)
-    except checkpoint.CheckpointError as exc:
-        raise RankSetupError(f"--resume {exc}") from None
+    newest = max(steps)
+    if any(step != newest for step in views):
+        source = views.index(newest)
+        shipped = [found if env.rank == source else None]
+        dist.broadcast_object_list(shipped, src=source)
+        found = shipped[0]
+    path, state = found
     differ = checkpoint.mismatches(state["config"], state["world_size"], dataclasses.asdict(config),
-                                   env.world_size)
+                                   None if config.elastic else env.world_size)
     if differ:
         raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
-    trainer.load_state_dict(state["trainer"], state["step"])
-    checkpoint.set_rng_state(state["rng"][env.rank], device)
+    trainer.load_state_dict(state["trainer"], state["step"], saved_world_size=state["world_size"])
+    if env.rank < len(state["rng"]):  # an elastic job that grew: the new ranks keep their seeded streams
+        checkpoint.set_rng_state(state["rng"][env.rank], device)
     if env.writes_run_dir:
         checkpoint.cut_metrics(run_dir, state["step"])
     return str(path)
+
+
+def _checkpoint_to_continue(config: TrainConfig, run_dir: Path, restarted: bool) -> tuple[Path, dict] | None:
+    """This rank's own view: (path, state) of the checkpoint it would continue from, or None."""
+    found = checkpoint.newest_valid_checkpoint(run_dir, warn=lambda line: print(f"warning: {line}"))
+    # launch_time tells this launch's checkpoints from those of the run that --resume continues.
+    if found and (restarted or found[1]["config"].get("launch_time") == config.launch_time):
+        return found
+    if config.resume is None:
+        return None
+    path = Path(config.resume)
+    if found and found[0].resolve() == path.resolve():
+        return found
+    try:
+        return path, checkpoint.load_checkpoint(path)
+    except checkpoint.CheckpointError as exc:
+        if restarted or config.elastic:
+            return None  # a node without the file: it receives the state from a rank that has it
+        raise RankSetupError(f"--resume {exc}") from None
 
 
 def stall_after_s(timeout_s: float) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import math
 import os
 import re
 import shlex
@@ -87,10 +88,12 @@ def cpu_threads_env(nproc_per_node: int, device_type: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, cores // nproc_per_node))}
 
 
-def restart_env(max_restarts: int) -> dict[str, str]:
+def restart_env(max_restarts: int, elastic: bool = False) -> dict[str, str]:
     # With the agent's rendezvous store shared with the workers, restarts failed 4 times in 6 here;
-    # with a store of their own, 4 of 4 passed.
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts > 0 else {}
+    # with a store of their own, 4 of 4 passed. A node joining an elastic job needs it too: with the shared
+    # store, the agents already running never publish the new round's MASTER_ADDR, and the newcomer waits
+    # for it until the join timeout.
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts > 0 or elastic else {}
 
 
 def standalone_command(config_path: Path, *, nproc_per_node: int, max_restarts: int, monitor_interval: float,
@@ -124,8 +127,11 @@ def default_rdzv_id(endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, run
 def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int,
                       node_rank: int | None, rdzv_id: str, is_host: bool | None, local_addr: str | None,
                       ifname_env: dict[str, str] | None, max_restarts: int, monitor_interval: float,
-                      rdzv_timeout: float, device_type: str) -> TorchrunCommand:
-    rdzv_conf = f"join_timeout={rdzv_timeout:g}"
+                      rdzv_timeout: float, device_type: str, rdzv_last_call: int = 30) -> TorchrunCommand:
+    # torchrun reads these as whole seconds (a fraction would fail its int() parse in every agent).
+    rdzv_conf = f"join_timeout={math.ceil(rdzv_timeout)}"
+    if nnodes.min != nnodes.max:
+        rdzv_conf += f",last_call_timeout={rdzv_last_call}"
     if is_host is not None:
         rdzv_conf = f"is_host={int(is_host)},{rdzv_conf}"
     argv = [sys.executable, "-m", "torch.distributed.run",
@@ -138,7 +144,8 @@ def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, 
     if local_addr:
         argv += ["--local-addr", local_addr]
     argv += ["-m", WORKER_MODULE, str(config_path)]
-    env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts), **(ifname_env or {})}
+    env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts, nnodes.min != nnodes.max),
+           **(ifname_env or {})}
     return TorchrunCommand(argv, env)
 
 

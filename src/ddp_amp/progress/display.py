@@ -60,8 +60,14 @@ class ProgressModel:
         self.started = self.started or self.clock()
 
     def apply(self, event: dict[str, Any]) -> None:
-        state = self.ranks.setdefault(event["rank"], RankState(event["rank"]))
         kind = event["type"]
+        if kind == "state" and event["status"] in ("starting", "restarting") and event["rank"] not in self.ranks:
+            # An elastic job that changed its membership numbers its ranks anew: this process's earlier rank
+            # (the same local rank, another global one) is gone.
+            local_rank = event.get("local_rank")
+            for rank in [r for r, s in self.ranks.items() if local_rank is not None and s.local_rank == local_rank]:
+                del self.ranks[rank]
+        state = self.ranks.setdefault(event["rank"], RankState(event["rank"]))
         if kind == "state":
             if event["status"] == "restarting":
                 self._restarted(event.get("restart", 1))

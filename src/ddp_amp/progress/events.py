@@ -33,7 +33,10 @@ def plain_line(event: dict[str, Any]) -> str | None:
             line += f" scale {event['loss_scale']:.0f} skipped {event['skipped_steps']}"
         return line
     if kind == "state" and event["status"] in ("starting", "restarting"):
-        return f"[rank {rank}] {event['status']}" + (f" (restart {event['restart']})" if event.get("restart") else "")
+        details = [f"restart {event['restart']}"] if event.get("restart") else []
+        if event.get("world_size"):
+            details.append(f"world size {event['world_size']}")
+        return f"[rank {rank}] {event['status']}" + (f" ({', '.join(details)})" if details else "")
     if kind == "done":
         outcome = "stopped" if event.get("stopped") else "done"
         return (f"[rank {rank}] {outcome}: {event['steps']} steps, {event['samples_per_s']:.0f} samples/s, "

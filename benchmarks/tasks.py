@@ -1,0 +1,22 @@
+"""Tasks the benchmarks share with benchmarks/handwritten.py, loaded as `--task benchmarks/tasks.py:NAME`."""
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ddp_amp.tasks import Task
+
+WIDE = (1024, 4096, 1024, 1024)
+"""The regression MLP of the performance comparisons: 1024-4096-1024-1024, MSE (9.4 M parameters, 38 MB of fp32
+gradients to all-reduce per step)."""
+
+
+def wide_regression(samples: int = 8192, seed: int = 1234) -> Task:
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(samples, WIDE[0], generator=gen)
+    teacher = torch.randn(WIDE[0], WIDE[-1], generator=gen) / WIDE[0] ** 0.5
+    layers: list[nn.Module] = []
+    for width_in, width_out in zip(WIDE, WIDE[1:]):
+        layers += [nn.Linear(width_in, width_out), nn.GELU()]
+    model = nn.Sequential(*layers[:-1])
+    return Task(model=model, dataset=TensorDataset(inputs, inputs @ teacher), loss_fn=nn.functional.mse_loss)
