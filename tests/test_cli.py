@@ -43,6 +43,12 @@ BAD_INPUTS = [
     (["--stop-timeout", "0"], "--stop-timeout"),
     (["--resume", "/no/such/checkpoint.pt"], "--resume"),
     (["--resume", "auto"], "--resume"),  # the new run dir has no checkpoint to continue from
+    (["--optimizer-impl", "turbo"], "--optimizer-impl"),
+    (["--grad-compression", "int8"], "--grad-compression"),
+    (["--grad-compression", "bf16"], "--grad-compression"),  # torch's hook needs nccl
+    (["--dtype", "fp16", "--optimizer-impl", "fused"], "--optimizer-impl"),
+    (["--bucket-mb", "0"], "--bucket-mb"),
+    (["--static-graph", "--grad-accum", "2"], "--static-graph"),
 ]
 
 

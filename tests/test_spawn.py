@@ -71,6 +71,17 @@ def test_grad_accumulation_equals_the_bigger_batch(two_rank_run, tmp_path):
     assert_weights_close(load_weights(run_dir), load_weights(tmp_path), rtol=1e-5)
 
 
+def test_fp16_gradient_compression_rounds_the_all_reduce_and_still_trains_the_same(two_rank_run, tmp_path):
+    """The hook is in the all-reduce: the weights are no longer bit-identical to the uncompressed run (the
+    gradients crossed as fp16), yet within fp16's rounding of it."""
+    run_dir, _ = two_rank_run
+    spawn(tmp_path, *SGD_FP32, "--batch-size", "16", "--grad-compression", "fp16")
+    assert read_summary(tmp_path)["ddp"]["grad_compression"] == "fp16"
+    plain, compressed = load_weights(run_dir), load_weights(tmp_path)
+    assert not all(torch.equal(plain[k], compressed[k]) for k in plain)
+    assert_weights_close(compressed, plain, rtol=1e-2)
+
+
 def test_same_seed_same_weights(two_rank_run, tmp_path):
     run_dir, _ = two_rank_run
     spawn(tmp_path, *SGD_FP32, "--batch-size", "16")

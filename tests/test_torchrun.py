@@ -124,13 +124,14 @@ def test_emit_slurm_writes_a_script_and_launches_nothing(tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     with pytest.raises(SystemExit) as exit_info:
         main(["multinode", "--nnodes", "2", "--endpoint", "node0:29500", "--nproc-per-node", "4", "--task",
-              "transformer", "--emit-slurm", str(script)])
+              "transformer", "--no-bucket-view", "--static-graph", "--emit-slurm", str(script)])
     assert exit_info.value.code == 0
     text = script.read_text()
     assert text.startswith("#!/bin/bash")
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
     assert '--nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID"' in text
     assert "--task transformer" in text and "--nproc-per-node 4" in text and ":29500" in text
+    assert "--no-bucket-view" in text and "--static-graph" in text and "True" not in text  # switches as switches
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4", "#SBATCH --requeue",
                  "#SBATCH --signal=USR1@120", "#SBATCH --time="):
         assert line in text

@@ -143,3 +143,34 @@ def test_every_tensor_of_a_nested_batch_reaches_the_device():
     assert isinstance(ordered, OrderedDict) and ordered["a"].device == meta
     assert frozen["b"].device == meta
     assert nested[0].device == meta and nested[1][0].device == meta
+
+
+@pytest.mark.parametrize(("precision", "expected"), [("fp32", "fused"), ("bf16", "fused"), ("fp16", "foreach")])
+def test_the_default_optimizer_step_is_fused_except_under_a_grad_scaler(one_rank_group, tmp_path, precision,
+                                                                         expected):
+    config = TrainConfig(task="inline", steps=2, run_dir=str(tmp_path))
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision(precision),
+                      helper_tasks.inf_at_third_step(), Recorder())
+    group = trainer.optimizer.param_groups[0]
+    assert trainer.optimizer_impl == expected
+    assert bool(group["fused"]) == (expected == "fused") and bool(group["foreach"]) == (expected == "foreach")
+    assert trainer.model.gradient_as_bucket_view  # gradients are views into DDP's buckets: no copies
+    trainer.train()
+    trainer.close()
+
+
+def test_the_optimizer_and_ddp_options_reach_torch(one_rank_group, tmp_path):
+    config = TrainConfig(task="inline", steps=2, run_dir=str(tmp_path), optimizer="sgd", optimizer_impl="loop",
+                         bucket_view=False, bucket_mb=1.5, static_graph=True)
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"),
+                      helper_tasks.inf_at_third_step(), Recorder())
+    group = trainer.optimizer.param_groups[0]
+    assert not group["fused"] and group["foreach"] is False
+    assert not trainer.model.gradient_as_bucket_view
+    assert trainer.model.bucket_bytes_cap == int(1.5 * 1024 * 1024)
+    assert trainer.model.static_graph
+    summary = trainer.train().summary
+    assert summary["optimizer_impl"] == "loop"
+    assert summary["ddp"] == {"bucket_mb": 1.5, "bucket_view": False, "static_graph": True,
+                              "grad_compression": "none"}
+    trainer.close()

@@ -70,6 +70,15 @@ TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
                            help="DataLoader workers per rank \\[default: 0 on CPU, a few per GPU rank]."),
     "tf32": _option(None, "--tf32", type_=str | None,
                     help="CUDA: allow TF32 for fp32 matmuls, on or off \\[default: torch's]."),
+    "optimizer_impl": _option("auto", "--optimizer-impl", type_=str,
+                              help="fused, foreach or loop (torch's CPU default); auto: fused, foreach with fp16."),
+    "grad_compression": _option("none", "--grad-compression", type_=str,
+                                help="Compress gradients for the all-reduce: none, fp16 or bf16 (nccl only)."),
+    "bucket_mb": _option(25.0, "--bucket-mb", type_=float, help="DDP gradient bucket size in MB (bucket_cap_mb)."),
+    "bucket_view": _option(True, "--bucket-view/--no-bucket-view", type_=bool,
+                           help="Gradients as views into DDP's buckets (gradient_as_bucket_view): no copies."),
+    "static_graph": _option(False, "--static-graph", type_=bool,
+                            help="Tell DDP the used parameters never change between steps."),
 }
 
 OUTPUT = "Output"
@@ -292,7 +301,8 @@ def _training_args(train: dict) -> list[str]:
     args = []
     for name, value in train.items():
         if value != TRAINING_OPTIONS[name][0]:
-            args += [f"--{name.replace('_', '-')}", str(value)]
+            flag = name.replace("_", "-")
+            args += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
     return args
 
 

@@ -20,6 +20,8 @@ DTYPES = ("auto", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
 OPTIMIZERS = ("adamw", "sgd")
 TF32_MODES = ("on", "off")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 DEFAULT_STEPS = 100
 
 
@@ -95,6 +97,17 @@ class TrainConfig:
     num_workers: int | None = None
     """DataLoader worker processes per rank (None: 0 on CPU ranks, a few per rank on CUDA, leaving cores to
     the other ranks)."""
+    optimizer_impl: str = "auto"
+    """The optimizer's implementation: fused (one kernel for all parameters), foreach (batched per tensor list),
+    loop (one parameter at a time, torch's default on CPU); auto: fused, or foreach under fp16's GradScaler."""
+    grad_compression: str = "none"
+    """Compress gradients for DDP's all-reduce with its built-in hook: none, fp16 or bf16 (bf16 needs nccl)."""
+    bucket_mb: float = 25.0
+    """Size of DDP's gradient buckets in MB (DDP's bucket_cap_mb): an all-reduce starts when one is full."""
+    bucket_view: bool = True
+    """Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy in or out."""
+    static_graph: bool = False
+    """Tell DDP the set of used parameters never changes between steps (static_graph)."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -108,6 +121,15 @@ class TrainConfig:
         choice("--dtype", self.dtype, DTYPES)
         choice("--schedule", self.schedule, SCHEDULES)
         choice("--optimizer", self.optimizer, OPTIMIZERS)
+        choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        choice("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS)
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            problems.append(f"--bucket-mb must be a finite number > 0, got {self.bucket_mb}")
+        if self.static_graph and self.grad_accum > 1:
+            # pytorch/pytorch#143580: DDP's static graph asserts on a first backward under no_sync, and the fix
+            # proposed for it found that accumulation then stops all-reducing gradients after the first step.
+            problems.append("--static-graph cannot be combined with --grad-accum > 1 in torch's DDP (its static "
+                            "graph fails under no_sync); drop one of them")
         if self.tf32 is not None:
             choice("--tf32", self.tf32, TF32_MODES)
         if self.amp == "off" and self.dtype != "auto":

@@ -58,6 +58,17 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
     return str(path.resolve())
 
 
+def check_ddp_options(config: TrainConfig, device_type: str, precision: Precision) -> None:
+    """Combinations that every rank would otherwise fail on, each with a traceback."""
+    if config.grad_compression == "bf16" and device_type != "cuda":
+        raise UsageError("--grad-compression bf16 needs CUDA ranks (nccl): torch has no bf16 all-reduce hook "
+                         "for CPU ranks (gloo); use --grad-compression fp16 or none")
+    if config.optimizer_impl == "fused" and precision.uses_scaler:
+        raise UsageError("--optimizer-impl fused cannot run under fp16's GradScaler here: a fused step skips "
+                         "overflowing steps on the device, unseen by the LR schedule; use foreach (what auto "
+                         "picks) or --dtype bf16")
+
+
 def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
               run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True,
               world_size: int | None = -1) -> LaunchPlan:
@@ -84,6 +95,7 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
     # What the ranks will decide on this node's GPUs (each rank checks its own device again, and all agree).
     cuda_bf16 = device_type == "cuda" and cuda_devices_have_native_bf16(range(nproc_per_node))
     precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=cuda_bf16)
+    check_ddp_options(config, device_type, precision)
     from ddp_amp.tasks import resolve_factory
 
     resolve_factory(config.task)
