@@ -310,33 +310,23 @@ def test_a_failing_run_names_the_rank_that_failed_first(tmp_path, helper_task, t
                      "--run-dir", str(tmp_path), timeout=180)
     assert result.returncode == 1, result.stderr
     verdict = last_line(result.stderr)
-    assert verdict.startswith(f"ddp-amp: error: {expected} (torchrun exited with code 1"), result.stderr
+    assert verdict.startswith(f"ddp-amp: error: {expected} (the agent's log: "), result.stderr
 
 
-def test_a_rank_killed_without_raising_is_the_cause_whatever_torchrun_calls_first():
-    from ddp_amp.launch.torchrun import root_cause
+def test_a_rank_killed_without_raising_is_the_cause_whatever_failed_first(tmp_path):
+    """The agent reports every failed rank; one killed by a signal without an error file (SIGKILL, the OOM
+    killer) is the cause, even when a peer's "connection closed" traceback is older."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    log = """
-Failures:
-[1]:
-  rank      : 1 (local_rank: 1)
-  exitcode  : -9 (pid: 8430)  (SIGKILL)
-  error_file: <N/A>
-  traceback : Signal 9 (SIGKILL) received by PID 8430
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  rank      : 0 (local_rank: 0)
-  exitcode  : 1 (pid: 8429)
-  error_file: /tmp/x/attempt_0/0/error.json
-  traceback : Traceback (most recent call last):
-    RuntimeError: Connection closed by peer
-============================================================
-"""
-    assert root_cause(log) == (1, "died with SIGKILL")
-    assert root_cause(log.replace("error_file: <N/A>", "error_file: /tmp/e.json")) == \
-        (0, "failed: RuntimeError: Connection closed by peer")
-    assert root_cause("torchrun said nothing useful") is None
+    from ddp_amp.launch.agent import root_failure
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer",
+                                                  "extraInfo": {"py_callstack": "...", "timestamp": "100"}}}))
+    peer = ProcessFailure(local_rank=0, pid=8429, exitcode=1, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=1, pid=8430, exitcode=-9, error_file="<N/A>")
+    assert root_failure({0: peer, 1: killed}) == (1, "died with SIGKILL")
+    assert root_failure({0: peer}) == (0, "failed: RuntimeError: Connection closed by peer")
 
 
 def test_a_fractional_rdzv_timeout_reaches_torchrun_as_whole_seconds(tmp_path, capsys):

@@ -204,6 +204,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
 
     from ddp_amp.dist import loopback_store
     from ddp_amp.launch import torchrun
+    from ddp_amp.launch.agent import run_agent
     from ddp_amp.launch.preflight import preflight
     from ddp_amp.launch.spawn import spawn
     from ddp_amp.progress.display import PlainDisplay
@@ -228,10 +229,9 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
                     spawn(plan.config, nproc, extra_env=session.environment())
                 else:
                     store = loopback_store()  # served as long as this launch runs
-                    command = torchrun.standalone_command(plan.config_path, nproc_per_node=nproc, max_restarts=0,
-                                                          monitor_interval=0.1, device_type=plan.device_type,
-                                                          store_port=store.port)
-                    torchrun.execute(command, session.environment(), run_dir / "logs" / "torchrun.log")
+                    job = torchrun.standalone_job(nproc_per_node=nproc, max_restarts=0, monitor_interval=0.1,
+                                                  device_type=plan.device_type, store_port=store.port)
+                    run_agent(job, plan.config_path, session.environment(), run_dir / "logs" / "agent.log")
                     del store
             measurement = Measurement.load(run_dir, plan.precision.name, repeat, options.warmup)
             measurements.append(measurement)

@@ -194,14 +194,13 @@ def run(
     options = {"nproc_per_node": nproc, "max_restarts": max_restarts, "monitor_interval": monitor_interval,
                "device_type": plan.device_type}
     if dry_run:
-        typer.echo(torchrun.standalone_command(plan.config_path, **options).shell())
+        typer.echo(torchrun.standalone_job(**options).torchrun_command(plan.config_path).shell())
         return
     from ddp_amp.dist import loopback_store
 
     # The rendezvous store, served by this launcher on loopback only, for as long as the launch lasts.
     store = loopback_store(timeout_s=plan.config.timeout)
-    command = torchrun.standalone_command(plan.config_path, store_port=store.port, **options)
-    _launch_torchrun(plan, nproc, output, command)
+    _launch_elastic(plan, nproc, output, torchrun.standalone_job(store_port=store.port, **options))
     del store
 
 
@@ -274,19 +273,19 @@ def multinode(
                      world_size=nodes.min * nproc if nodes.min == nodes.max else None,
                      extra={"elastic": nodes.min != nodes.max})
     job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
-    command = torchrun.multinode_command(
-        plan.config_path, endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
+    job = torchrun.multinode_job(
+        endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
         is_host=net.is_host, local_addr=net.local_addr, ifname_env=net.ifname_env, max_restarts=max_restarts,
         monitor_interval=monitor_interval, rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call,
         device_type=plan.device_type)
     if net.note:
         typer.echo(f"ddp-amp: {net.note}", err=True)
     if dry_run:
-        typer.echo(command.shell())
+        typer.echo(job.torchrun_command(plan.config_path).shell())
         typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
                    f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
         return
-    _launch_torchrun(plan, nproc, output, command)
+    _launch_elastic(plan, nproc, output, job)
 
 
 def _check_torchrun_numbers(max_restarts: int, monitor_interval: float) -> None:
@@ -451,16 +450,18 @@ def _check_outcome(run_dir: Path) -> None:
         raise RunFailed(failure)
 
 
-def _launch_torchrun(plan, nproc: int, output: dict, command) -> None:
-    from ddp_amp.launch import torchrun
+def _launch_elastic(plan, nproc: int, output: dict, job) -> None:
+    """run and multinode: torchrun's agent in this process (ddp_amp.launch.agent)."""
+    from ddp_amp.launch.agent import run_agent
 
-    typer.echo(f"ddp-amp: {command.shell()}", err=True)
-    log_path = plan.config_path.parent / "logs" / "torchrun.log"
+    typer.echo(f"ddp-amp: torchrun's agent in-process, as {job.torchrun_command(plan.config_path).shell()}", err=True)
+    log_path = plan.config_path.parent / "logs" / "agent.log"
     sessions = []
 
     def start(env, session):
         sessions.append(session)
-        torchrun.execute(command, env, log_path, rank_pids=session.rank_pids, stop_timeout=plan.config.stop_timeout)
+        run_agent(job, plan.config_path, env, log_path, rank_pids=session.rank_pids,
+                  stop_timeout=plan.config.stop_timeout)
 
     _launch(plan, nproc, output, start)
     _report_recovery(plan.config, log_path, sessions[0].display.model)

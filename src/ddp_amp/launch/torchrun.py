@@ -1,7 +1,8 @@
-"""`ddp-amp run` and `ddp-amp multinode`: build a torchrun command line around ddp_amp.worker and execute it.
+"""`ddp-amp run` and `ddp-amp multinode`: what torchrun's agent is asked to do on this node (ElasticJob), the
+equivalent torchrun command line, the network detection, failure reports and the SLURM script.
 
-torch.distributed.run does the rendezvous, restarts and signal forwarding; this module only decides its flags
-and environment, shows them, and runs `python -m torch.distributed.run ... -m ddp_amp.worker CONFIG`.
+ddp_amp.launch.agent runs the job with torchrun's own agent in this process; `--dry-run` prints the torchrun
+command that does the same job by hand.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import re
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,26 +96,59 @@ def restart_env(max_restarts: int, elastic: bool = False) -> dict[str, str]:
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts > 0 or elastic else {}
 
 
-def standalone_command(config_path: Path, *, nproc_per_node: int, max_restarts: int, monitor_interval: float,
-                       device_type: str, store_port: int | None = None) -> TorchrunCommand:
+@dataclass(frozen=True)
+class ElasticJob:
+    """One node's share of a torchrun job: what ddp-amp runs with torchrun's agent in-process
+    (ddp_amp.launch.agent), and what `torchrun_command` prints for running it by hand."""
+
+    nproc_per_node: int
+    nnodes: Nnodes
+    rdzv_endpoint: str | None
+    """host:port of the c10d store; None: torchrun's --standalone (its own store on a free port)."""
+    rdzv_id: str
+    rdzv_configs: dict[str, str]
+    local_addr: str | None
+    max_restarts: int
+    monitor_interval: float
+    env: dict[str, str]
+    """Variables set for the agent and the workers on top of the inherited environment."""
+    node_rank: int | None = None
+
+    def torchrun_command(self, config_path: Path) -> TorchrunCommand:
+        argv = [sys.executable, "-m", "torch.distributed.run"]
+        if self.rdzv_endpoint is None:
+            argv += ["--standalone", "--nnodes", str(self.nnodes)]
+        else:
+            argv += ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
+                     "--rdzv-id", self.rdzv_id]
+            if self.rdzv_configs:
+                argv += ["--rdzv-conf", ",".join(f"{key}={value}" for key, value in self.rdzv_configs.items())]
+        argv += ["--nproc-per-node", str(self.nproc_per_node), "--max-restarts", str(self.max_restarts),
+                 "--monitor-interval", f"{self.monitor_interval:g}"]
+        if self.node_rank is not None:
+            argv += ["--node-rank", str(self.node_rank)]
+        if self.local_addr:
+            argv += ["--local-addr", self.local_addr]
+        argv += ["-m", WORKER_MODULE, str(config_path)]
+        return TorchrunCommand(argv, dict(self.env))
+
+
+def standalone_job(*, nproc_per_node: int, max_restarts: int, monitor_interval: float, device_type: str,
+                   store_port: int | None = None) -> ElasticJob:
     """One node. store_port: the port of a loopback-only rendezvous store the launcher serves (see
     ddp_amp.dist.loopback_store); without it, torchrun's --standalone, whose stores listen on every interface
     (what --dry-run prints, for a command that runs by hand)."""
-    argv = [sys.executable, "-m", "torch.distributed.run"]
     env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts)}
+    common = {"nproc_per_node": nproc_per_node, "nnodes": Nnodes(1, 1), "max_restarts": max_restarts,
+              "monitor_interval": monitor_interval}
     if store_port is None:
         # standalone: a local c10d store on a free port that torchrun picks, so two jobs never collide.
-        argv += ["--standalone", "--nnodes", "1"]
-    else:
-        # The agent joins our store as a client (is_host=0); workers get 127.0.0.1 as MASTER_ADDR, and with a
-        # store of their own (not the agent's), rank 0 serves it on loopback too (ddp_amp.dist.process_group).
-        argv += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}",
-                 "--rdzv-id", f"ddp-amp-{os.getpid()}-{store_port}", "--rdzv-conf", "is_host=0",
-                 "--local-addr", "127.0.0.1"]
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    argv += ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts),
-             "--monitor-interval", str(monitor_interval), "-m", WORKER_MODULE, str(config_path)]
-    return TorchrunCommand(argv, env)
+        return ElasticJob(rdzv_endpoint=None, rdzv_id="none", rdzv_configs={}, local_addr=None, env=env, **common)
+    # The agent joins our store as a client (is_host=0); workers get 127.0.0.1 as MASTER_ADDR, and with a
+    # store of their own (not the agent's), rank 0 serves it on loopback too (ddp_amp.dist.process_group).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return ElasticJob(rdzv_endpoint=f"127.0.0.1:{store_port}", rdzv_id=f"ddp-amp-{os.getpid()}-{store_port}",
+                      rdzv_configs={"is_host": "0"}, local_addr="127.0.0.1", env=env, **common)
 
 
 def default_rdzv_id(endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, run_name: str) -> str:
@@ -124,80 +157,23 @@ def default_rdzv_id(endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, run
     return f"ddp-amp-{digest[:12]}"
 
 
-def multinode_command(config_path: Path, *, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int,
-                      node_rank: int | None, rdzv_id: str, is_host: bool | None, local_addr: str | None,
-                      ifname_env: dict[str, str] | None, max_restarts: int, monitor_interval: float,
-                      rdzv_timeout: float, device_type: str, rdzv_last_call: int = 30) -> TorchrunCommand:
+def multinode_job(*, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, node_rank: int | None, rdzv_id: str,
+                  is_host: bool | None, local_addr: str | None, ifname_env: dict[str, str] | None,
+                  max_restarts: int, monitor_interval: float, rdzv_timeout: float, device_type: str,
+                  rdzv_last_call: int = 30) -> ElasticJob:
+    configs = {} if is_host is None else {"is_host": str(int(is_host))}
     # torchrun reads these as whole seconds (a fraction would fail its int() parse in every agent).
-    rdzv_conf = f"join_timeout={math.ceil(rdzv_timeout)}"
+    configs["join_timeout"] = str(math.ceil(rdzv_timeout))
     if nnodes.min != nnodes.max:
-        rdzv_conf += f",last_call_timeout={rdzv_last_call}"
-    if is_host is not None:
-        rdzv_conf = f"is_host={int(is_host)},{rdzv_conf}"
-    argv = [sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", str(endpoint), "--rdzv-id", rdzv_id,
-            "--rdzv-conf", rdzv_conf,
-            "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval)]
-    if node_rank is not None:
-        argv += ["--node-rank", str(node_rank)]
-    if local_addr:
-        argv += ["--local-addr", local_addr]
-    argv += ["-m", WORKER_MODULE, str(config_path)]
+        configs["last_call_timeout"] = str(rdzv_last_call)
     env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts, nnodes.min != nnodes.max),
            **(ifname_env or {})}
-    return TorchrunCommand(argv, env)
+    return ElasticJob(nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=str(endpoint), rdzv_id=rdzv_id,
+                      rdzv_configs=configs, local_addr=local_addr, max_restarts=max_restarts,
+                      monitor_interval=monitor_interval, env=env, node_rank=node_rank)
 
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-def execute(command: TorchrunCommand, extra_env: dict[str, str] | None = None, log_path: Path | None = None, *,
-            rank_pids=lambda: [], stop_timeout: float = 60.0) -> None:
-    """Run torchrun to completion; a non-zero exit becomes RunFailed.
-
-    log_path: torchrun's own output goes there (while a live display owns the terminal); on failure its last
-    lines become the error's details, for failures that happen before any worker could report one.
-    """
-    from ddp_amp.process import GRACEFUL_STOP, StopSignal, die_with_parent, signal_processes
-
-    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 (closed below, after the process ends)
-    try:
-        process = subprocess.Popen(command.argv, env={**os.environ, **command.env, **(extra_env or {})},
-                                   stdout=log, stderr=subprocess.STDOUT if log else None,
-                                   # torchrun forwards SIGTERM to its workers: if ddp-amp dies, so does the job.
-                                   preexec_fn=lambda: die_with_parent(signal.SIGTERM),
-                                   # Ctrl-C reaches ddp-amp alone, which stops the ranks gracefully.
-                                   start_new_session=True)
-        try:
-            code = process.wait()
-        except KeyboardInterrupt:
-            process.send_signal(signal.SIGINT)
-            process.wait()
-            raise RunFailed("interrupted", exit_code=130) from None
-        except StopSignal as stop:
-            # Ask the ranks (their pids came with their first event) to stop together at their next log
-            # interval and checkpoint; torchrun ends once they have. Past --stop-timeout, end it all.
-            pids = rank_pids()
-            signal_processes(pids, GRACEFUL_STOP) if pids else process.terminate()
-            try:
-                process.wait(timeout=stop_timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()  # its workers die with it (their parent-death signal)
-                process.wait()
-            raise RunFailed(str(stop), exit_code=stop.exit_code) from None
-    finally:
-        if log:
-            log.close()
-    if code != 0:
-        details, cause = "", None
-        if log_path:
-            text = Path(log_path).read_text(errors="replace")
-            details = "\n".join(text.splitlines()[-20:])
-            cause = root_cause(text)
-        where = f"torchrun exited with code {code}" + (f"; its log: {log_path}" if log_path else "")
-        message = f"rank {cause[0]} {cause[1]} ({where})" if cause else where
-        raise RunFailed(message, exit_code=code if 0 < code < 128 else 1, details=details)
 
 
 def restart_causes(torchrun_log: str) -> list[tuple[int, str]]:
@@ -213,34 +189,6 @@ def restart_causes(torchrun_log: str) -> list[tuple[int, str]]:
                 pass
         causes.append((local_rank, f"exited with code {code}"))
     return causes
-
-
-def root_cause(torchrun_log: str) -> tuple[int, str] | None:
-    """The rank that failed first, and how, from torchrun's failure report in its log.
-
-    A rank killed by a signal without raising (no error file: SIGKILL, the OOM killer) is the cause even
-    when torchrun's "Root Cause" names another rank: those raised "connection closed" because it vanished.
-    """
-    report = torchrun_log.rpartition("Failures:")[2]
-    blocks = []
-    for block in re.split(r"^\[\d+\]:\s*$", report, flags=re.MULTILINE)[1:]:
-        block = block.split("=" * 20, 1)[0]
-        rank = re.search(r"^\s*rank\s*:\s*(\d+)", block, re.MULTILINE)
-        exitcode = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", block, re.MULTILINE)
-        if rank and exitcode:
-            blocks.append((block, int(rank.group(1)), int(exitcode.group(1))))
-    if not blocks:
-        return None
-    killed = [(b, r, c) for b, r, c in blocks if c < 0 and re.search(r"error_file\s*:\s*<N/A>", b)]
-    block, rank, code = killed[0] if killed else blocks[-1]  # the last block is torchrun's root cause
-    if code < 0 and (killed or "error_file: <N/A>" in block):
-        try:
-            return rank, f"died with {signal.Signals(-code).name}"
-        except ValueError:
-            return rank, f"died with signal {-code}"
-    lines = [line.strip() for line in block.split("traceback :", 1)[-1].splitlines() if line.strip()]
-    error = lines[-1] if lines and "To enable traceback" not in lines[-1] else f"exit code {code}"
-    return rank, f"failed: {error}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""`ddp-amp run` and `ddp-amp multinode`: torchrun's elastic agent, inside the launcher.
+
+torch.distributed.launcher's `launch_agent` is what torchrun itself runs: the same rendezvous, restarts,
+membership changes and worker monitoring. Run here, with a function entry point and workers forked from the
+fork server that `spawn` preloads, there is no second interpreter importing torch for the agent and no worker
+importing torch and torch._dynamo again (torchrun's way cost ~4.6 s more to the first step than spawn,
+docs/benchmarks.md).
+
+The agent runs in a thread of its own, so it installs no signal handlers: the launcher keeps its own, and a stop
+signal asks the ranks to stop gracefully (at one step, with a checkpoint) instead of torchrun's SIGTERM to all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from ddp_amp.errors import RunFailed
+from ddp_amp.launch.forkserver import start_forkserver
+from ddp_amp.launch.torchrun import ElasticJob
+from ddp_amp.process import GRACEFUL_STOP, StopSignal, signal_processes
+
+AGENT_LOGGERS = "torch.distributed.elastic"
+FAILURE_LINGER_S = 1.0
+
+
+def worker_entry(config_path: str, env: dict[str, str]) -> None:
+    """A rank, forked from the fork server (whose environment predates this launch: the launch's own
+    variables come as an argument)."""
+    os.environ.update(env)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ddp_amp.worker import main
+
+    try:
+        # record: a failing rank's traceback goes to the agent's error file, for the failure report.
+        record(main)([config_path])
+    except BaseException:
+        # The agent reports the first rank it sees exit. A rank killed by a signal exits at once, and its peers
+        # fail ("connection closed") milliseconds later: lingering here lets the agent see the cause first.
+        time.sleep(FAILURE_LINGER_S)
+        raise
+
+
+def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log_path: Path, *,
+              rank_pids=lambda: [], stop_timeout: float = 60.0) -> None:
+    """Run this node's share of the job to completion; a failure becomes RunFailed naming the rank that
+    failed first. The agent's log goes to `log_path`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+    start_forkserver()  # usually running already: the CLI starts it before importing torch
+    # The agent reads some of these itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE); the workers get them all.
+    os.environ.update(job.env)
+    config = LaunchConfig(
+        min_nodes=job.nnodes.min, max_nodes=job.nnodes.max, nproc_per_node=job.nproc_per_node,
+        run_id=job.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=job.rdzv_endpoint or "127.0.0.1:0",
+        rdzv_configs=dict(job.rdzv_configs), max_restarts=job.max_restarts,
+        monitor_interval=job.monitor_interval, start_method="forkserver", local_addr=job.local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_path.parent / "elastic")))
+    if job.node_rank is not None:
+        config.rdzv_configs["rank"] = job.node_rank  # as torchrun passes --node-rank (c10d assigns its own)
+    outcome: dict[str, BaseException] = {}
+
+    def agent() -> None:
+        try:
+            launch_agent(config, worker_entry, [str(config_path), {**job.env, **extra_env}])
+        except BaseException as exc:  # reported by the launcher's thread
+            outcome["error"] = exc
+
+    with _agent_log(log_path):
+        thread = threading.Thread(target=agent, name="ddp-amp-agent", daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.2)  # a timed join: the main thread keeps handling signals
+        except StopSignal as stop:
+            # Ask the ranks (their pids came with their first event) to stop together at their next log
+            # interval and checkpoint; the agent sees them succeed. Past --stop-timeout, kill them: anything
+            # the agent starts after that dies with this process (fork server tether, parent-death signals).
+            pids = rank_pids()
+            signal_processes(pids, GRACEFUL_STOP)
+            thread.join(stop_timeout)
+            if thread.is_alive():
+                signal_processes(rank_pids() or pids, signal.SIGKILL)
+            raise RunFailed(str(stop), exit_code=stop.exit_code) from None
+    error = outcome.get("error")
+    if error is None:
+        return
+    details = _tail(log_path)
+    if isinstance(error, ChildFailedError):
+        rank, what = root_failure(error.failures)
+        raise RunFailed(f"rank {rank} {what} (the agent's log: {log_path})", details=details)
+    raise RunFailed(f"the elastic agent failed: {type(error).__name__}: {_first_line(error)} "
+                    f"(its log: {log_path})", details=details)
+
+
+def root_failure(failures: dict) -> tuple[int, str]:
+    """(global rank, what happened) of the failure that caused the others.
+
+    A rank killed by a signal without raising (no error file: SIGKILL, the OOM killer) is the cause: the others
+    raised "connection closed" because it vanished. Otherwise the earliest traceback."""
+    killed = [(rank, f) for rank, f in failures.items() if f.exitcode < 0 and not os.path.isfile(f.error_file)]
+    if killed:
+        rank, failure = min(killed)
+        try:
+            return rank, f"died with {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            return rank, f"died with signal {-failure.exitcode}"
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    # The error file's message: "Type: text" from @record, as a string or under "message".
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    last = [line for line in message.strip().splitlines() if line.strip()]
+    if last and "To enable traceback" not in last[-1]:
+        return rank, f"failed: {last[-1].strip()}"
+    return rank, f"exited with code {failure.exitcode}"
+
+
+class _agent_log:
+    """The agent's log records (rendezvous, restarts, worker failures) go to a file, at INFO, as torchrun's
+    would; nothing of it reaches the terminal the progress display owns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handler: logging.Handler | None = None
+        self.levels: dict[str, int] = {}
+
+    def __enter__(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.handler = logging.FileHandler(self.path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        parent = logging.getLogger(AGENT_LOGGERS)
+        # torch gives each of its elastic loggers its own level (WARNING unless LOGLEVEL says otherwise).
+        for name, logger in [(AGENT_LOGGERS, parent), *logging.root.manager.loggerDict.items()]:
+            if isinstance(logger, logging.Logger) and (name == AGENT_LOGGERS or name.startswith(AGENT_LOGGERS + ".")):
+                self.levels[name] = logger.level
+                logger.setLevel(logging.INFO)
+        parent.addHandler(self.handler)
+        parent.propagate = False
+
+    def __exit__(self, *exc: object) -> None:
+        parent = logging.getLogger(AGENT_LOGGERS)
+        parent.removeHandler(self.handler)
+        parent.propagate = True
+        for name, level in self.levels.items():
+            logging.getLogger(name).setLevel(level)
+        self.handler.close()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
