@@ -151,6 +151,44 @@ def environment(device_type: str, nproc: int, summary: dict[str, Any], tf32: boo
     return env
 
 
+def environment_report() -> dict[str, Any]:
+    """What `ddp-amp env` shows: versions, which backends this torch has, every GPU, the CPU and threads."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_amp import __version__
+    from ddp_amp.dist import usable_cores
+    from ddp_amp.precision import cpu_has_native_bf16, cuda_has_native_bf16
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = []
+    for index in range(count):
+        props = torch.cuda.get_device_properties(index)
+        capability = (props.major, props.minor)
+        gpus.append({"index": index, "name": props.name, "compute_capability": f"{props.major}.{props.minor}",
+                     "memory_gib": props.total_memory / 2**30, "native_bf16": cuda_has_native_bf16(capability)})
+    nccl = None
+    if dist.is_available() and dist.is_nccl_available():
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    return {
+        "ddp_amp": __version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "backends": {name: dist.is_available() and getattr(dist, f"is_{name}_available")()
+                     for name in ("gloo", "nccl", "mpi")},
+        "gpus": gpus,
+        "cpu": cpu_name(),
+        "cpu_native_bf16": cpu_has_native_bf16(),
+        "cores": usable_cores(),
+        "threads": {"torch": torch.get_num_threads(), "torch_interop": torch.get_num_interop_threads(),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+    }
+
+
 def mfu(device_name: str, tokens_per_s: float, flops_per_token: float, gpus: int) -> float | None:
     """Model FLOPs utilisation per GPU: the global `tokens_per_s` is shared by `gpus` GPUs, each with the peak
     of `device_name` (None when that peak is not known)."""

@@ -27,6 +27,22 @@ app = typer.Typer(
 TRAINING = "Training"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from ddp_amp import __version__
+
+        typer.echo(f"ddp-amp {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print ddp-amp's version and exit.")] = False,
+) -> None:
+    """Launch PyTorch DistributedDataParallel training with automatic mixed precision."""
+
+
 def _option(default: Any, *names: str, help: str, type_: Any) -> tuple[Any, Any]:
     return (default, Annotated[type_, typer.Option(*names, help=help, rich_help_panel=TRAINING)])
 
@@ -375,22 +391,29 @@ def bench(
 
 
 @app.command()
-def env() -> None:
-    """Show what ddp-amp sees: torch, devices, CPU bf16 support, cores."""
-    import torch
+def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON object, for bug reports.")] = False) -> None:
+    """Show what ddp-amp sees: torch, backends, devices, CPU bf16 support, cores and threads."""
+    from ddp_amp.bench import environment_report
 
-    from ddp_amp.dist import usable_cores
-    from ddp_amp.precision import cpu_has_native_bf16, cuda_has_native_bf16
+    report = environment_report()
+    if json_output:
+        import json
 
-    typer.echo(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
-    typer.echo(f"cores {usable_cores()}, CPU native bf16: {'yes' if cpu_has_native_bf16() else 'no (emulated)'}")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    typer.echo(f"CUDA devices: {count}")
-    for index in range(count):
-        major, minor = torch.cuda.get_device_capability(index)
-        native = cuda_has_native_bf16((major, minor))
-        typer.echo(f"  cuda:{index} {torch.cuda.get_device_name(index)} (compute capability {major}.{minor}) "
-                   f"bf16: {'native' if native else 'no (emulated; --amp auto uses fp16)'}")
+        typer.echo(json.dumps(report, indent=2))
+        return
+    typer.echo(f"ddp-amp {report['ddp_amp']}, torch {report['torch']} (CUDA {report['cuda'] or 'none'}, "
+               f"NCCL {report['nccl'] or 'none'}), Python {report['python']}")
+    backends = ", ".join(name for name, available in report["backends"].items() if available)
+    typer.echo(f"backends: {backends or 'none'}")
+    threads = report["threads"]
+    typer.echo(f"cores {report['cores']}, torch threads {threads['torch']} (OMP_NUM_THREADS "
+               f"{threads['OMP_NUM_THREADS'] or 'unset'}), CPU native bf16: "
+               f"{'yes' if report['cpu_native_bf16'] else 'no (emulated)'}")
+    typer.echo(f"CUDA devices: {len(report['gpus'])}")
+    for gpu in report["gpus"]:
+        native = "native" if gpu["native_bf16"] else "no (emulated; --amp auto uses fp16)"
+        typer.echo(f"  cuda:{gpu['index']} {gpu['name']} (compute capability {gpu['compute_capability']}, "
+                   f"{gpu['memory_gib']:.1f} GiB) bf16: {native}")
 
 
 def _launch(plan, nproc: int, output: dict, start) -> None:
