@@ -174,3 +174,32 @@ def test_the_optimizer_and_ddp_options_reach_torch(one_rank_group, tmp_path):
     assert summary["ddp"] == {"bucket_mb": 1.5, "bucket_view": False, "static_graph": True,
                               "grad_compression": "none"}
     trainer.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_grad_norm_is_the_true_gradient_norm_at_each_log_step(one_rank_group, tmp_path, precision):
+    """At a log step the record's grad_norm is the norm of the gradients the optimizer steps with: unscaled
+    under fp16 (not 65536 times larger)."""
+    fp16 = precision == "fp16"
+    config = TrainConfig(task="inline", steps=6, log_every=3, lr=0.1, schedule="constant", batch_size=16,
+                         dtype="fp16" if fp16 else "auto", amp="on" if fp16 else "off", run_dir=str(tmp_path))
+    torch.manual_seed(0)
+    recorder = Recorder()
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision(precision), helper_tasks.resumable(),
+                      recorder)
+    stepped_with = []  # the norm of the gradients each optimizer step is handed
+    original_step = trainer._optimizer_step
+
+    def step_and_measure():
+        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        stepped_with.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        return original_step()
+
+    trainer._optimizer_step = step_and_measure
+    trainer.train()
+    trainer.close()
+    norms = [record["grad_norm"] for record in recorder.records]
+    assert norms == pytest.approx([stepped_with[2], stepped_with[5]], rel=1e-5)  # steps 3 and 6 are logged
+    assert all(0 < norm < 100 for norm in norms), norms
+    if fp16:  # between log steps the gradients stay scaled: unscaling happens at log steps only
+        assert stepped_with[0] > 1000 * norms[0]

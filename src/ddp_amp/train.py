@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -326,10 +327,18 @@ class Trainer:
                 loss_count += 1
                 divergence.observe_loss(loss.detach())
             self.position = (step, config.grad_accum, STEP)
-            if config.clip_grad is not None:
-                # Clip true gradients: unscale first (a no-op without fp16), then clip, then step.
+            log_due = (step + 1) % config.log_every == 0 or step + 1 == self.total_steps
+            grad_norm = None
+            if config.clip_grad is not None or log_due:
+                # The norm of the true gradients: unscale first (a no-op without fp16). The gradients are
+                # all-reduced already, so this rank's norm is the global one; it stays on the device (read with
+                # the log's other values) and is computed at log steps only, unless clipping needs it anyway.
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad)
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                if config.clip_grad is not None:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_grad)
+                else:
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
             stepped = self._optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
             if stepped:
@@ -354,7 +363,6 @@ class Trainer:
             if step + 1 == measure_from:
                 self._sync()
                 steady_at = time.perf_counter()
-            log_due = (step + 1) % config.log_every == 0 or step + 1 == self.total_steps
             if log_due or diverged is not None:
                 self.position = (step, config.grad_accum, LOG)
                 # A stop request (a signal on any rank) and a tripped divergence watch ride along: every rank
@@ -365,8 +373,9 @@ class Trainer:
                 dist.all_reduce(totals)  # also a sync point: the interval's time below is real
                 now = time.perf_counter()
                 interval_s = now - interval_start
-                (local_loss, local_count, _, _, total_loss, total_count, stops,
-                 tripped) = torch.cat([local, totals]).tolist()
+                norm = (grad_norm if grad_norm is not None else torch.full((), math.nan, device=self.device))
+                (local_loss, local_count, _, _, total_loss, total_count, stops, tripped,
+                 norm_value) = torch.cat([local, totals, norm.reshape(1).float()]).tolist()
                 if stops and step + 1 < self.total_steps:
                     self.stopped_at = step + 1
                 if tripped and diverged is None:
@@ -380,6 +389,7 @@ class Trainer:
                     "lr": lr,
                     "samples_per_s": rank_samples_per_s * env.world_size,
                     "skipped_steps": self.skipped_steps,
+                    "grad_norm": norm_value,
                     "elapsed_s": time.time() - start,
                     # This rank's own view, for the per-rank display (not written to metrics.jsonl).
                     "rank_loss": local_loss / local_count,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import random
 import resource
@@ -73,6 +74,8 @@ class WorkerReporter:
             event["global_items_per_s"] = record["samples_per_s"] * self.items_per_sample
         if "loss_scale" in record:
             event["loss_scale"] = record["loss_scale"]
+        if record.get("grad_norm") is not None and math.isfinite(record["grad_norm"]):
+            event["grad_norm"] = record["grad_norm"]
         self._send(event)
 
     def done(self, summary: dict[str, Any], peak_memory_mb: float) -> None:

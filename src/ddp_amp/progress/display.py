@@ -48,6 +48,8 @@ class ProgressModel:
     ranks: dict[int, RankState] = field(default_factory=dict)
     global_loss: float | None = None
     global_samples_per_s: float | None = None
+    grad_norm: float | None = None
+    """The global gradient norm at the last log interval (the same on every rank)."""
     item_name: str = "samples"
     items_per_s: float | None = None
     summary: dict[str, Any] | None = None
@@ -83,6 +85,7 @@ class ProgressModel:
                     setattr(state, name, event[name])
             self.global_loss = event.get("global_loss", self.global_loss)
             self.global_samples_per_s = event.get("global_samples_per_s", self.global_samples_per_s)
+            self.grad_norm = event.get("grad_norm", self.grad_norm)
             self.item_name = event.get("item_name", self.item_name)
             if "global_items_per_s" in event:
                 self.items_per_s = event["global_items_per_s"]
@@ -297,7 +300,8 @@ class RichDisplay:
         throughput = f"{_fmt(model.global_samples_per_s, '.0f')} samples/s"
         if model.item_name != "samples":
             throughput = f"{_fmt(model.items_per_s, '.0f')} {model.item_name}/s ({throughput})"
-        line = Text(f"all ranks: loss {_fmt(model.global_loss, '.4f')}  {throughput}  "
+        norm = f"grad norm {model.grad_norm:.3g}  " if model.grad_norm is not None else ""
+        line = Text(f"all ranks: loss {_fmt(model.global_loss, '.4f')}  {norm}{throughput}  "
                     f"elapsed {_duration(model.elapsed)}  ETA {_duration(model.eta)}")
         return Group(table, line)
 

@@ -29,6 +29,8 @@ def plain_line(event: dict[str, Any]) -> str | None:
                 f"lr {event['lr']:.1e} {event['samples_per_s']:.0f} samples/s")
         if event.get("item_name", "samples") != "samples":
             line += f" {event['items_per_s']:.0f} {event['item_name']}/s"
+        if "grad_norm" in event:
+            line += f" grad norm {event['grad_norm']:.3g}"
         if "loss_scale" in event:
             line += f" scale {event['loss_scale']:.0f} skipped {event['skipped_steps']}"
         return line
