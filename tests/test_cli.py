@@ -1,6 +1,7 @@
 """The command line: flag errors are one line and exit code 2 with nothing launched; --help never loads torch."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -158,4 +159,18 @@ def test_a_broken_task_file_is_one_line_naming_file_and_line(command, source, ex
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and "--task" in lines[0] and expected.format(path=path) in lines[0], result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+    assert not run_dir.exists()
+
+
+def test_tensorboard_without_the_package_is_one_line_and_launches_nothing(tmp_path):
+    """A tensorboard that cannot be imported (as when it is not installed): one line saying how to get it."""
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "--device", "cpu", "--tensorboard",
+                             "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tensorboard" in lines[0] and "pip install" in lines[0], result.stderr
     assert not run_dir.exists()

@@ -229,3 +229,19 @@ def test_a_collapsed_fp16_loss_scale_stops_the_run(tmp_path, helper_task):
     summary = strict_json(tmp_path / "summary.json")
     assert summary["skipped_steps"] == 6 and summary["steps"] == 6
     assert not (tmp_path / "model.pt").exists()
+
+
+def test_tensorboard_scalars_match_the_metrics_file(tmp_path):
+    """Read back with tensorboard's own reader: every logged interval, the same values as metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spawn(tmp_path, "--device", "cpu", "--steps", "12", "--log-every", "4", "--dtype", "fp16", "--amp", "on",
+          "--tensorboard")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    metrics = read_metrics(tmp_path)
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"),
+                     ("amp/loss_scale", "loss_scale"), ("throughput/samples_per_s", "samples_per_s")):
+        scalars = events.Scalars(tag)
+        assert [s.step for s in scalars] == [4, 8, 12], tag
+        assert [s.value for s in scalars] == pytest.approx([m[key] for m in metrics], rel=1e-6), tag

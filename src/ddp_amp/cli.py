@@ -95,6 +95,8 @@ TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
                            help="Gradients as views into DDP's buckets (gradient_as_bucket_view): no copies."),
     "static_graph": _option(False, "--static-graph", type_=bool,
                             help="Tell DDP the used parameters never change between steps."),
+    "tensorboard": _option(False, "--tensorboard", type_=bool,
+                           help="Write the logged scalars to RUN_DIR/tensorboard (needs ddp-amp[tensorboard])."),
 }
 
 OUTPUT = "Output"

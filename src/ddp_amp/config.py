@@ -108,6 +108,9 @@ class TrainConfig:
     """Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy in or out."""
     static_graph: bool = False
     """Tell DDP the set of used parameters never changes between steps (static_graph)."""
+    tensorboard: bool = False
+    """Global rank 0 writes the logged scalars (loss, LR, throughput, grad norm, loss scale, skipped steps) to
+    RUN_DIR/tensorboard with torch.utils.tensorboard (needs the tensorboard package)."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []

@@ -48,6 +48,8 @@ class WorkerReporter:
         self.item_name = "samples"
         self.items_per_sample = 1
         self.last_loss: float | None = None
+        self.scalars: TensorBoardScalars | None = None
+        """Set on global rank 0 with --tensorboard."""
 
     def _send(self, event: dict[str, Any]) -> None:
         event = {"rank": self.env.rank, **event}
@@ -63,6 +65,8 @@ class WorkerReporter:
     def on_log(self, record: dict[str, Any]) -> None:
         if self.env.writes_run_dir:
             checkpoint.append_metrics(self.run_dir, {k: v for k, v in record.items() if not k.startswith("rank_")})
+        if self.scalars is not None:
+            self.scalars.write(record, self.item_name)
         self.last_loss = record["rank_loss"]
         event = {"type": "log", "step": record["step"], "total_steps": record["total_steps"],
                  "epoch": record["epoch"], "loss": record["rank_loss"], "global_loss": record["loss"],
@@ -91,6 +95,35 @@ class WorkerReporter:
 
     def error(self, text: str) -> None:
         self._send({"type": "error", "traceback": text, "time": time.time()})
+
+
+class TensorBoardScalars:
+    """--tensorboard: the metrics of each log interval as TensorBoard scalars under RUN_DIR/tensorboard."""
+
+    TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "loss_scale": "amp/loss_scale",
+            "skipped_steps": "amp/skipped_steps", "samples_per_s": "throughput/samples_per_s"}
+
+    def __init__(self, run_dir: Path) -> None:
+        self.directory = run_dir / "tensorboard"
+        self.writer = None
+
+    def write(self, record: dict[str, Any], item_name: str) -> None:
+        step = record["step"]
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run's events replace the earlier attempt's from its first logged step on.
+            self.writer = SummaryWriter(str(self.directory), purge_step=step)
+        for key, tag in self.TAGS.items():
+            value = record.get(key)
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+        if item_name != "samples" and f"{item_name}_per_s" in record:
+            self.writer.add_scalar(f"throughput/{item_name}_per_s", record[f"{item_name}_per_s"], step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -134,6 +167,8 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
         reporter.error(traceback.format_exc())
         raise
     finally:
+        if reporter.scalars is not None:
+            reporter.scalars.close()
         if sender is not None:
             sender.close()
 
@@ -150,6 +185,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         nccl_watchdog_environment(run_dir)
     with process_group(env, device, timeout_s=config.timeout):
         env = reporter.env = settle_run_dir_writers(env, run_dir)
+        if config.tensorboard and env.rank == 0:
+            reporter.scalars = TensorBoardScalars(run_dir)
         precision = agreed_precision(config, device)
         torch.manual_seed(config.seed)  # identical initial weights on every rank, run after run
         task = build_task(config.task)

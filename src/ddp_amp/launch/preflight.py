@@ -58,6 +58,16 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
     return str(path.resolve())
 
 
+def check_tensorboard(config: TrainConfig) -> None:
+    if not config.tensorboard:
+        return
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+    except ImportError:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddp-amp[tensorboard]' "
+                         "(or pip install tensorboard)") from None
+
+
 def check_ddp_options(config: TrainConfig, device_type: str, precision: Precision) -> None:
     """Combinations that every rank would otherwise fail on, each with a traceback."""
     if config.grad_compression == "bf16" and device_type != "cuda":
@@ -96,6 +106,7 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
     cuda_bf16 = device_type == "cuda" and cuda_devices_have_native_bf16(range(nproc_per_node))
     precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=cuda_bf16)
     check_ddp_options(config, device_type, precision)
+    check_tensorboard(config)
     from ddp_amp.tasks import resolve_factory
 
     resolve_factory(config.task)
