@@ -354,15 +354,10 @@ def bench(
                            repeats=repeats, launcher=launcher)
     if train["epochs"] is not None:
         raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
-    for flag, path in (("--json", json_path), ("--plot", plot)):
-        if path is not None and not path.resolve().parent.is_dir():
-            raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    if json_path is not None and not json_path.resolve().parent.is_dir():
+        raise UsageError(f"--json {str(json_path)!r}: directory {str(json_path.parent)!r} does not exist")
     if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'ddp-amp[plot]' (or pip install matplotlib)") \
-                from None
+        _check_plot_path(plot)
     if nproc is None:
         import torch
 
@@ -390,6 +385,40 @@ def bench(
     if plot is not None:
         bench_plot(report, plot)
         typer.echo(f"ddp-amp: wrote {plot}", err=True)
+
+
+@app.command()
+def show(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to show and compare.", show_default=False)],
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw loss, LR and throughput against step for every "
+                                              "run to this PNG (needs matplotlib).")] = None,
+) -> None:
+    """Show runs side by side: summary, loss curve, and what differs between them."""
+    from ddp_amp.runs import load_run
+
+    runs = [load_run(path) for path in run_dirs]  # every path checked before anything is shown
+    if plot is not None:
+        _check_plot_path(plot)
+    from rich.console import Console
+
+    from ddp_amp.report import runs_table
+
+    Console().print(runs_table(runs))
+    if plot is not None:
+        from ddp_amp.report import runs_plot
+
+        runs_plot(runs, plot)
+        typer.echo(f"ddp-amp: wrote {plot}", err=True)
+
+
+def _check_plot_path(path: Path) -> None:
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"--plot {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'ddp-amp[plot]' (or pip install matplotlib)") \
+            from None
 
 
 @app.command()

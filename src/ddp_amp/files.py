@@ -58,6 +58,23 @@ class DirectoryLock:
             self._fd = -1
 
 
+def lock_holder(directory: Path) -> str | None:
+    """The pid held in DIR/.lock while a launch holds it, else None. Only looks: takes nothing, writes nothing."""
+    import fcntl
+
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # also drops the shared lock, if it was granted
+    return None
+
+
 def remove_partial_writes(directory: Path) -> list[Path]:
     """Delete the temporary files atomic_write leaves when its process is killed mid-write (`.NAME.*.tmp`).
     Only safe while holding the directory's lock: no other writer can be half-way through one."""

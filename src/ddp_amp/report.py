@@ -68,3 +68,126 @@ def bench_plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# `ddp-amp show`: runs side by side.
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 20) -> str:
+    """A loss curve in one line of block characters (log scale when every value is positive, as a loss that
+    falls by decades stays readable), averaged down to `width` characters."""
+    import math
+
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return ""
+    buckets = min(width, len(values))
+    means = [sum(chunk) / len(chunk) for chunk in
+             (values[i * len(values) // buckets:(i + 1) * len(values) // buckets] for i in range(buckets))]
+    if all(v > 0 for v in means):
+        means = [math.log(v) for v in means]
+    low, high = min(means), max(means)
+    span = high - low or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * len(SPARK)))] for v in means)
+
+
+def _last(run, key: str):
+    for record in reversed(run.metrics):
+        if key in record:
+            return record[key]
+    return None
+
+
+def runs_table(runs: list) -> Any:
+    """One row per run (what it is, how fast, how good), a loss curve each, and for two runs or more the
+    options that differ and each run's throughput and final loss against the first."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from ddp_amp.runs import config_differences, curve
+
+    compare = len(runs) > 1
+    table = Table(title="ddp-amp runs", title_justify="left")
+    headers = ["run", "state", "precision", "world", "steps", "samples/s", *(("vs first",) if compare else ()),
+               "final loss", *(("Δ loss",) if compare else ()), "eval", "wall", "first step", "loss curve"]
+    for header in headers:
+        table.add_column(header, justify="left" if header in ("run", "state", "eval", "loss curve") else "right",
+                         no_wrap=header in ("eval", "loss curve"))
+    first_speed = first_loss = None
+    for index, run in enumerate(runs):
+        s = run.summary
+        total = s.get("steps") if s else _last(run, "total_steps")
+        steps = s.get("steps", _last(run, "step") or 0)
+        speed = s.get("samples_per_s", _last(run, "samples_per_s"))
+        loss = s.get("final_loss", _last(run, "loss"))
+        if index == 0:
+            first_speed, first_loss = speed, loss
+        evaluation = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                               for k, v in s.get("eval", {}).items()) or ("error" if "eval_error" in s else "-")
+        row = [run.name, Text(run.state, style="green" if run.state == "finished" else "yellow"),
+               s.get("precision", "-"), str(s.get("world_size", "-")),
+               f"{steps}/{total}" if run.state != "finished" else str(steps), _num(speed, ".0f")]
+        if compare:
+            row.append(f"{speed / first_speed:.2f}x" if speed and first_speed else "-")
+        row.append(_num(loss, ".4f"))
+        if compare:
+            row.append(f"{loss - first_loss:+.4f}" if loss is not None and first_loss is not None else "-")
+        row += [evaluation, _seconds(s.get("wall_s")), _seconds(s.get("time_to_first_step_s")),
+                sparkline([value for _, value in curve(run, "loss")])]
+        table.add_row(*row)
+    parts = [table]
+    if compare:
+        differences = config_differences(runs)
+        if differences:
+            options = Table(title="options that differ", title_justify="left")
+            options.add_column("option")
+            for run in runs:
+                options.add_column(run.name)
+            for key, values in differences.items():
+                options.add_row(f"--{key.replace('_', '-')}", *(str(v) for v in values))
+            parts.append(options)
+        else:
+            parts.append(Text("same options in every run"))
+    return Group(*parts)
+
+
+def _num(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def _seconds(value) -> str:
+    return f"{value:.1f}s" if isinstance(value, (int, float)) else "-"
+
+
+def runs_plot(runs: list, path: Path) -> None:
+    """Loss, LR and throughput against step for every run, overlaid, one colour per run, named in the legend.
+    Needs matplotlib (`pip install 'ddp-amp[plot]'`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddp_amp.runs import curve
+
+    panels = (("loss", "loss", True), ("lr", "learning rate", False), ("samples_per_s", "samples/s (global)", False))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (key, label, log) in zip(axes, panels):
+        for run in runs:
+            points = curve(run, key)
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker="." if len(points) < 30 else None,
+                        label=run.name + (" (in progress)" if run.state == "in progress" else ""))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        if log and all(value > 0 for run in runs for _, value in curve(run, key)):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(" vs ".join(run.name for run in runs))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -66,28 +66,32 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     if job.node_rank is not None:
         config.rdzv_configs["rank"] = job.node_rank  # as torchrun passes --node-rank (c10d assigns its own)
     outcome: dict[str, BaseException] = {}
+    # Waited on with an Event, not Thread.join: a signal handler raising inside join() leaves the Thread
+    # marked finished while it still runs (CPython's _wait_for_tstate_lock), and every later join returns at once.
+    finished = threading.Event()
 
     def agent() -> None:
         try:
             launch_agent(config, worker_entry, [str(config_path), {**job.env, **extra_env}])
         except BaseException as exc:  # reported by the launcher's thread
             outcome["error"] = exc
+        finally:
+            finished.set()
 
     with _agent_log(log_path):
-        thread = threading.Thread(target=agent, name="ddp-amp-agent", daemon=True)
-        thread.start()
+        threading.Thread(target=agent, name="ddp-amp-agent", daemon=True).start()
         try:
-            while thread.is_alive():
-                thread.join(0.2)  # a timed join: the main thread keeps handling signals
+            while not finished.wait(0.2):  # timed: the main thread keeps handling signals
+                pass
         except StopSignal as stop:
             # Ask the ranks (their pids came with their first event) to stop together at their next log
             # interval and checkpoint; the agent sees them succeed. Past --stop-timeout, kill them: anything
             # the agent starts after that dies with this process (fork server tether, parent-death signals).
             pids = rank_pids()
             signal_processes(pids, GRACEFUL_STOP)
-            thread.join(stop_timeout)
-            if thread.is_alive():
+            if not finished.wait(stop_timeout):
                 signal_processes(rank_pids() or pids, signal.SIGKILL)
+                finished.wait(10)  # the agent notices and returns (no restart outlives this process)
             raise RunFailed(str(stop), exit_code=stop.exit_code) from None
     error = outcome.get("error")
     if error is None:

@@ -1,0 +1,73 @@
+"""Run directories read back: what `ddp-amp show` compares. Plain files only; no torch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.checkpoint import METRICS_FILE, SUMMARY_FILE
+from ddp_amp.config import CONFIG_FILE
+from ddp_amp.errors import UsageError
+from ddp_amp.files import lock_holder
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    state: str = "finished"
+    """finished, stopped, diverged, failed (its evaluation raised), in progress (a launch holds it), or
+    unfinished (no summary and no launch: stopped or killed before the end, or another node's)."""
+
+    @property
+    def name(self) -> str:
+        return self.path.name or str(self.path)
+
+
+def load_run(path: Path) -> Run:
+    """A run directory's config, summary and metrics; a path that is not one is a UsageError."""
+    if not path.exists():
+        raise UsageError(f"show: {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"show: {str(path)!r} is not a directory")
+    if not (path / CONFIG_FILE).is_file():
+        raise UsageError(f"show: {str(path)!r} is not a run directory (no {CONFIG_FILE})")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+        summary = json.loads((path / SUMMARY_FILE).read_text()) if (path / SUMMARY_FILE).is_file() else {}
+        metrics = [json.loads(line) for line in (path / METRICS_FILE).read_text().splitlines() if line.strip()] \
+            if (path / METRICS_FILE).is_file() else []
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"show: {str(path)!r} has an unreadable file: {exc}") from None
+    if lock_holder(path) is not None:
+        state = "in progress"
+    elif not summary:
+        state = "unfinished"
+    elif "diverged" in summary:
+        state = "diverged"
+    elif "stopped_at_step" in summary:
+        state = "stopped"
+    elif "eval_error" in summary:
+        state = "failed"
+    else:
+        state = "finished"
+    return Run(path, config, summary, metrics, state)
+
+
+IGNORED_DIFFERENCES = {"run_dir", "launch_time", "resume", "record_step_times"}
+
+
+def config_differences(runs: list[Run]) -> dict[str, list[Any]]:
+    """The options whose values are not the same in every run (run_dir and the like excepted), in order."""
+    keys = sorted({key for run in runs for key in run.config} - IGNORED_DIFFERENCES)
+    return {key: [run.config.get(key) for run in runs] for key in keys
+            if len({json.dumps(run.config.get(key)) for run in runs}) > 1}
+
+
+def curve(run: Run, key: str) -> list[tuple[int, float]]:
+    """(step, value) of one logged metric; for an in-progress run, what it has logged so far."""
+    return [(m["step"], m[key]) for m in run.metrics if isinstance(m.get(key), (int, float))]

@@ -1,0 +1,67 @@
+"""`ddp-amp show`: real run directories read back, compared, plotted; bad paths refused in one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ddp_amp.files import DirectoryLock
+
+from conftest import assert_ok, run_cli
+
+
+def show(*args, columns=200):
+    return subprocess.run([sys.executable, "-m", "ddp_amp", "show", *map(str, args)], capture_output=True,
+                          text=True, timeout=60, env={"COLUMNS": str(columns), "PATH": ""})
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    for name, lr in (("fast", "0.003"), ("slow", "0.001")):
+        assert_ok(run_cli("spawn", "-n", "1", "--device", "cpu", "--steps", "12", "--log-every", "3", "--lr", lr,
+                          "--run-dir", str(root / name)))
+    return root / "fast", root / "slow"
+
+
+@pytest.mark.slow
+def test_two_runs_side_by_side_with_their_differences_and_a_plot(two_runs, tmp_path):
+    plot = tmp_path / "runs.png"
+    result = show(*two_runs, "--plot", plot)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "fast" in out and "slow" in out and out.count("finished") == 2
+    assert "options that differ" in out and "--lr" in out and "0.003" in out and "0.001" in out
+    assert "1.00x" in out  # the first run against itself
+    assert any(ch in out for ch in "▁▂▃▄▅▆▇█")  # the loss curves
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_run_in_progress_is_shown_with_what_it_has_so_far(two_runs, tmp_path):
+    running = tmp_path / "running"
+    running.mkdir()
+    finished = two_runs[0]
+    (running / "config.json").write_text((finished / "config.json").read_text())
+    (running / "metrics.jsonl").write_text("".join((finished / "metrics.jsonl").read_text().splitlines(True)[:2]))
+    lock = DirectoryLock(running)  # as a launch holds it
+    try:
+        result = show(running)
+    finally:
+        lock.release()
+    assert result.returncode == 0, result.stderr
+    assert "in progress" in result.stdout and "6/12" in result.stdout
+
+
+@pytest.mark.parametrize("make", ["missing", "file", "not_a_run"])
+def test_what_is_not_a_run_dir_is_one_line_exit_2(tmp_path, make):
+    path = tmp_path / make
+    if make == "file":
+        path.write_text("x")
+    elif make == "not_a_run":
+        path.mkdir()
+    result = show(path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp-amp: error: show: ") and str(path) in lines[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
