@@ -174,3 +174,32 @@ def test_tensorboard_without_the_package_is_one_line_and_launches_nothing(tmp_pa
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tensorboard" in lines[0] and "pip install" in lines[0], result.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    ("ddp-amp spawn --device ", ["auto", "cpu", "cuda"]),
+    ("ddp-amp run --schedule c", ["constant", "cosine"]),
+    ("ddp-amp spawn --grad-compression ", ["none", "fp16", "bf16"]),
+])
+def test_the_shell_completes_the_choices_of_an_option(words, expected):
+    """What `ddp-amp --install-completion` installs asks the program itself, through this variable."""
+    result = subprocess.run([sys.executable, "-m", "ddp_amp"], capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "_DDP_AMP_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                                 "COMP_CWORD": str(len(words.split(" ")) - 1)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == expected
+
+
+def test_every_training_option_is_a_field_of_train_config_with_its_docstring_as_help():
+    import dataclasses
+
+    from ddp_amp.cli import TRAINING_OPTIONS
+    from ddp_amp.config import NOT_OPTIONS, TrainConfig
+    from ddp_amp.options import field_docs
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    assert set(TRAINING_OPTIONS) == set(fields) - set(NOT_OPTIONS)
+    docs = field_docs()
+    for name, (default, annotation) in TRAINING_OPTIONS.items():
+        assert default == fields[name].default, name
+        assert annotation.__metadata__[0].help.replace("\\[", "[") == docs[name], name

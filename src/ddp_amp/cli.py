@@ -10,17 +10,18 @@ import functools
 import inspect
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
 from ddp_amp.errors import RunFailed, UsageError
+from ddp_amp.options import training_options
 from ddp_amp.process import StopSignal
 
 app = typer.Typer(
     name="ddp-amp",
     help="Launch PyTorch DistributedDataParallel training with automatic mixed precision.",
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
@@ -43,61 +44,21 @@ def _main_options(
     """Launch PyTorch DistributedDataParallel training with automatic mixed precision."""
 
 
-def _option(default: Any, *names: str, help: str, type_: Any) -> tuple[Any, Any]:
-    return (default, Annotated[type_, typer.Option(*names, help=help, rich_help_panel=TRAINING)])
+def _training_option(spec) -> tuple[Any, Any]:
+    """(default, annotation) of one training option: its type a Literal of the allowed names where there are
+    some (listed by --help, completed by the shell), its help the field's docstring."""
+    kind = Literal[spec.choices] if spec.choices else spec.kind
+    if spec.optional:
+        kind = kind | None
+    names = (f"{spec.flag}/--no-{spec.flag[2:]}",) if spec.kind is bool and spec.default else (spec.flag,)
+    # rich markup reads [...] as a style: escape the docstrings' brackets.
+    return spec.default, Annotated[kind, typer.Option(*names, help=spec.help.replace("[", "\\["),
+                                                      rich_help_panel=TRAINING)]
 
 
-# Every training option, defined once and added to each launching command by @training_options.
-# The names match TrainConfig's fields; TrainConfig validates the values.
-TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "task": _option("mlp", "--task", type_=str,
-                    help="linear, mlp, transformer, or your own module:factory / path/file.py:factory."),
-    "device": _option("auto", "--device", type_=str, help="auto, cpu or cuda (CUDA ranks use nccl, CPU ranks gloo)."),
-    "amp": _option("auto", "--amp", type_=str, help="Mixed precision: auto, on or off."),
-    "dtype": _option("auto", "--dtype", type_=str, help="Autocast dtype: auto, bf16 or fp16 (+GradScaler)."),
-    "optimizer": _option("adamw", "--optimizer", type_=str, help="adamw or sgd."),
-    "lr": _option(3e-3, "--lr", type_=float, help="Peak learning rate."),
-    "momentum": _option(0.9, "--momentum", type_=float, help="SGD momentum."),
-    "weight_decay": _option(0.0, "--weight-decay", type_=float, help="Weight decay."),
-    "schedule": _option("cosine", "--schedule", type_=str,
-                        help="constant, cosine, exponential, step or onecycle (in optimizer steps)."),
-    "warmup_steps": _option(0, "--warmup-steps", type_=int, help="Linear warm-up steps."),
-    "min_lr_ratio": _option(0.1, "--min-lr-ratio", type_=float, help="Final LR of cosine/exponential, x --lr."),
-    "batch_size": _option(32, "--batch-size", type_=int, help="Samples per rank per micro-step."),
-    "steps": _option(None, "--steps", type_=int | None, help="Optimizer steps \\[default: 100]."),
-    "epochs": _option(None, "--epochs", type_=int | None, help="Epochs, instead of --steps."),
-    "grad_accum": _option(1, "--grad-accum", type_=int, help="Micro-steps per optimizer step (DDP no_sync)."),
-    "clip_grad": _option(None, "--clip-grad", type_=float | None, help="Clip the gradient norm (after unscale)."),
-    "log_every": _option(10, "--log-every", type_=int, help="Reduce and log metrics every N steps."),
-    "seed": _option(0, "--seed", type_=int, help="Seed: same seed and world size, same result."),
-    "checkpoint_every": _option(0, "--checkpoint-every", type_=int,
-                                help="Checkpoint every N optimizer steps into RUN_DIR/checkpoints (0: never)."),
-    "keep": _option(2, "--keep", type_=int, help="Checkpoints to keep (the newest)."),
-    "resume": _option(None, "--resume", type_=str | None,
-                      help="Continue from a checkpoint: auto (the run dir's newest valid one) or a path."),
-    "stop_timeout": _option(60.0, "--stop-timeout", type_=float,
-                            help="Seconds the ranks get to stop and checkpoint after a signal."),
-    "timeout": _option(300.0, "--timeout", type_=float,
-                       help="Seconds a collective waits for the other ranks before the run fails."),
-    "max_nonfinite": _option(20, "--max-nonfinite", type_=int,
-                             help="Stop after this many consecutive non-finite losses or skipped fp16 steps "
-                             "(0: never)."),
-    "num_workers": _option(None, "--num-workers", type_=int | None,
-                           help="DataLoader workers per rank \\[default: 0 on CPU, a few per GPU rank]."),
-    "tf32": _option(None, "--tf32", type_=str | None,
-                    help="CUDA: allow TF32 for fp32 matmuls, on or off \\[default: torch's]."),
-    "optimizer_impl": _option("auto", "--optimizer-impl", type_=str,
-                              help="fused, foreach or loop (torch's CPU default); auto: fused, foreach with fp16."),
-    "grad_compression": _option("none", "--grad-compression", type_=str,
-                                help="Compress gradients for the all-reduce: none, fp16 or bf16 (nccl only)."),
-    "bucket_mb": _option(25.0, "--bucket-mb", type_=float, help="DDP gradient bucket size in MB (bucket_cap_mb)."),
-    "bucket_view": _option(True, "--bucket-view/--no-bucket-view", type_=bool,
-                           help="Gradients as views into DDP's buckets (gradient_as_bucket_view): no copies."),
-    "static_graph": _option(False, "--static-graph", type_=bool,
-                            help="Tell DDP the used parameters never change between steps."),
-    "tensorboard": _option(False, "--tensorboard", type_=bool,
-                           help="Write the logged scalars to RUN_DIR/tensorboard (needs ddp-amp[tensorboard])."),
-}
+# Every training option, read from TrainConfig (ddp_amp.options) and added to each launching command by
+# @training_options. TrainConfig validates the values.
+TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {spec.name: _training_option(spec) for spec in training_options()}
 
 OUTPUT = "Output"
 RunDir = Annotated[str | None, typer.Option("--run-dir", help="Output directory \\[default: runs/<timestamp>].",
@@ -109,17 +70,12 @@ OUTPUT_OPTIONS: dict[str, tuple[Any, Any]] = {
     "run_dir": (None, RunDir),
     "overwrite": (False, Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT,
                                                       help="Allow --run-dir to replace an earlier run's files.")]),
-    "log_format": ("auto", Annotated[str, typer.Option(
+    "log_format": ("auto", Annotated[Literal[LOG_FORMATS], typer.Option(
         "--log-format", rich_help_panel=OUTPUT, help="Progress: auto (rich on a terminal, else plain), rich, "
         "plain (a line per rank per interval) or json (an object per event).")]),
     "quiet": (False, Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT,
                                                   help="Print only the final summary.")]),
 }
-
-
-def _check_output(output: dict) -> None:
-    if output["log_format"] not in LOG_FORMATS:
-        raise UsageError(f"--log-format {output['log_format']!r} is not one of {', '.join(LOG_FORMATS)}")
 
 
 def option_group(options: dict[str, tuple[Any, Any]], into: str, check=None, **defaults: Any):
@@ -154,7 +110,7 @@ def training_options(command=None, **defaults: Any):
     return decorate if command is None else decorate(command)
 
 
-output_options = option_group(OUTPUT_OPTIONS, "output", check=_check_output)
+output_options = option_group(OUTPUT_OPTIONS, "output")
 
 
 @app.command()
@@ -335,12 +291,13 @@ def _write_new_file(path: Path, text: str, flag: str) -> None:
 @training_options(task="mlp-wide")
 def bench(
     train: dict,
-    amp: Annotated[str, typer.Option("--amp", help="both (off and on, interleaved), on or off.")] = "both",
+    amp: Annotated[Literal["both", "on", "off"],
+                   typer.Option("--amp", help="both (off and on, interleaved), on or off.")] = "both",
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps before the timed --steps.")] = 10,
     repeats: Annotated[int, typer.Option("--repeats", help="Interleaved repeats of each precision.")] = 2,
     nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
                                               "GPU with CUDA, 2 on CPU].")] = None,
-    launcher: Annotated[str, typer.Option("--launcher", help="spawn or run (torchrun).")] = "spawn",
+    launcher: Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="spawn or run (torchrun).")] = "spawn",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw figure to this file.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
     run_dir: RunDir = None,

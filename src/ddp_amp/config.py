@@ -23,6 +23,11 @@ TF32_MODES = ("on", "off")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 DEFAULT_STEPS = 100
+CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
+           "tf32": TF32_MODES, "optimizer_impl": OPTIMIZER_IMPLS, "grad_compression": GRAD_COMPRESSIONS}
+"""The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
+NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "elastic")
+"""Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
 
 
 @dataclass(kw_only=True)
@@ -54,7 +59,7 @@ class TrainConfig:
     batch_size: int = 32
     """Samples per rank per micro-step; the global batch is batch_size x world_size x grad_accum."""
     steps: int | None = None
-    """Optimizer steps to train (default 100 when --epochs is not given)."""
+    """Optimizer steps to train [default: 100, unless --epochs is given]."""
     epochs: int | None = None
     """Passes over the training set, as an alternative to --steps."""
     grad_accum: int = 1
