@@ -203,3 +203,38 @@ def test_every_training_option_is_a_field_of_train_config_with_its_docstring_as_
     for name, (default, annotation) in TRAINING_OPTIONS.items():
         assert default == fields[name].default, name
         assert annotation.__metadata__[0].help.replace("\\[", "[") == docs[name], name
+
+
+def test_print_config_then_config_gives_the_same_options_and_flags_win(tmp_path, capsys):
+    code, out, _ = run_main(["spawn", "-n", "2", "--device", "cpu", "--lr", "0.01", "--steps", "12",
+                             "--no-bucket-view", "--print-config"], capsys)
+    assert code == 0
+    import tomllib
+
+    printed = tomllib.loads(out)
+    assert printed["lr"] == 0.01 and printed["steps"] == 12 and printed["nproc"] == 2
+    assert printed["bucket_view"] is False and "run_dir" not in printed  # unset: the default (a new dir)
+    config = tmp_path / "run.toml"
+    config.write_text(out)
+    code, again, _ = run_main(["spawn", "--config", str(config), "--print-config"], capsys)
+    assert code == 0 and tomllib.loads(again) == printed
+    code, overridden, _ = run_main(["spawn", "--config", str(config), "--lr", "0.02", "--print-config"], capsys)
+    assert tomllib.loads(overridden)["lr"] == 0.02
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('lr = 0.01\nbogus = 3\n', "unknown key 'bogus'"),
+    ('steps = "many"\n', "steps = 'many' is not a valid --steps"),
+    ('device = "tpu"\n', "device = 'tpu' is not a valid --device"),
+    ('bucket_view = 1\n', "bucket_view = 1 is not a valid --bucket-view"),
+    ('lr = \n', "is not valid TOML"),
+])
+def test_a_bad_config_file_is_one_line_naming_the_key_and_the_file(tmp_path, capsys, text, expected):
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    run_dir = tmp_path / "run"
+    code, _, err = run_main(["spawn", "--config", str(config), "--run-dir", str(run_dir)], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and str(config) in lines[0], err
+    assert not run_dir.exists()

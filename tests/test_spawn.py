@@ -245,3 +245,17 @@ def test_tensorboard_scalars_match_the_metrics_file(tmp_path):
         scalars = events.Scalars(tag)
         assert [s.step for s in scalars] == [4, 8, 12], tag
         assert [s.value for s in scalars] == pytest.approx([m[key] for m in metrics], rel=1e-6), tag
+
+
+def test_a_run_dirs_config_toml_repeats_the_run(two_rank_run, tmp_path):
+    """RUN_DIR/config.toml holds the launch's resolved options; fed back with --config (to a new run dir) it
+    trains the same weights."""
+    import tomllib
+
+    run_dir, _ = two_rank_run
+    kept = tomllib.loads((run_dir / "config.toml").read_text())
+    assert kept["seed"] == 3 and kept["batch_size"] == 16 and kept["nproc"] == 2 and kept["optimizer"] == "sgd"
+    again = tmp_path / "again"
+    assert_ok(run_cli("spawn", "--config", str(run_dir / "config.toml"), "--run-dir", str(again)))
+    first, second = load_weights(run_dir), load_weights(again)
+    assert all(torch.equal(first[k], second[k]) for k in first)

@@ -113,7 +113,90 @@ def training_options(command=None, **defaults: Any):
 output_options = option_group(OUTPUT_OPTIONS, "output")
 
 
+NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm")
+"""What --config files do not set and --print-config does not print: actions, not options."""
+_resolved_config: dict[str, Any] = {}
+"""The launch's options as resolved (flags over --config), kept for RUN_DIR/config.toml."""
+
+
+def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
+    """--config FILE.toml: its keys become the command's defaults, so flags given on the command line win."""
+    if path is None:
+        return None
+    import tomllib
+
+    try:
+        values = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"--config {str(path)!r}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {str(path)!r} is not valid TOML: {exc}") from None
+    params = {param.name: param for param in ctx.command.params if param.name not in NOT_IN_CONFIG}
+    for key, value in values.items():
+        param = params.get(key)
+        if param is None:
+            raise UsageError(f"--config {str(path)!r}: unknown key {key!r} (not an option of "
+                             f"ddp-amp {ctx.info_name}; keys are option names with underscores)")
+        is_flag = param.type_descriptor.annotation is bool
+        try:
+            if isinstance(value, bool) != is_flag or isinstance(value, (dict, list)):
+                raise ValueError
+            param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+        except Exception:
+            raise UsageError(f"--config {str(path)!r}: {key} = {value!r} is not a valid --{key.replace('_', '-')}")\
+                from None
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+    return path
+
+
+def config_file_options(command):
+    """Adds --config FILE.toml and --print-config to a launching command; the launch's resolved options are
+    kept for RUN_DIR/config.toml."""
+    signature = inspect.signature(command)
+    added = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+            Path | None, typer.Option("--config", is_eager=True, callback=_load_config_file, rich_help_panel=OUTPUT,
+                                      help="Options from a TOML file (keys: option names with underscores); flags "
+                                      "given here override it.")]),
+        inspect.Parameter("print_config", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+            bool, typer.Option("--print-config", rich_help_panel=OUTPUT,
+                               help="Print every option as resolved, as TOML for --config, and exit.")]),
+    ]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        kwargs.pop("config")
+        resolved = {name: value for name, value in kwargs.items() if name not in NOT_IN_CONFIG}
+        if kwargs.pop("print_config"):
+            typer.echo(config_toml(resolved), nl=False)
+            return None
+        _resolved_config.clear()
+        _resolved_config.update(resolved)
+        return command(**kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *added])
+    wrapper.__annotations__ = {**command.__annotations__, "config": added[0].annotation,
+                               "print_config": added[1].annotation}
+    return wrapper
+
+
+def config_toml(options: dict[str, Any]) -> str:
+    """Flat TOML: one `key = value` per option that has a value (TOML has no null: an unset option is left out,
+    which means its default)."""
+    import json
+
+    lines = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, Path):
+            value = str(value)
+        lines.append(f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}")
+    return "\n".join(lines) + "\n"
+
+
 @app.command()
+@config_file_options
 @training_options
 @output_options
 def spawn(
@@ -147,6 +230,7 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun comm
 
 
 @app.command()
+@config_file_options
 @training_options
 @output_options
 def run(
@@ -179,6 +263,7 @@ def run(
 
 
 @app.command()
+@config_file_options
 @training_options
 @output_options
 def multinode(
@@ -411,6 +496,10 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
     from ddp_amp.progress.session import ProgressSession
 
     config = plan.config
+    if _resolved_config:  # the options as given and resolved: `--config RUN_DIR/config.toml` repeats the run
+        from ddp_amp.files import atomic_write
+
+        atomic_write(plan.config_path.parent / "config.toml", config_toml(_resolved_config).encode())
     # Diagnostics go to stderr: stdout carries the progress itself (JSON lines with --log-format json).
     tf32 = f", tf32 {config.tf32}" if config.tf32 and plan.device_type == "cuda" else ""
     typer.echo(f"ddp-amp: {nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}{tf32}, "
