@@ -206,20 +206,27 @@ def spawn(
                                        help="Ranks to start: one per GPU with CUDA, CPU processes otherwise.")] = 1,
 ) -> None:
     """Launch N ranks on this machine with torch.multiprocessing."""
-    from ddp_amp.config import TrainConfig
-    from ddp_amp.launch.forkserver import start_forkserver
     from ddp_amp.launch.preflight import preflight
-    from ddp_amp.tasks import precheck_task
 
     if nproc >= 1:
-        TrainConfig(**train)  # the cheap checks first, so a bad flag starts nothing
-        precheck_task(train["task"])
-        start_forkserver()  # imports torch for the ranks while this process imports it for the checks below
+        _warm_start(train)
     plan = preflight(train, nproc_per_node=nproc, flag="--gpus", overwrite=output["overwrite"],
                      run_dir=output["run_dir"])
     from ddp_amp.launch.spawn import spawn as spawn_ranks
 
     _launch(plan, nproc, output, lambda env, session: spawn_ranks(plan.config, nproc, extra_env=env))
+
+
+def _warm_start(train: dict) -> None:
+    """The cheap checks first, so a bad flag starts nothing; then the fork server, which imports torch for the
+    ranks while this process imports it for the checks that follow (the two imports overlap)."""
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.launch.forkserver import start_forkserver
+    from ddp_amp.tasks import precheck_task
+
+    TrainConfig(**train)
+    precheck_task(train["task"])
+    start_forkserver()
 
 
 NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--gpus", "-n",
@@ -246,6 +253,8 @@ def run(
     from ddp_amp.launch.preflight import preflight
 
     _check_torchrun_numbers(max_restarts, monitor_interval)
+    if not dry_run:
+        _warm_start(train)
     nproc = torchrun.parse_nproc(nproc_per_node)
     plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
                      run_dir=output["run_dir"])
@@ -324,6 +333,8 @@ def multinode(
         _write_new_file(emit_slurm, script, "--emit-slurm")
         typer.echo(f"ddp-amp: wrote {emit_slurm}; submit it with sbatch {emit_slurm}")
         return
+    if not dry_run:
+        _warm_start(train)
     nproc = torchrun.parse_nproc(nproc_per_node)
     net = torchrun.detect_node_network(where, is_host=is_host, local_addr=local_addr, ifname=ifname,
                                        rdzv_timeout=rdzv_timeout, check_reachable=not dry_run)
