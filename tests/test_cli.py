@@ -50,6 +50,9 @@ BAD_INPUTS = [
     (["--dtype", "fp16", "--optimizer-impl", "fused"], "--optimizer-impl"),
     (["--bucket-mb", "0"], "--bucket-mb"),
     (["--static-graph", "--grad-accum", "2"], "--static-graph"),
+    (["--profile", "5"], "--profile"),
+    (["--profile", "8:5"], "--profile"),
+    (["--profile", "90:120"], "--profile"),  # beyond the run's 100 steps
 ]
 
 

@@ -259,3 +259,17 @@ def test_a_run_dirs_config_toml_repeats_the_run(two_rank_run, tmp_path):
     assert_ok(run_cli("spawn", "--config", str(run_dir / "config.toml"), "--run-dir", str(again)))
     first, second = load_weights(run_dir), load_weights(again)
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_profile_records_exactly_its_window_on_every_rank(tmp_path):
+    import gzip
+
+    result = spawn(tmp_path, "--device", "cpu", "--steps", "12", "--profile", "5:8", "--log-format", "plain")
+    profile = read_summary(tmp_path)["profile"]
+    assert profile["steps"] == [5, 8] and profile["excluded_from_throughput"]
+    calls = {row["name"]: row["calls"] for row in profile["top_ops"]}
+    assert calls.get("Optimizer.step#AdamW.step") == 4, calls  # steps 5, 6, 7 and 8: no more, no less
+    for rank in (0, 1):
+        trace = json.loads(gzip.decompress((tmp_path / "profile" / f"rank{rank}.json.gz").read_bytes()))
+        assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+    assert "profile of steps 5-8, rank 0" in result.stdout + result.stderr

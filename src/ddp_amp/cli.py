@@ -535,6 +535,15 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
                             exit_code=exc.exit_code, details=exc.details) from None
         raise
     _check_outcome(Path(config.run_dir))
+    if config.profile and not output["quiet"]:
+        from ddp_amp.checkpoint import read_summary
+
+        if profile := read_summary(Path(config.run_dir)).get("profile"):
+            from rich.console import Console
+
+            from ddp_amp.report import profile_table
+
+            Console(stderr=output["log_format"] == "json").print(profile_table(profile))
 
 
 def _stop_report(run_dir: Path, stopped_by: str, config) -> str:

@@ -30,6 +30,18 @@ NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "elastic")
 """Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
 
 
+def parse_window(text: str) -> tuple[int, int]:
+    """"START:END" -> (START, END): optimizer steps, counted from 1, both included."""
+    start, sep, end = text.partition(":")
+    try:
+        window = (int(start), int(end))
+    except ValueError:
+        raise ValueError(f"--profile {text!r} is not START:END (optimizer steps, e.g. 10:20)") from None
+    if not sep or not 1 <= window[0] <= window[1]:
+        raise ValueError(f"--profile {text!r}: need 1 <= START <= END")
+    return window
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything a rank needs to train. Validated on construction; every problem is reported at once."""
@@ -113,6 +125,9 @@ class TrainConfig:
     """Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy in or out."""
     static_graph: bool = False
     """Tell DDP the set of used parameters never changes between steps (static_graph)."""
+    profile: str | None = None
+    """Profile optimizer steps START:END (counted from 1, both included) with torch.profiler on every rank:
+    RUN_DIR/profile/rank<N>.json.gz traces and the top operators; those steps are left out of the throughput."""
     tensorboard: bool = False
     """Global rank 0 writes the logged scalars (loss, LR, throughput, grad norm, loss scale, skipped steps) to
     RUN_DIR/tensorboard with torch.utils.tensorboard (needs the tensorboard package)."""
@@ -138,6 +153,15 @@ class TrainConfig:
             # proposed for it found that accumulation then stops all-reducing gradients after the first step.
             problems.append("--static-graph cannot be combined with --grad-accum > 1 in torch's DDP (its static "
                             "graph fails under no_sync); drop one of them")
+        if self.profile is not None:
+            try:
+                start, end = parse_window(self.profile)
+            except ValueError as exc:
+                problems.append(str(exc))
+            else:
+                steps = self.steps if self.steps is not None else (DEFAULT_STEPS if self.epochs is None else None)
+                if steps is not None and end > steps:
+                    problems.append(f"--profile {self.profile}: the run has only {steps} steps")
         if self.tf32 is not None:
             choice("--tf32", self.tf32, TF32_MODES)
         if self.amp == "off" and self.dtype != "auto":

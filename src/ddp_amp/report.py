@@ -191,3 +191,20 @@ def runs_plot(runs: list, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def profile_table(profile: dict[str, Any]) -> Any:
+    """--profile: rank 0's operators with the most self time over the profiled steps."""
+    from rich.table import Table
+
+    start, end = profile["steps"]
+    on_device = any("self_cuda_ms" in row for row in profile["top_ops"])
+    table = Table(title=f"profile of steps {start}-{end}, rank 0 (traces: {profile['traces']}; these steps are "
+                  "left out of samples/s)", title_justify="left")
+    table.add_column("operator")
+    for header in (*(("self CUDA ms",) if on_device else ()), "self CPU ms", "calls"):
+        table.add_column(header, justify="right")
+    for row in profile["top_ops"]:
+        table.add_row(row["name"], *((f"{row['self_cuda_ms']:.2f}",) if on_device else ()),
+                      f"{row['self_cpu_ms']:.2f}", str(row["calls"]))
+    return table

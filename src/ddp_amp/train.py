@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -18,9 +19,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from ddp_amp.config import TrainConfig
+from ddp_amp.config import TrainConfig, parse_window
 from ddp_amp.dist import DistEnv, usable_cores
 from ddp_amp.precision import Precision, autocast, grad_scaler
+from ddp_amp.profiling import StepProfiler
 from ddp_amp.schedule import build_scheduler
 from ddp_amp.tasks import Task
 
@@ -248,6 +250,8 @@ class Trainer:
         self.stop_requested: Callable[[], bool] = lambda: False
         """Polled (a host flag, no collective) and agreed on by all ranks at log intervals."""
         self.stopped_at: int | None = None
+        self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
+                                     Path(config.run_dir))
 
     def _micro_batches(self) -> Iterator[Any]:
         """Batches across epochs, endlessly; set_epoch reshuffles (the same way on every rank) each epoch."""
@@ -307,7 +311,9 @@ class Trainer:
         on_gpu = self.device.type != "cpu"
         self.model.train()
         steps_done = self.start_step
+        profiler = self.profiler
         for step in range(self.start_step, self.total_steps):
+            profiler.before_step(step + 1)
             lr = self.scheduler.get_last_lr()[0]
             for micro in range(config.grad_accum):
                 self.position = (step, micro, DATA)
@@ -355,6 +361,7 @@ class Trainer:
                 now = time.perf_counter()
                 step_s.append(now - step_started)
                 step_started = now
+            profiler.after_step(step + 1)
             if self.checkpointer is not None and self.checkpointer.due(step + 1):
                 self.checkpointer.save(self, step + 1)
             if first_step_at is None:
@@ -405,10 +412,16 @@ class Trainer:
             steps_done = step + 1
             if diverged is not None or self.stopped_at is not None:
                 break  # every rank breaks here, at the same step: no rank waits in a collective alone
+        profiler.stop()  # a run that stopped inside the window
         self._sync()
         end = time.time()
         steady_s = time.perf_counter() - steady_at if steady_at is not None else end - start
-        steady_steps = max(1, steps_done - max(measure_from, self.start_step))
+        steady_steps = steps_done - max(measure_from, self.start_step)
+        # Profiled steps run slower: they are not part of the figure.
+        profiled_s, profiled_steps = profiler.overlap(steady_at, max(measure_from, self.start_step))
+        if profiled_steps < steady_steps:
+            steady_s, steady_steps = steady_s - profiled_s, steady_steps - profiled_steps
+        steady_steps = max(1, steady_steps)
         rank_samples_per_s = steady_steps * samples_per_step / steady_s
         samples_per_s = rank_samples_per_s * env.world_size
         summary: dict[str, Any] = {
@@ -440,6 +453,8 @@ class Trainer:
             summary[f"{self.task.item_name}_per_s"] = samples_per_s * self.task.items_per_sample
         if self.task.flops_per_item:
             summary[f"model_flops_per_{self.task.item_name.rstrip('s')}"] = self.task.flops_per_item
+        if profiler.window is not None:
+            summary["profile"] = profiler.summary()
         if self.scaler.is_enabled():
             summary["loss_scale"] = self.scaler.get_scale()
         if diverged is not None:
