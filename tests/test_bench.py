@@ -1,6 +1,9 @@
 """`ddp-amp bench`: real interleaved AMP off/on launches on CPU, their JSON, their table."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +17,7 @@ BAD_INPUTS = [
     (["--steps", "0"], "--steps"),
     (["--warmup", "-1"], "--warmup"),
     (["--launcher", "mpirun"], "--launcher"),
+    (["--compile", "sometimes"], "--compile"),
     (["--tf32", "maybe"], "--tf32"),
     (["--json", "/no/such/dir/out.json"], "--json"),
     (["--lr", "0"], "--lr"),
@@ -84,20 +88,39 @@ def test_warmup_is_not_timed(tmp_path, helper_task):
     assert max(t for times in entry["repeats"][0]["step_s"].values() for t in times) < 0.4
 
 
-def test_plot_without_matplotlib_says_how_to_install_it(capsys, tmp_path):
-    pytest.importorskip("rich")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("matplotlib is installed here")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--device", "cpu", "--plot", str(tmp_path / "p.png"), "--run-dir", str(tmp_path / "b")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2
-    assert "pip install 'ddp-amp[plot]'" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "b").exists()
+@pytest.mark.parametrize("command", [["bench", "--device", "cpu"], ["show", "."]])
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, command):
+    """A matplotlib that cannot be imported (as when it is not installed): one line saying how to get it."""
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    if command[0] == "show":  # a real run directory to show
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "config.json").write_text("{}")
+        command = ["show", str(tmp_path / "run")]
+    result = subprocess.run([sys.executable, "-m", "ddp_amp", *command, "--plot", str(tmp_path / "p.png")],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'ddp-amp[plot]'" in lines[0], result.stderr
+    assert not (tmp_path / "p.png").exists() and not (tmp_path / "runs").exists()
+
+
+def test_compiled_variants_are_compared_within_their_precision():
+    from ddp_amp.bench import Measurement, analyse
+
+    def measured(label, repeat, step_s, compile_s=None):
+        summary = {"global_batch_size": 64, "final_loss": 0.5, "samples_per_s": 1.0}
+        if compile_s is not None:
+            summary["compile_s"] = compile_s
+        return Measurement(label, repeat, {0: [step_s] * 3, 1: [step_s] * 3}, {0: 100.0, 1: 100.0}, summary)
+
+    report = analyse([measured("fp32", 0, 0.010), measured("fp32+compile", 0, 0.008, 7.0),
+                      measured("bf16", 0, 0.005), measured("bf16+compile", 0, 0.004, 8.0)])
+    assert report["speedup"]["amp"] == "bf16" and report["speedup"]["median"] == pytest.approx(2.0)
+    assert report["compile_speedup"]["fp32"]["median"] == pytest.approx(1.25)
+    assert report["compile_speedup"]["bf16"]["median"] == pytest.approx(1.25)
+    assert report["precisions"]["bf16+compile"]["compile_s"] == 8.0
 
 
 def test_mfu_is_per_gpu():

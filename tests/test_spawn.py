@@ -273,3 +273,13 @@ def test_profile_records_exactly_its_window_on_every_rank(tmp_path):
         trace = json.loads(gzip.decompress((tmp_path / "profile" / f"rank{rank}.json.gz").read_bytes()))
         assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
     assert "profile of steps 5-8, rank 0" in result.stdout + result.stderr
+
+
+def test_compile_trains_the_same_weights_and_reports_the_compile_time(two_rank_run, tmp_path):
+    run_dir, _ = two_rank_run
+    spawn(tmp_path, *SGD_FP32, "--batch-size", "16", "--compile")
+    summary = read_summary(tmp_path)
+    assert summary["compile_s"] > 0
+    compiled, eager = load_weights(tmp_path), load_weights(run_dir)
+    assert compiled.keys() == eager.keys()  # the module's own names, not the compiled wrapper's
+    assert_weights_close(compiled, eager, rtol=1e-4)

@@ -80,23 +80,38 @@ def analyse(measurements: list[Measurement]) -> dict[str, Any]:
             "repeats": [{"repeat": m.repeat, "step_s_median": m.median_step_s, "final_loss": m.summary["final_loss"],
                          "step_s": {str(rank): times for rank, times in m.step_s.items()}} for m in runs],
         }
+        if first.get("compile_s") is not None:
+            entry["compile_s"] = statistics.median(m.summary["compile_s"] for m in runs)
         if first.get("tokens_per_s") is not None:
             entry["tokens_per_s"] = samples_per_s * first["tokens_per_s"] / first["samples_per_s"]
         results[precision] = entry
     report: dict[str, Any] = {"precisions": results}
-    amp = next((p for p in results if p != "fp32"), None)
-    if "fp32" in results and amp:
-        off, on = by_precision["fp32"], by_precision[amp]
+    # Variants are "fp32", "bf16"... and, with --compile, "fp32+compile"...: AMP is compared within eager runs
+    # (or within compiled ones when there are no eager runs), compilation within each precision.
+    compiled = [label for label in results if label.endswith(COMPILED)]
+    eager = [label for label in results if not label.endswith(COMPILED)]
+    for label in compiled:
+        base = label.removesuffix(COMPILED)
+        if base in results:
+            pairs = [a.median_step_s / b.median_step_s for a, b in zip(by_precision[base], by_precision[label])]
+            report.setdefault("compile_speedup", {})[base] = {
+                "median": results[base]["step_s_median"] / results[label]["step_s_median"],
+                "per_repeat": pairs, "min": min(pairs), "max": max(pairs)}
+    labels = eager or compiled
+    suffix = "" if eager else COMPILED
+    amp = next((p for p in labels if p != "fp32" + suffix), None)
+    if "fp32" + suffix in results and amp:
+        off, on = by_precision["fp32" + suffix], by_precision[amp]
         pairs = [a.median_step_s / b.median_step_s for a, b in zip(off, on)]
         report["speedup"] = {
             "amp": amp,
-            "median": results["fp32"]["step_s_median"] / results[amp]["step_s_median"],
+            "median": results["fp32" + suffix]["step_s_median"] / results[amp]["step_s_median"],
             "per_repeat": pairs,
             "min": min(pairs),
             "max": max(pairs),
         }
-        loss_off, loss_on = results["fp32"]["final_loss"], results[amp]["final_loss"]
-        report["loss_agreement"] = {"fp32": loss_off, amp: loss_on,
+        loss_off, loss_on = results["fp32" + suffix]["final_loss"], results[amp]["final_loss"]
+        report["loss_agreement"] = {"fp32" + suffix: loss_off, amp: loss_on,
                                     "relative_difference": abs(loss_on - loss_off) / max(abs(loss_off), 1e-12)}
     return report
 
@@ -199,6 +214,8 @@ def mfu(device_name: str, tokens_per_s: float, flops_per_token: float, gpus: int
 
 
 AMP_CHOICES = ("both", "on", "off")
+COMPILE_CHOICES = ("off", "on", "both")
+COMPILED = "+compile"
 LAUNCHERS = ("spawn", "run")
 DEFAULT_STEPS = 30
 
@@ -212,6 +229,8 @@ class BenchOptions:
     """Untimed steps first: DDP's bucket rebuild, the allocator, GradScaler's first skips."""
     repeats: int = 2
     launcher: str = "spawn"
+    compile: str = "off"
+    """off, on or both (eager and compiled runs of each precision, interleaved)."""
 
     def __post_init__(self) -> None:
         from ddp_amp.errors import UsageError
@@ -225,6 +244,8 @@ class BenchOptions:
             problems.append(f"--warmup must be >= 0, got {self.warmup}")
         if self.repeats < 1:
             problems.append(f"--repeats must be >= 1, got {self.repeats}")
+        if self.compile not in COMPILE_CHOICES:
+            problems.append(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_CHOICES)}")
         if self.launcher not in LAUNCHERS:
             problems.append(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         if problems:
@@ -233,6 +254,12 @@ class BenchOptions:
     @property
     def modes(self) -> list[str]:
         return ["off", "on"] if self.amp == "both" else [self.amp]
+
+    @property
+    def variants(self) -> list[tuple[str, bool]]:
+        """(AMP mode, compiled) of each launch in one interleaved round."""
+        compiled = {"off": [False], "on": [True], "both": [False, True]}[self.compile]
+        return [(mode, flag) for mode in self.modes for flag in compiled]
 
 
 def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: int, run_root: Path,
@@ -249,14 +276,14 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     from ddp_amp.progress.session import ProgressSession
 
     measurements, notes, summary, plan = [], [], None, None
-    total = options.repeats * len(options.modes)
+    total = options.repeats * len(options.variants)
     for repeat in range(options.repeats):
-        for mode in options.modes:
+        for mode, compiled in options.variants:
             run_options = {**train_options, "amp": mode, "steps": options.warmup + options.steps,
-                           "log_every": max(1, options.warmup + options.steps)}
+                           "log_every": max(1, options.warmup + options.steps), "compile": compiled}
             if mode == "off":
                 run_options["dtype"] = "auto"
-            run_dir = run_root / f"{mode}-{repeat}"
+            run_dir = run_root / f"{mode}{'-compile' if compiled else ''}-{repeat}"
             plan = preflight(run_options, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir),
                              extra={"record_step_times": True})
             if plan.precision.warning and plan.precision.warning not in notes:
@@ -271,10 +298,11 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
                                                   device_type=plan.device_type, store_port=store.port)
                     run_agent(job, plan.config_path, session.environment(), run_dir / "logs" / "agent.log")
                     del store
-            measurement = Measurement.load(run_dir, plan.precision.name, repeat, options.warmup)
+            label = plan.precision.name + (COMPILED if compiled else "")
+            measurement = Measurement.load(run_dir, label, repeat, options.warmup)
             measurements.append(measurement)
             summary = measurement.summary
-            status(f"bench: {len(measurements)}/{total} {plan.precision.name} repeat {repeat + 1}: "
+            status(f"bench: {len(measurements)}/{total} {label} repeat {repeat + 1}: "
                    f"{measurement.median_step_s * 1e3:.2f} ms/step (median)")
     report = analyse(measurements)
     tf32 = train_options.get("tf32")
@@ -289,6 +317,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     report["environment"] = env
     report["notes"] = notes
     report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,
-                        "order": "interleaved " + ", ".join(options.modes), "launcher": options.launcher,
+                        "order": "interleaved " + ", ".join(f"{m}{COMPILED if c else ''}" for m, c in options.variants),
+                        "launcher": options.launcher,
                         "nproc": nproc, "task": train_options["task"], "run_root": str(run_root)}
     return report

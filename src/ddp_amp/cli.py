@@ -389,6 +389,8 @@ def bench(
     train: dict,
     amp: Annotated[Literal["both", "on", "off"],
                    typer.Option("--amp", help="both (off and on, interleaved), on or off.")] = "both",
+    compile: Annotated[Literal["off", "on", "both"], typer.Option(
+        "--compile", help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps before the timed --steps.")] = 10,
     repeats: Annotated[int, typer.Option("--repeats", help="Interleaved repeats of each precision.")] = 2,
     nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
@@ -404,7 +406,7 @@ def bench(
 
     steps = train.pop("steps")
     options = BenchOptions(amp=amp, steps=DEFAULT_STEPS if steps is None else steps, warmup=warmup,
-                           repeats=repeats, launcher=launcher)
+                           repeats=repeats, launcher=launcher, compile=compile)
     if train["epochs"] is not None:
         raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
     if json_path is not None and not json_path.resolve().parent.is_dir():

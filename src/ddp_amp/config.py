@@ -125,6 +125,9 @@ class TrainConfig:
     """Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy in or out."""
     static_graph: bool = False
     """Tell DDP the set of used parameters never changes between steps (static_graph)."""
+    compile: bool = False
+    """torch.compile the DDP model (DDP's graph is split at its bucket boundaries, so the all-reduces still
+    overlap the backward pass); the first steps pay for the compilation, reported as compile_s."""
     profile: str | None = None
     """Profile optimizer steps START:END (counted from 1, both included) with torch.profiler on every rank:
     RUN_DIR/profile/rank<N>.json.gz traces and the top operators; those steps are left out of the throughput."""

@@ -30,6 +30,12 @@ def bench_table(report: dict[str, Any]):
         lines.append(f"speedup {speedup['amp']} over fp32: {speedup['median']:.2f}x "
                      f"(per repeat {speedup['min']:.2f}x-{speedup['max']:.2f}x); final losses differ by "
                      f"{agreement['relative_difference'] * 100:.2f}%")
+    for precision, gain in report.get("compile_speedup", {}).items():
+        compile_s = precisions[precision + "+compile"].get("compile_s")
+        lines.append(f"torch.compile speedup for {precision}: {gain['median']:.2f}x per step "
+                     f"(per repeat {gain['min']:.2f}x-{gain['max']:.2f}x)"
+                     + (f"; compiling took {compile_s:.1f}s (the first step, not in the step times)"
+                        if compile_s is not None else ""))
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     env = report["environment"]

@@ -208,7 +208,13 @@ class Trainer:
         self.config, self.env, self.device, self.precision = config, env, device, precision
         self.task, self.reporter = task, reporter
         model = task.model.to(device)
-        self.model = wrap_ddp(model, config, device)
+        self.module = model
+        """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
+        # --compile compiles the module inside DDP. torch documents compiling the DDP wrapper instead (its
+        # DDPOptimizer splits the graph at bucket boundaries), but in this torch that captures no graph at all
+        # (a graph break at DDP.forward, pytorch/pytorch#140416); inside, the whole forward and backward compile,
+        # and DDP's reducer all-reduces the gradients as the compiled backward hands them over.
+        self.model = wrap_ddp(torch.compile(model) if config.compile else model, config, device)
         self.optimizer_impl = optimizer_impl(config, precision)
         self.optimizer = build_optimizer(model, config, self.optimizer_impl)
         self.scaler = grad_scaler(precision, device.type)
@@ -266,14 +272,14 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""
-        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None) -> None:
         """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks."""
-        self.model.module.load_state_dict(state["model"])
+        self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
@@ -312,6 +318,8 @@ class Trainer:
         self.model.train()
         steps_done = self.start_step
         profiler = self.profiler
+        step_clock = time.perf_counter()
+        first_step_s = None
         for step in range(self.start_step, self.total_steps):
             profiler.before_step(step + 1)
             lr = self.scheduler.get_last_lr()[0]
@@ -367,6 +375,7 @@ class Trainer:
             if first_step_at is None:
                 self._sync()
                 first_step_at = time.time()
+                first_step_s = time.perf_counter() - step_clock
             if step + 1 == measure_from:
                 self._sync()
                 steady_at = time.perf_counter()
@@ -455,6 +464,10 @@ class Trainer:
             summary[f"model_flops_per_{self.task.item_name.rstrip('s')}"] = self.task.flops_per_item
         if profiler.window is not None:
             summary["profile"] = profiler.summary()
+        if config.compile and first_step_s is not None:
+            # The first step traces and compiles (a shape seen later, like a smaller last batch, compiles
+            # again); the throughput above is measured after the warm-up steps, without it.
+            summary["compile_s"] = first_step_s
         if self.scaler.is_enabled():
             summary["loss_scale"] = self.scaler.get_scale()
         if diverged is not None:
@@ -463,7 +476,7 @@ class Trainer:
             summary["stopped_at_step"] = self.stopped_at
         if self.start_step:
             summary["resumed_from_step"] = self.start_step
-        return TrainResult(summary=summary, model=self.model.module, step_s=step_s)
+        return TrainResult(summary=summary, model=self.module, step_s=step_s)
 
     def close(self) -> None:
         """Drop the DDP wrapper while the process group is still alive.
@@ -473,7 +486,8 @@ class Trainer:
         to free a tensor never finishes: the rank hangs at exit (seen here once in a few dozen runs).
         """
         dist.barrier()  # every rank's last collective is complete; nothing is in flight
-        del self.model, self.optimizer, self.scaler, self.scheduler, self.loader  # the loader's workers end too
+        # the loader's workers end too
+        del self.module, self.model, self.optimizer, self.scaler, self.scheduler, self.loader
         gc.collect()
 
     def _count_step(self, *_: Any) -> None:
