@@ -21,7 +21,7 @@ help:
 	@echo "make test       the whole test suite, slow multi-process tests included"
 	@echo "make test-fast  the tests not marked slow"
 	@echo "make lint       ruff"
-	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, spawn vs run, progress cost, fp16 skip detection, checkpoint cost, AMP speedup"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, AMP and compile speedup, gradient compression"
 
 install: $(STAMP)
 
@@ -51,11 +51,16 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cli_startup.py
 	$(BIN)/python benchmarks/core_overhead.py --repeats 3 --nproc 2 4
+	$(BIN)/python benchmarks/core_overhead.py --task wide --batch-size 128 --repeats 3 --nproc 2 --steps 60
 	$(BIN)/python benchmarks/launchers.py --repeats 3 --nproc $(NPROC)
 	$(BIN)/python benchmarks/progress_overhead.py --repeats 5
 	$(BIN)/python benchmarks/fp16_skip_sync.py --repeats 5 --steps 60
 	$(BIN)/python benchmarks/checkpoint_cost.py --repeats 3
 	$(BIN)/ddp-amp bench --device auto --repeats 3
+	$(BIN)/ddp-amp bench --device auto --amp off --compile both --repeats 3
+	@# Two hosts in network namespaces behind a tc-limited link: root only.
+	if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/grad_compression_netns.py --repeats 3; \
+	else echo "skipped benchmarks/grad_compression_netns.py: needs root"; fi
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info
