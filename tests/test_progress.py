@@ -253,3 +253,16 @@ def test_a_plain_start_line_names_the_world_size():
         "[rank 2] starting (world size 3)"
     assert plain_line({"type": "state", "rank": 0, "status": "restarting", "restart": 1, "world_size": 2}) == \
         "[rank 0] restarting (restart 1, world size 2)"
+
+
+def test_a_restart_remembers_which_global_rank_each_local_rank_was():
+    """On node 1 of a multinode job, local rank 0 is global rank 2: the recovered line must say rank 2."""
+    from ddp_amp.progress.display import ProgressModel
+
+    model = ProgressModel(clock=FakeClock())
+    for local in (0, 1):
+        model.apply({"type": "state", "rank": 2 + local, "status": "starting", "local_rank": local, "node": 1})
+    model.apply(log_event(2, 10, 0.5))
+    model.apply({"type": "state", "rank": 2, "status": "restarting", "restart": 1, "local_rank": 0, "node": 1})
+    assert model.ranks_before_restart == {0: 2, 1: 3}
+    assert model.steps_before_restart[2] == 11

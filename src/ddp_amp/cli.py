@@ -602,8 +602,9 @@ def _report_recovery(config, log_path: Path, model) -> None:
     causes = torchrun.restart_causes(log_path.read_text(errors="replace")) if log_path.exists() else []
     if causes:
         local_rank, what = causes[0]
-        step = model.steps_before_restart.get(local_rank)
-        line += f": rank {local_rank} {what}" + (f" (last seen in step {step})" if step is not None else "")
+        rank = model.ranks_before_restart.get(local_rank, local_rank)  # on another node local != global
+        step = model.steps_before_restart.get(rank)
+        line += f": rank {rank} {what}" + (f" (last seen in step {step})" if step is not None else "")
     resumed = summary.get("resumed_from_step")
     line += f"; resumed from step {resumed}" if resumed else "; restarted from the beginning (no checkpoint)"
     typer.echo(line, err=True)

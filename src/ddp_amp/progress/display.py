@@ -55,6 +55,8 @@ class ProgressModel:
     summary: dict[str, Any] | None = None
     restarts: int = 0
     steps_before_restart: dict[int, int] = field(default_factory=dict)
+    ranks_before_restart: dict[int, int] = field(default_factory=dict)
+    """local rank -> the global rank it had when torchrun restarted the group (the agent's log names local ranks)."""
     recovered: list[tuple[int, int, str]] = field(default_factory=list)
     """(attempt, rank, last line) of failures that a restart recovered from: no longer shown as failures."""
 
@@ -117,6 +119,8 @@ class ProgressModel:
         # The step each rank was last seen in: its heartbeat's, else the one after its last logged step.
         self.steps_before_restart = {state.rank: state.position[0] + 1 if state.position else state.step + 1
                                      for state in self.ranks.values()}
+        self.ranks_before_restart = {state.local_rank: state.rank for state in self.ranks.values()
+                                     if state.local_rank is not None}
         for state in self.failures():
             self.recovered.append((attempt - 1, state.rank, state.traceback.strip().splitlines()[-1]))
         for state in self.ranks.values():
