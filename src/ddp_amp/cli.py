@@ -400,7 +400,7 @@ def bench(
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
     run_dir: RunDir = None,
 ) -> None:
-    """Measure what mixed precision buys: the same training with AMP off and on, interleaved."""
+    """Measure what mixed precision (or torch.compile) buys: the same training off and on, interleaved."""
     from ddp_amp.bench import DEFAULT_STEPS, BenchOptions
     from ddp_amp.launch.preflight import RUNS_ROOT, default_run_dir
 
