@@ -72,3 +72,25 @@ def test_bench_transformer_reports_mfu_per_gpu(tmp_path):
     for entry in report["precisions"].values():
         if entry.get("mfu") is not None:
             assert 0 < entry["mfu"] < 1
+
+
+def test_compile_and_the_fused_step_on_the_gpu(tmp_path):
+    """--compile on CUDA (inductor's triton kernels) with the default fused AdamW; the weights keep the module's
+    own names and the compile time is reported apart."""
+    result = run_cli("spawn", "-n", str(RANKS), "--device", "cuda", "--task", "mlp", "--steps", "30", "--compile",
+                     "--run-dir", str(tmp_path), timeout=600)
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["compile_s"] > 0 and summary["optimizer_impl"] in ("fused", "foreach")
+    assert all(not key.startswith("_orig_mod") for key in load_weights(tmp_path))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_gradient_compression_on_nccl(tmp_path, compression):
+    if compression == "bf16" and not native_bf16():
+        pytest.skip("this GPU has no native bf16")
+    result = run_cli("spawn", "-n", str(RANKS), "--device", "cuda", "--task", "mlp", "--steps", "60",
+                     "--grad-compression", compression, "--run-dir", str(tmp_path), timeout=300)
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["ddp"]["grad_compression"] == compression and summary["eval"]["accuracy"] >= 0.9
