@@ -1,5 +1,5 @@
 """Wall time and time to first step of `ddp-amp spawn` vs `ddp-amp run` vs `ddp-amp multinode` (two nodes on
-loopback, one rank each), interleaved, medians.
+loopback, one rank each; and one node with every rank, `multinode-1`), interleaved, medians.
 
     .venv/bin/python benchmarks/launchers.py [--repeats 3] [--nproc 2] [-- extra training flags]
 
@@ -26,16 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def multinode(nproc: int, run_dir: Path, extra: list[str]) -> dict:
-    """Two "nodes" on this machine, `nproc // 2` ranks each, through the c10d store on loopback."""
+def multinode(nproc: int, run_dir: Path, extra: list[str], nodes: int = 2) -> dict:
+    """`nodes` "nodes" on this machine, `nproc // nodes` ranks each, through the c10d store on loopback."""
     import json
 
     started = time.perf_counter()
     port = free_port()
-    jobs = [subprocess.Popen([sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node",
-                              str(max(1, nproc // 2)), "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", *extra,
-                              "--run-dir", str(run_dir / f"node{index}")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for index in range(2)]
+    jobs = [subprocess.Popen([sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", str(nodes),
+                              "--nproc-per-node", str(max(1, nproc // nodes)), "--endpoint", f"127.0.0.1:{port}",
+                              "--device", "cpu", *extra, "--run-dir", str(run_dir / f"node{index}")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for index in range(nodes)]
     for job in jobs:
         _, err = job.communicate(timeout=600)
         if job.returncode != 0:
@@ -48,6 +48,8 @@ def multinode(nproc: int, run_dir: Path, extra: list[str]) -> dict:
 def launch(launcher: str, nproc: int, run_dir: Path, extra: list[str]) -> dict:
     if launcher == "multinode":
         return multinode(nproc, run_dir, extra)
+    if launcher == "multinode-1":  # one node's path alone: what each machine of a real cluster runs
+        return multinode(nproc, run_dir, extra, nodes=1)
     flag = "--gpus" if launcher == "spawn" else "--nproc-per-node"
     return run_ddp_amp([launcher, flag, str(nproc), "--device", "cpu", *extra], run_dir)
 
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("extra", nargs="*", help="training flags passed to every launcher")
     args = parser.parse_args()
-    launchers = ("spawn", "run", "multinode")
+    launchers = ("spawn", "run", "multinode", "multinode-1")
     results: dict[str, list[dict]] = {launcher: [] for launcher in launchers}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
