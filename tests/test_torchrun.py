@@ -335,3 +335,17 @@ def test_a_fractional_rdzv_timeout_reaches_torchrun_as_whole_seconds(tmp_path, c
     assert code == 0
     _, argv = parse_dry_run(captured.out)
     assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=1"
+
+
+def test_nodes_on_one_machine_share_its_cores(tmp_path, capsys):
+    """A loopback endpoint puts every node on this machine: each rank gets its share of the cores across all
+    nodes, not all of them (two nodes would oversubscribe the machine twice over)."""
+    cores = len(os.sched_getaffinity(0))
+    code, captured = multinode_dry_run("127.0.0.1:29400", tmp_path, capsys, "--is-host")
+    assert code == 0
+    env, _ = parse_dry_run(captured.out)
+    assert env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    code, captured = multinode_dry_run(f"{own_global_ipv4()}:29400", tmp_path / "b", capsys)
+    assert code == 0
+    env, _ = parse_dry_run(captured.out)
+    assert env["OMP_NUM_THREADS"] == str(cores)

@@ -166,7 +166,9 @@ def multinode_job(*, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, no
     configs["join_timeout"] = str(math.ceil(rdzv_timeout))
     if nnodes.min != nnodes.max:
         configs["last_call_timeout"] = str(rdzv_last_call)
-    env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts, nnodes.min != nnodes.max),
+    # A loopback endpoint puts every node on this machine: their ranks share its cores.
+    ranks_here = nproc_per_node * (nnodes.max if _is_loopback(endpoint.host) else 1)
+    env = {**cpu_threads_env(ranks_here, device_type), **restart_env(max_restarts, nnodes.min != nnodes.max),
            **(ifname_env or {})}
     return ElasticJob(nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=str(endpoint), rdzv_id=rdzv_id,
                       rdzv_configs=configs, local_addr=local_addr, max_restarts=max_restarts,
