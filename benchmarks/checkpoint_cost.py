@@ -8,9 +8,8 @@ the copy to host memory; a background thread writes the file).
 """
 
 import argparse
-import statistics
 
-from common import interleaved, spread
+from common import interleaved, print_ratio
 
 
 def main() -> None:
@@ -32,13 +31,7 @@ def main() -> None:
     size = max(sizes)
     print(f"transformer, 2 CPU ranks, {args.steps} steps, a checkpoint every {args.every} steps "
           f"({size / 2**20:.1f} MiB each)")
-    print(f"{'mode':<12} {'samples/s median [min-max]':>30}")
-    for mode, values in results.items():
-        print(f"{mode:<12} {spread(values, '.0f'):>30}")
-    ratios = [p / q for p, q in zip(results["checkpoints"], results["none"])]
-    print(f"checkpoints/none throughput ratio: {spread(ratios, '.3f')} (per interleaved pair; median "
-          f"{statistics.median(ratios):.3f})")
-
+    print_ratio(results, "checkpoints", "none")
 
 if __name__ == "__main__":
     main()

@@ -38,3 +38,14 @@ def interleaved(base: list[str], modes: dict[str, list[str]], repeats: int, figu
                 if after is not None:
                     after(mode, run_dir)
     return results
+
+
+def print_ratio(results: dict[str, list[float]], numerator: str, denominator: str) -> None:
+    """Each mode's samples/s, then numerator/denominator per interleaved pair (the figure to compare)."""
+    width = max(len(mode) for mode in results) + 1
+    print(f"{'mode':<{width}} {'samples/s median [min-max]':>30}")
+    for mode, values in results.items():
+        print(f"{mode:<{width}} {spread(values, '.0f'):>30}")
+    ratios = [a / b for a, b in zip(results[numerator], results[denominator])]
+    print(f"{numerator}/{denominator} throughput ratio: {spread(ratios, '.3f')} (per interleaved pair; median "
+          f"{statistics.median(ratios):.3f})")

@@ -7,9 +7,8 @@ the worker side is a few small socket writes per log interval. Goal: ratio >= 0.
 """
 
 import argparse
-import statistics
 
-from common import interleaved, spread
+from common import interleaved, print_ratio
 
 
 def main() -> None:
@@ -20,13 +19,7 @@ def main() -> None:
     base = ["spawn", "-n", "2", "--device", "cpu", "--steps", str(args.steps), "--log-every", "10"]
     modes = {"plain": ["--log-format", "plain"], "quiet": ["--quiet"]}
     results = interleaved(base, modes, args.repeats)
-    print(f"{'mode':<6} {'samples/s median [min-max]':>30}")
-    for mode, values in results.items():
-        print(f"{mode:<6} {spread(values, '.0f'):>30}")
-    ratios = [p / q for p, q in zip(results["plain"], results["quiet"])]
-    print(f"plain/quiet throughput ratio: {spread(ratios, '.3f')} (per interleaved pair; median "
-          f"{statistics.median(ratios):.3f})")
-
+    print_ratio(results, "plain", "quiet")
 
 if __name__ == "__main__":
     main()
