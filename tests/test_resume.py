@@ -152,3 +152,25 @@ def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path, uninterru
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "world size 1 (checkpoint: 2)" in lines[0] and "--batch-size 32 (checkpoint: 16)" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_restart_never_continues_from_an_earlier_runs_checkpoint(tmp_path):
+    """--overwrite keeps an earlier run's checkpoints in the run dir: a restarted (or resized) worker group
+    continues only from this launch's own, else from --resume."""
+    import dataclasses
+
+    from ddp_amp.checkpoint import save_checkpoint
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.worker import _checkpoint_to_continue
+
+    def written_by(launch_time: float, step: int) -> None:
+        config = TrainConfig(run_dir=str(tmp_path), launch_time=launch_time)
+        save_checkpoint(tmp_path, {"step": step, "trainer": {}, "rng": [], "world_size": 2,
+                                   "config": dataclasses.asdict(config)}, keep=5)
+
+    this_launch = TrainConfig(run_dir=str(tmp_path), launch_time=2000.0)
+    written_by(1000.0, 40)  # the run that --overwrite replaced
+    assert _checkpoint_to_continue(this_launch, tmp_path) is None
+    written_by(2000.0, 10)
+    path, state = _checkpoint_to_continue(this_launch, tmp_path)
+    assert path.name == "step-10.pt" and state["step"] == 10  # not the earlier run's newer step-40

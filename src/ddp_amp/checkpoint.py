@@ -161,13 +161,18 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def newest_valid_checkpoint(run_dir: str | Path, warn=print) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads; newer ones that do not (a write cut short) are skipped with a warning."""
+def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda state: True
+                            ) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads (and that `accept` takes); newer ones that do not load (a write cut
+    short) are skipped with a warning."""
     for path in checkpoints(run_dir):
         try:
-            return path, load_checkpoint(path)
+            state = load_checkpoint(path)
         except CheckpointError as exc:
             warn(f"skipping checkpoint {exc}")
+            continue
+        if accept(state):
+            return path, state
     return None
 
 

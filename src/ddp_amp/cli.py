@@ -78,10 +78,10 @@ OUTPUT_OPTIONS: dict[str, tuple[Any, Any]] = {
 }
 
 
-def option_group(options: dict[str, tuple[Any, Any]], into: str, check=None, **defaults: Any):
+def option_group(options: dict[str, tuple[Any, Any]], into: str, **defaults: Any):
     """A decorator adding `options` to a command's signature; the command receives them as one dict named
-    `into`, checked by `check` first. `defaults` change a default for that command; an option the command
-    defines itself (bench's --amp) replaces the group's one."""
+    `into`. `defaults` change a default for that command; an option the command defines itself (bench's --amp)
+    replaces the group's one."""
 
     def decorate(command):
         signature = inspect.signature(command, eval_str=True)
@@ -93,8 +93,6 @@ def option_group(options: dict[str, tuple[Any, Any]], into: str, check=None, **d
         @functools.wraps(command)
         def wrapper(**kwargs: Any) -> Any:
             group = {name: kwargs.pop(name) for name in shared}
-            if check is not None:
-                check(group)
             return command(**{into: group}, **kwargs)
 
         wrapper.__signature__ = signature.replace(parameters=own + added)

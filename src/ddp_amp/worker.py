@@ -373,7 +373,7 @@ def resume(trainer: Trainer, config: TrainConfig, env: DistEnv, run_dir: Path, d
     else from config.resume. Every rank ends up with the same state: the ranks agree on the newest checkpoint
     any of them can read, and ranks that cannot read it (a node that joined later, without a shared file
     system) receive it from one that can. Returns the checkpoint's path when it resumed."""
-    found = _checkpoint_to_continue(config, run_dir, restarted)
+    found = _checkpoint_to_continue(config, run_dir)
     views = [None] * env.world_size
     dist.all_gather_object(views, found[1]["step"] if found else None)
     steps = [step for step in views if step is not None]
@@ -401,21 +401,22 @@ def resume(trainer: Trainer, config: TrainConfig, env: DistEnv, run_dir: Path, d
     return str(path)
 
 
-def _checkpoint_to_continue(config: TrainConfig, run_dir: Path, restarted: bool) -> tuple[Path, dict] | None:
-    """This rank's own view: (path, state) of the checkpoint it would continue from, or None."""
-    found = checkpoint.newest_valid_checkpoint(run_dir, warn=lambda line: print(f"warning: {line}"))
-    # launch_time tells this launch's checkpoints from those of the run that --resume continues.
-    if found and (restarted or found[1]["config"].get("launch_time") == config.launch_time):
+def _checkpoint_to_continue(config: TrainConfig, run_dir: Path) -> tuple[Path, dict] | None:
+    """This rank's own view: (path, state) of the checkpoint it would continue from, or None.
+
+    Only this launch's checkpoints count (launch_time tells them apart), restart or not: the run dir may still
+    hold an earlier run's (the one --resume continues, or one --overwrite replaced), which a restarted group
+    must never pick up as its own. Before this launch wrote one, a restart continues from --resume, if given."""
+    found = checkpoint.newest_valid_checkpoint(
+        run_dir, warn=lambda line: print(f"warning: {line}"),
+        accept=lambda state: state["config"].get("launch_time") == config.launch_time)
+    if found is not None or config.resume is None:
         return found
-    if config.resume is None:
-        return None
     path = Path(config.resume)
-    if found and found[0].resolve() == path.resolve():
-        return found
     try:
         return path, checkpoint.load_checkpoint(path)
     except checkpoint.CheckpointError as exc:
-        if restarted or config.elastic:
+        if config.elastic:
             return None  # a node without the file: it receives the state from a rank that has it
         raise RankSetupError(f"--resume {exc}") from None
 

@@ -12,11 +12,13 @@ signal asks the ranks to stop gracefully (at one step, with a checkpoint) instea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ddp_amp.errors import RunFailed
@@ -32,13 +34,10 @@ def worker_entry(config_path: str, env: dict[str, str]) -> None:
     """A rank, forked from the fork server (whose environment predates this launch: the launch's own
     variables come as an argument)."""
     os.environ.update(env)
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     from ddp_amp.worker import main
 
     try:
-        # record: a failing rank's traceback goes to the agent's error file, for the failure report.
-        record(main)([config_path])
+        main([config_path])  # the agent's wrapper records a failure's traceback in its error file
     except BaseException:
         # The agent reports the first rank it sees exit. A rank killed by a signal exits at once, and its peers
         # fail ("connection closed") milliseconds later: lingering here lets the agent see the cause first.
@@ -125,35 +124,30 @@ def root_failure(failures: dict) -> tuple[int, str]:
     return rank, f"exited with code {failure.exitcode}"
 
 
-class _agent_log:
+@contextlib.contextmanager
+def _agent_log(path: Path) -> Iterator[None]:
     """The agent's log records (rendezvous, restarts, worker failures) go to a file, at INFO, as torchrun's
     would; nothing of it reaches the terminal the progress display owns."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.handler: logging.Handler | None = None
-        self.levels: dict[str, int] = {}
-
-    def __enter__(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.handler = logging.FileHandler(self.path)
-        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        parent = logging.getLogger(AGENT_LOGGERS)
-        # torch gives each of its elastic loggers its own level (WARNING unless LOGLEVEL says otherwise).
-        for name, logger in [(AGENT_LOGGERS, parent), *logging.root.manager.loggerDict.items()]:
-            if isinstance(logger, logging.Logger) and (name == AGENT_LOGGERS or name.startswith(AGENT_LOGGERS + ".")):
-                self.levels[name] = logger.level
-                logger.setLevel(logging.INFO)
-        parent.addHandler(self.handler)
-        parent.propagate = False
-
-    def __exit__(self, *exc: object) -> None:
-        parent = logging.getLogger(AGENT_LOGGERS)
-        parent.removeHandler(self.handler)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    parent = logging.getLogger(AGENT_LOGGERS)
+    # torch gives each of its elastic loggers its own level (WARNING unless LOGLEVEL says otherwise).
+    loggers = [parent] + [logger for name, logger in logging.root.manager.loggerDict.items()
+                          if isinstance(logger, logging.Logger) and name.startswith(AGENT_LOGGERS + ".")]
+    levels = [(logger, logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+    parent.addHandler(handler)
+    parent.propagate = False
+    try:
+        yield
+    finally:
+        parent.removeHandler(handler)
         parent.propagate = True
-        for name, level in self.levels.items():
-            logging.getLogger(name).setLevel(level)
-        self.handler.close()
+        for logger, level in levels:
+            logger.setLevel(level)
+        handler.close()
 
 
 def _tail(path: Path, lines: int = 20) -> str:
