@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 
-def run_ddp_amp(args: list[str], run_dir: Path) -> dict:
+def run_ddp_amp(args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> dict:
     """One `python -m ddp_amp ARGS --run-dir RUN_DIR`; its summary.json plus the process's own wall time."""
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "ddp_amp", *args, "--run-dir", str(run_dir)], check=True,
-                   capture_output=True)
+                   capture_output=True, env=env)
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["process_wall_s"] = time.perf_counter() - started
     return summary

@@ -22,7 +22,8 @@ from ddp_amp.dist import DistEnv, process_group
 from ddp_amp.launch.spawn import rank_environment
 from ddp_amp.precision import Precision
 from ddp_amp.tasks import build_task
-from ddp_amp.train import Trainer
+from ddp_amp.train.step import AmpStep
+from ddp_amp.train.trainer import Trainer
 
 
 class Quiet:
@@ -30,21 +31,25 @@ class Quiet:
         pass
 
 
-class ScaleReadingTrainer(Trainer):
+def scale_reading_step(step: AmpStep):
     """The previous detection: compare the scale around update() (each get_scale() waits for the device)."""
 
-    def _optimizer_step(self) -> bool:
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return self.scaler.get_scale() >= scale_before
+    def optimizer_step() -> bool:
+        scale_before = step.scaler.get_scale()
+        step.scaler.step(step.optimizer)
+        step.scaler.update()
+        return step.scaler.get_scale() >= scale_before
+
+    return optimizer_step
 
 
-def steps_per_s(cls, device: torch.device, env: DistEnv, steps: int, run_dir: str) -> float:
+def steps_per_s(read_scale: bool, device: torch.device, env: DistEnv, steps: int, run_dir: str) -> float:
     config = TrainConfig(task="mlp", steps=steps, log_every=steps, dtype="fp16", amp="on", batch_size=128,
                          run_dir=run_dir)
     torch.manual_seed(0)
-    trainer = cls(config, env, device, Precision("fp16"), build_task("mlp"), Quiet())
+    trainer = Trainer(config, env, device, Precision("fp16"), build_task("mlp"), Quiet())
+    if read_scale:
+        trainer.step.optimizer_step = scale_reading_step(trainer.step)
     summary = trainer.train().summary  # steady state: the first steps (DDP's bucket rebuild...) excluded
     trainer.close()
     return summary["rank_samples_per_s"] / config.batch_size
@@ -62,8 +67,8 @@ def main() -> None:
     results = {"get_scale x2": [], "step hook": []}
     with tempfile.TemporaryDirectory() as tmp, process_group(DistEnv.from_environ(), device):
         for _ in range(args.repeats):
-            for name, cls in (("get_scale x2", ScaleReadingTrainer), ("step hook", Trainer)):
-                results[name].append(steps_per_s(cls, device, DistEnv.from_environ(), args.steps, tmp))
+            for name, read_scale in (("get_scale x2", True), ("step hook", False)):
+                results[name].append(steps_per_s(read_scale, device, DistEnv.from_environ(), args.steps, tmp))
     print(f"fp16 mlp, batch 128, one rank on {device}, {args.steps} steps x {args.repeats} interleaved repeats")
     for name, values in results.items():
         print(f"{name:<14} steps/s {spread(values, '.1f')}")

@@ -124,7 +124,7 @@ def test_compiled_variants_are_compared_within_their_precision():
 
 
 def test_mfu_is_per_gpu():
-    from ddp_amp.bench import GPU_PEAK_TFLOPS, mfu
+    from ddp_amp.train.metrics import GPU_PEAK_TFLOPS, mfu
 
     peak = GPU_PEAK_TFLOPS["H100"] * 1e12
     # 8 GPUs together process 8x the tokens of one: the utilisation of each is that of one alone.

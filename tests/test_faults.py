@@ -242,7 +242,7 @@ def test_no_room_for_the_weights_is_refused_before_training(small_file_system):
 
 
 def test_a_metrics_line_that_does_not_fit_is_cut_back(small_file_system):
-    from ddp_amp.checkpoint import METRICS_FILE, append_metrics
+    from ddp_amp.outputs import METRICS_FILE, append_metrics
 
     append_metrics(small_file_system, {"step": 1, "loss": 0.5})
     first = (small_file_system / METRICS_FILE).read_bytes()

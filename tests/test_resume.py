@@ -159,9 +159,9 @@ def test_a_restart_never_continues_from_an_earlier_runs_checkpoint(tmp_path):
     continues only from this launch's own, else from --resume."""
     import dataclasses
 
-    from ddp_amp.checkpoint import save_checkpoint
+    from ddp_amp.checkpoint.fileformat import save_checkpoint
+    from ddp_amp.checkpoint.manager import checkpoint_to_continue
     from ddp_amp.config import TrainConfig
-    from ddp_amp.worker import _checkpoint_to_continue
 
     def written_by(launch_time: float, step: int) -> None:
         config = TrainConfig(run_dir=str(tmp_path), launch_time=launch_time)
@@ -170,7 +170,7 @@ def test_a_restart_never_continues_from_an_earlier_runs_checkpoint(tmp_path):
 
     this_launch = TrainConfig(run_dir=str(tmp_path), launch_time=2000.0)
     written_by(1000.0, 40)  # the run that --overwrite replaced
-    assert _checkpoint_to_continue(this_launch, tmp_path) is None
+    assert checkpoint_to_continue(this_launch, tmp_path) is None
     written_by(2000.0, 10)
-    path, state = _checkpoint_to_continue(this_launch, tmp_path)
+    path, state = checkpoint_to_continue(this_launch, tmp_path)
     assert path.name == "step-10.pt" and state["step"] == 10  # not the earlier run's newer step-40

@@ -12,7 +12,8 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group
 from ddp_amp.launch.spawn import rank_environment
 from ddp_amp.precision import Precision
-from ddp_amp.train import Trainer, to_device
+from ddp_amp.train.data import to_device
+from ddp_amp.train.trainer import Trainer
 
 import helper_tasks
 
@@ -45,7 +46,7 @@ def test_fp16_inf_gradient_skips_optimizer_and_scheduler(one_rank_group, tmp_pat
     trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp16"), task, recorder)
     weights_before_skip = {}
 
-    original_step = trainer._optimizer_step
+    original_step = trainer.step.optimizer_step
 
     def step_and_watch():
         if len(recorder.records) == 2:  # about to take the third (inf) step
@@ -56,7 +57,7 @@ def test_fp16_inf_gradient_skips_optimizer_and_scheduler(one_rank_group, tmp_pat
                 assert torch.equal(value, weights_before_skip[key]), "a skipped step changed the weights"
         return stepped
 
-    trainer._optimizer_step = step_and_watch
+    trainer.step.optimizer_step = step_and_watch
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
         result = trainer.train()
@@ -188,14 +189,14 @@ def test_grad_norm_is_the_true_gradient_norm_at_each_log_step(one_rank_group, tm
     trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision(precision), helper_tasks.resumable(),
                       recorder)
     stepped_with = []  # the norm of the gradients each optimizer step is handed
-    original_step = trainer._optimizer_step
+    original_step = trainer.step.optimizer_step
 
     def step_and_measure():
         grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
         stepped_with.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
         return original_step()
 
-    trainer._optimizer_step = step_and_measure
+    trainer.step.optimizer_step = step_and_measure
     trainer.train()
     trainer.close()
     norms = [record["grad_norm"] for record in recorder.records]

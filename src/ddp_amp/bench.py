@@ -16,11 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.checkpoint import STEP_TIMES_FILE
-
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs whose name we can match, for MFU.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
-                   "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+from ddp_amp.outputs import STEP_TIMES_FILE
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -204,15 +200,6 @@ def environment_report() -> dict[str, Any]:
     }
 
 
-def mfu(device_name: str, tokens_per_s: float, flops_per_token: float, gpus: int) -> float | None:
-    """Model FLOPs utilisation per GPU: the global `tokens_per_s` is shared by `gpus` GPUs, each with the peak
-    of `device_name` (None when that peak is not known)."""
-    for name, peak in GPU_PEAK_TFLOPS.items():
-        if name in device_name:
-            return tokens_per_s / gpus * flops_per_token / (peak * 1e12)
-    return None
-
-
 AMP_CHOICES = ("both", "on", "off")
 COMPILE_CHOICES = ("off", "on", "both")
 COMPILED = "+compile"
@@ -274,6 +261,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     from ddp_amp.launch.spawn import spawn
     from ddp_amp.progress.display import PlainDisplay
     from ddp_amp.progress.session import ProgressSession
+    from ddp_amp.train.metrics import mfu
 
     measurements, notes, summary, plan = [], [], None, None
     total = options.repeats * len(options.variants)

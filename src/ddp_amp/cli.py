@@ -316,20 +316,9 @@ def multinode(
     where = network.parse_endpoint(endpoint)
     TrainConfig(**train)  # every cheap check before the network ones, which can wait up to --rdzv-timeout
     if emit_slurm is not None:
-        if nproc_per_node not in ("gpu", "cpu", "auto"):
-            torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
-        # What every node shares; per-node values (--local-addr, --is-host, --node-rank) are found on each node.
-        args = ["--nproc-per-node", nproc_per_node, *_training_args(train), "--rdzv-timeout", f"{rdzv_timeout:g}",
-                *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max else []),
-                "--monitor-interval", f"{monitor_interval:g}", "--log-format", output["log_format"]]
-        if max_restarts:
-            args += ["--max-restarts", str(max_restarts)]
-        if ifname:
-            args += ["--ifname", ifname]
-        gpus = int(nproc_per_node) if nproc_per_node.isdigit() and train["device"] != "cpu" else None
-        script = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"])
-        _write_new_file(emit_slurm, script, "--emit-slurm")
-        typer.echo(f"ddp-amp: wrote {emit_slurm}; submit it with sbatch {emit_slurm}")
+        _emit_slurm(emit_slurm, train, output, nodes, where, nproc_per_node=nproc_per_node, rdzv_timeout=rdzv_timeout,
+                    rdzv_last_call=rdzv_last_call, monitor_interval=monitor_interval, max_restarts=max_restarts,
+                    ifname=ifname)
         return
     if not dry_run:
         _warm_start(train)
@@ -354,6 +343,27 @@ def multinode(
                    f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
         return
     _launch_elastic(plan, nproc, output, job)
+
+
+def _emit_slurm(path: Path, train: dict, output: dict, nodes, where, *, nproc_per_node: str, rdzv_timeout: float,
+                rdzv_last_call: int, monitor_interval: float, max_restarts: int, ifname: str | None) -> None:
+    """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation."""
+    from ddp_amp.launch import torchrun
+
+    if nproc_per_node not in ("gpu", "cpu", "auto"):
+        torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
+    # What every node shares; per-node values (--local-addr, --is-host, --node-rank) are found on each node.
+    args = ["--nproc-per-node", nproc_per_node, *_training_args(train), "--rdzv-timeout", f"{rdzv_timeout:g}",
+            *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max else []),
+            "--monitor-interval", f"{monitor_interval:g}", "--log-format", output["log_format"]]
+    if max_restarts:
+        args += ["--max-restarts", str(max_restarts)]
+    if ifname:
+        args += ["--ifname", ifname]
+    gpus = int(nproc_per_node) if nproc_per_node.isdigit() and train["device"] != "cpu" else None
+    script = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"])
+    _write_new_file(path, script, "--emit-slurm")
+    typer.echo(f"ddp-amp: wrote {path}; submit it with sbatch {path}")
 
 
 def _check_torchrun_numbers(max_restarts: int, monitor_interval: float) -> None:
@@ -431,7 +441,7 @@ def bench(
 
     Console().print(bench_table(report))
     if json_path is not None:
-        from ddp_amp.checkpoint import write_json
+        from ddp_amp.outputs import write_json
 
         write_json(json_path, report)
         typer.echo(f"ddp-amp: wrote {json_path}", err=True)
@@ -536,7 +546,7 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
         raise
     _check_outcome(Path(config.run_dir))
     if config.profile and not output["quiet"]:
-        from ddp_amp.checkpoint import read_summary
+        from ddp_amp.outputs import read_summary
 
         if profile := read_summary(Path(config.run_dir)).get("profile"):
             from rich.console import Console
@@ -548,7 +558,7 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
 
 def _stop_report(run_dir: Path, stopped_by: str, config) -> str:
     """The one line after a stop signal: at which step the ranks stopped, and where their work is."""
-    from ddp_amp.checkpoint import read_summary
+    from ddp_amp.outputs import read_summary
 
     summary = read_summary(run_dir)
     step = summary.get("stopped_at_step")
@@ -563,7 +573,7 @@ def _stop_report(run_dir: Path, stopped_by: str, config) -> str:
 
 def _check_outcome(run_dir: Path) -> None:
     """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
-    from ddp_amp.checkpoint import failure_of, read_summary
+    from ddp_amp.outputs import failure_of, read_summary
 
     summary = read_summary(run_dir)
     if summary and (failure := failure_of(summary, run_dir)):
@@ -589,8 +599,8 @@ def _launch_elastic(plan, nproc: int, output: dict, job) -> None:
 
 def _report_recovery(config, log_path: Path, model) -> None:
     """A run that torchrun restarted and that then succeeded ends with one line saying what it recovered from."""
-    from ddp_amp.checkpoint import read_summary
     from ddp_amp.launch import torchrun
+    from ddp_amp.outputs import read_summary
 
     summary = read_summary(config.run_dir)
     if not summary.get("restarts"):

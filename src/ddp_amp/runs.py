@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.checkpoint import METRICS_FILE, SUMMARY_FILE
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
 from ddp_amp.files import lock_holder
+from ddp_amp.outputs import METRICS_FILE, SUMMARY_FILE
 
 
 @dataclass

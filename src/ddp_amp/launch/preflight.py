@@ -38,7 +38,7 @@ def default_run_dir() -> Path:
 
 def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
     """--resume auto|PATH -> the checkpoint's path, after checking it loads and matches this run."""
-    from ddp_amp import checkpoint
+    from ddp_amp.checkpoint import fileformat as checkpoint
 
     if config.resume == "auto":
         found = checkpoint.newest_valid_checkpoint(

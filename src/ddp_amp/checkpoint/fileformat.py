@@ -1,12 +1,9 @@
-"""The run directory's files, written so that a crash never leaves a half-written one behind."""
+"""The checkpoint file: everything needed to continue a run bit for bit, as tensors and plain types only,
+written atomically; finding the newest one that loads, pruning, and what a resume must share with it."""
 
 from __future__ import annotations
 
-import errno
 import io
-import json
-import math
-import os
 import pickle
 import random
 import re
@@ -17,94 +14,6 @@ import numpy as np
 import torch
 
 from ddp_amp.files import atomic_write
-
-MODEL_FILE = "model.pt"
-SUMMARY_FILE = "summary.json"
-METRICS_FILE = "metrics.jsonl"
-STEP_TIMES_FILE = "step_times.json"  # only with record_step_times (ddp-amp bench): every rank's step durations
-
-
-def save_weights(run_dir: Path, model: torch.nn.Module) -> Path:
-    """The plain state_dict (no DDP `module.` prefix, CPU tensors), loadable with weights_only=True."""
-    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    path = run_dir / MODEL_FILE
-    atomic_write(path, buffer.getvalue())
-    return path
-
-
-def strict(record: dict[str, Any]) -> dict[str, Any]:
-    """The record with every inf/NaN float (at any depth) as null, and their keys listed under "nonfinite":
-    json.dumps would otherwise write bare NaN/Infinity tokens, which strict JSON readers reject."""
-    found: list[str] = []
-
-    def clean(value: Any, key: str) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            found.append(key)
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v, key) for v in value]
-        return value
-
-    cleaned = clean(record, "")
-    if found:
-        cleaned["nonfinite"] = sorted(set(found))
-    return cleaned
-
-
-def write_json(path: Path, value: Any) -> Path:
-    if isinstance(value, dict):
-        value = strict(value)
-    atomic_write(path, (json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n").encode())
-    return path
-
-
-def failure_of(summary: dict[str, Any], run_dir: str | Path) -> str | None:
-    """The one line that fails a run whose ranks all finished: divergence, or an evaluation that raised."""
-    if diverged := summary.get("diverged"):
-        where = f"step {diverged['step']}" + (f" on rank {diverged['rank']}" if diverged.get("rank") is not None
-                                               else "")
-        return f"training diverged at {where}: {diverged['reason']}; no model.pt written (see --max-nonfinite)"
-    if summary.get("eval_error"):
-        return (f"{summary['eval_error']} (the trained weights are in {Path(run_dir) / MODEL_FILE}; the traceback "
-                f"in {Path(run_dir) / 'logs'}/)")
-    return None
-
-
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    return write_json(run_dir / SUMMARY_FILE, summary)
-
-
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    """The run's summary.json, or {} when there is none (yet) or it cannot be read."""
-    try:
-        return json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    """One short line per log interval, written in one call: a reader sees whole lines only. A write that
-    fails part-way (disk full) is cut back off, so the file never ends in half a line."""
-    line = (json.dumps(strict(record), sort_keys=True, allow_nan=False) + "\n").encode()
-    fd = os.open(run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            written = os.write(fd, line)
-            if written != len(line):
-                raise OSError(errno.ENOSPC, f"short write to {METRICS_FILE}")
-        except OSError:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
-
-
-# Training checkpoints: everything needed to continue a run bit for bit, as tensors and plain types only.
 
 CHECKPOINT_DIR = "checkpoints"
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
@@ -187,16 +96,6 @@ def mismatches(checkpoint_config: dict[str, Any], checkpoint_world_size: int, co
         if config.get(name) != checkpoint_config.get(name):
             differ.append(f"--{name.replace('_', '-')} {config.get(name)} (checkpoint: {checkpoint_config.get(name)})")
     return differ
-
-
-def cut_metrics(run_dir: Path, step: int) -> None:
-    """Drop the metrics logged after `step`: the resumed run logs those steps again."""
-    path = run_dir / METRICS_FILE
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    atomic_write(path, "".join(kept).encode())
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -1,0 +1,66 @@
+"""This working tree's ddp-amp against an earlier revision's (default HEAD), interleaved, medians: the
+throughput of the training core and the time to the first step, on the built-in mlp task and the wide MLP.
+
+    .venv/bin/python benchmarks/against_revision.py [--base REV] [--repeats 5] [--nproc 2] [--steps 300]
+
+The earlier revision's src/ is exported with `git archive` and put first on PYTHONPATH for its launches (the
+ranks inherit it), so both run in the same interpreter and virtual environment. For a change that must not
+cost speed (a refactor, an extra collective): the ratio's median should sit at 1.00 within the spread.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+from common import run_ddp_amp, spread
+
+HERE = Path(__file__).parent
+TASKS = {"mlp": ("mlp", 32), "wide": (f"{HERE / 'tasks.py'}:wide_regression", 128)}
+
+
+def export_src(rev: str, into: Path) -> Path:
+    archive = into / "src.tar"
+    with archive.open("wb") as out:
+        subprocess.run(["git", "-C", str(HERE.parent), "archive", rev, "src"], stdout=out, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base_src = export_src(args.base, Path(tmp))
+        envs = {"this tree": None, args.base: {**os.environ, "PYTHONPATH": str(base_src)}}
+        for task in args.tasks:
+            spec, batch = TASKS[task]
+            rows: dict[str, list[dict]] = {name: [] for name in envs}
+            for repeat in range(args.repeats):
+                for name, env in envs.items():  # interleaved: drift on a shared machine hits both alike
+                    rows[name].append(run_ddp_amp(
+                        ["spawn", "-n", str(args.nproc), "--device", "cpu", "--amp", "off", "--steps",
+                         str(args.steps), "--task", spec, "--batch-size", str(batch), "--quiet"],
+                        Path(tmp) / f"{task}-{repeat}-{name.replace(' ', '_')}", env=env))
+            print(f"task {task}, batch {batch} per rank, {args.nproc} ranks, {args.steps} steps, {args.repeats} rounds")
+            for name, runs in rows.items():
+                print(f"  {name:<10} samples/s {spread([r['samples_per_s'] for r in runs], '.0f'):>22}   first step s "
+                      f"{spread([r['time_to_first_step_s'] for r in runs])}")
+            ours, theirs = rows["this tree"], rows[args.base]
+            throughput = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, theirs)]
+            first = [a["time_to_first_step_s"] / b["time_to_first_step_s"] for a, b in zip(ours, theirs)]
+            print(f"  this tree / {args.base}: throughput {spread(throughput, '.3f')} (median "
+                  f"{statistics.median(throughput):.3f}), time to first step {spread(first, '.3f')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The checkpoint manager of one rank: `load` (resume agreement), `save` every --checkpoint-every steps,
+`wait` for the write in flight and `close`.
+
+Saving gathers every rank's RNG state (a collective), copies the state to host memory and writes it from a
+background thread (atomically, see fileformat.save_checkpoint), so training waits for the copy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_amp import outputs
+from ddp_amp.checkpoint import fileformat
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistEnv
+from ddp_amp.errors import RankSetupError
+
+if TYPE_CHECKING:
+    from ddp_amp.train.trainer import Trainer
+
+
+class CheckpointManager:
+    def __init__(self, config: TrainConfig, env: DistEnv, run_dir: Path, device: torch.device) -> None:
+        self.config, self.env, self.run_dir, self.device = config, env, run_dir, device
+        self.last_path: Path | None = None
+        self.last_step: int | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def due(self, step: int) -> bool:
+        return bool(self.config.checkpoint_every) and step % self.config.checkpoint_every == 0
+
+    def saved(self, step: int) -> bool:
+        return self.last_step == step
+
+    def save(self, trainer: Trainer, step: int) -> None:
+        rng = [None] * self.env.world_size
+        dist.all_gather_object(rng, fileformat.rng_state(self.device))  # a collective: every rank, every time
+        self.last_step = step
+        if not self.env.writes_run_dir:
+            return
+        self.wait()
+        state = {"step": step, "trainer": _to_host(trainer.state_dict()), "rng": rng,
+                 "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
+        self.last_path = fileformat.checkpoint_dir(self.run_dir) / f"step-{step}.pt"
+        self._thread = threading.Thread(target=self._write, args=(state,), name="ddp-amp-checkpoint")
+        self._thread.start()
+
+    def save_at_stop(self, trainer: Trainer) -> None:
+        """Keep the work of a run stopped by a signal: a checkpoint at the step the ranks stopped at."""
+        if self.config.checkpoint_every and trainer.stopped_at is not None and not self.saved(trainer.stopped_at):
+            self.save(trainer, trainer.stopped_at)
+
+    def _write(self, state: dict[str, Any]) -> None:
+        try:
+            fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep)
+        except BaseException as exc:  # re-raised in the training thread, at the next save or at close
+            self._error = exc
+
+    def wait(self) -> None:
+        """Until the write in flight is on disk; its error, if it failed, is raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self.wait()
+
+    def load(self, trainer: Trainer, *, restarted: bool) -> str | None:
+        """Continue from the newest checkpoint this launch wrote (after torchrun restarted the workers, for a
+        failure or because an elastic job's membership changed: torchrun does not count the latter as a
+        restart), else from config.resume. Every rank ends up with the same state: the ranks agree on the
+        newest checkpoint any of them can read, and ranks that cannot read it (a node that joined later,
+        without a shared file system) receive it from one that can. Returns the checkpoint's path when it
+        resumed."""
+        config, env = self.config, self.env
+        found = checkpoint_to_continue(config, self.run_dir)
+        views = [None] * env.world_size
+        dist.all_gather_object(views, found[1]["step"] if found else None)
+        steps = [step for step in views if step is not None]
+        if not steps:
+            if restarted and env.writes_run_dir:
+                # Restarted from the beginning: the earlier attempt's log lines no longer apply.
+                (self.run_dir / outputs.METRICS_FILE).unlink(missing_ok=True)
+            return None
+        newest = max(steps)
+        if any(step != newest for step in views):
+            source = views.index(newest)
+            shipped = [found if env.rank == source else None]
+            dist.broadcast_object_list(shipped, src=source)
+            found = shipped[0]
+        path, state = found
+        differ = fileformat.mismatches(state["config"], state["world_size"], dataclasses.asdict(config),
+                                   None if config.elastic else env.world_size)
+        if differ:
+            raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
+        trainer.load_state_dict(state["trainer"], state["step"], saved_world_size=state["world_size"])
+        if env.rank < len(state["rng"]):  # an elastic job that grew: the new ranks keep their seeded streams
+            fileformat.set_rng_state(state["rng"][env.rank], self.device)
+        if env.writes_run_dir:
+            outputs.cut_metrics(self.run_dir, state["step"])
+        return str(path)
+
+
+def checkpoint_to_continue(config: TrainConfig, run_dir: Path) -> tuple[Path, dict] | None:
+    """This rank's own view: (path, state) of the checkpoint it would continue from, or None.
+
+    Only this launch's checkpoints count (launch_time tells them apart), restart or not: the run dir may still
+    hold an earlier run's (the one --resume continues, or one --overwrite replaced), which a restarted group
+    must never pick up as its own. Before this launch wrote one, a restart continues from --resume, if given."""
+    found = fileformat.newest_valid_checkpoint(
+        run_dir, warn=lambda line: print(f"warning: {line}"),
+        accept=lambda state: state["config"].get("launch_time") == config.launch_time)
+    if found is not None or config.resume is None:
+        return found
+    path = Path(config.resume)
+    try:
+        return path, fileformat.load_checkpoint(path)
+    except fileformat.CheckpointError as exc:
+        if config.elastic:
+            return None  # a node without the file: it receives the state from a rank that has it
+        raise RankSetupError(f"--resume {exc}") from None
+
+
+def _to_host(value: Any) -> Any:
+    """A copy in host memory: training goes on changing the originals while the copy is written."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return value

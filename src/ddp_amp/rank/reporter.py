@@ -1,0 +1,104 @@
+"""A rank's sinks: progress events to the launcher, metrics.jsonl on the ranks that write the run directory,
+and TensorBoard scalars on global rank 0. Without a launcher listening (a hand-written torchrun command),
+rank 0 prints plain lines instead."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ddp_amp import outputs
+from ddp_amp.dist import DistEnv
+from ddp_amp.progress.channel import EventSender
+from ddp_amp.progress.events import plain_line
+
+
+class WorkerReporter:
+    """Sends this rank's progress events to the launcher and, on each node's local rank 0, appends the
+    (already all-reduced) metrics to metrics.jsonl. Without a launcher listening (a hand-written torchrun
+    command), rank 0 prints plain lines instead."""
+
+    def __init__(self, env: DistEnv, run_dir: Path, sender: EventSender | None) -> None:
+        self.env, self.run_dir, self.sender = env, run_dir, sender
+        self.item_name = "samples"
+        self.items_per_sample = 1
+        self.last_loss: float | None = None
+        self.scalars: TensorBoardScalars | None = None
+        """Set on global rank 0 with --tensorboard."""
+
+    def _send(self, event: dict[str, Any]) -> None:
+        event = {"rank": self.env.rank, **event}
+        if self.sender is not None:
+            self.sender.send(event)
+        elif self.env.rank == 0 and (line := plain_line(event)):
+            print(line, flush=True)
+
+    def state(self, status: str, **extra: Any) -> None:
+        self._send({"type": "state", "status": status, "local_rank": self.env.local_rank,
+                    "node": int(os.environ.get("GROUP_RANK", "0")), "world_size": self.env.world_size, **extra})
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        if self.env.writes_run_dir:
+            outputs.append_metrics(self.run_dir, {k: v for k, v in record.items() if not k.startswith("rank_")})
+        if self.scalars is not None:
+            self.scalars.write(record, self.item_name)
+        self.last_loss = record["rank_loss"]
+        event = {"type": "log", "step": record["step"], "total_steps": record["total_steps"],
+                 "epoch": record["epoch"], "loss": record["rank_loss"], "global_loss": record["loss"],
+                 "lr": record["lr"], "samples_per_s": record["rank_samples_per_s"],
+                 "global_samples_per_s": record["samples_per_s"], "skipped_steps": record["skipped_steps"],
+                 "item_name": self.item_name}
+        if self.item_name != "samples":
+            event["items_per_s"] = record["rank_samples_per_s"] * self.items_per_sample
+            event["global_items_per_s"] = record["samples_per_s"] * self.items_per_sample
+        if "loss_scale" in record:
+            event["loss_scale"] = record["loss_scale"]
+        if record.get("grad_norm") is not None and math.isfinite(record["grad_norm"]):
+            event["grad_norm"] = record["grad_norm"]
+        self._send(event)
+
+    def done(self, summary: dict[str, Any], peak_memory_mb: float) -> None:
+        event = {"type": "done", "steps": summary["steps"], "samples_per_s": summary["rank_samples_per_s"],
+                 "peak_memory_mb": peak_memory_mb, "final_loss": self.last_loss,
+                 "stopped": "stopped_at_step" in summary}
+        if self.env.writes_run_dir:
+            event["summary"] = summary
+        self._send(event)
+
+    def heartbeat(self, **position: Any) -> None:
+        self._send({"type": "heartbeat", **position})
+
+    def error(self, text: str) -> None:
+        self._send({"type": "error", "traceback": text, "time": time.time()})
+
+
+class TensorBoardScalars:
+    """--tensorboard: the metrics of each log interval as TensorBoard scalars under RUN_DIR/tensorboard."""
+
+    TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "loss_scale": "amp/loss_scale",
+            "skipped_steps": "amp/skipped_steps", "samples_per_s": "throughput/samples_per_s"}
+
+    def __init__(self, run_dir: Path) -> None:
+        self.directory = run_dir / "tensorboard"
+        self.writer = None
+
+    def write(self, record: dict[str, Any], item_name: str) -> None:
+        step = record["step"]
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run's events replace the earlier attempt's from its first logged step on.
+            self.writer = SummaryWriter(str(self.directory), purge_step=step)
+        for key, tag in self.TAGS.items():
+            value = record.get(key)
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+        if item_name != "samples" and f"{item_name}_per_s" in record:
+            self.writer.add_scalar(f"throughput/{item_name}_per_s", record[f"{item_name}_per_s"], step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,130 @@
+"""Everything a rank settles before its first step: its output, device and threads, the NCCL environment,
+the precision all ranks agree on, the seeds, and checks of the task and of the room for the weights."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistEnv, resolve_device, set_cpu_threads
+from ddp_amp.errors import RankSetupError
+from ddp_amp.precision import Precision, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
+from ddp_amp.progress.session import LOG_DIR_VAR
+from ddp_amp.tasks import Task, build_task
+
+WEIGHTS_OVERHEAD = 1 << 20  # torch.save's framing, summary.json and metrics.jsonl, generously
+
+
+def redirect_output(rank: int) -> None:
+    """Send this rank's own stdout/stderr to RUN_DIR/logs/rank<N>.log while a launcher renders progress:
+    a stray print or warning must not garble the live display (failures still arrive as events)."""
+    log_dir = os.environ.get(LOG_DIR_VAR)
+    if not log_dir:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(Path(log_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def prepare_device(config: TrainConfig, local_rank: int, local_world_size: int) -> tuple[torch.device, int]:
+    """This rank's device with --tf32 applied, and its CPU threads (its share of the cores on CPU ranks)."""
+    device = resolve_device(config.device, local_rank)
+    if device.type == "cuda" and config.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = config.tf32 == "on"
+        torch.backends.cudnn.allow_tf32 = config.tf32 == "on"
+    threads = set_cpu_threads(local_world_size) if device.type == "cpu" else torch.get_num_threads()
+    if device.type == "cuda":
+        nccl_watchdog_environment(Path(config.run_dir))
+    return device, threads
+
+
+def nccl_watchdog_environment(run_dir: Path) -> None:
+    """What torch offers for hangs on NCCL, unless the user chose otherwise: fail a timed-out collective
+    instead of hanging, and have the flight recorder dump every rank's last collectives into the run dir."""
+    for key, value in {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(run_dir.resolve() / "nccl_trace_rank_")}.items():
+        os.environ.setdefault(key, value)
+
+
+def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:
+    """The precision every rank uses, decided from each rank's own device and agreed on by all of them.
+
+    bf16 counts only where it is native (a GPU of compute capability 8.0 or newer): with --amp auto a job
+    whose GPUs are mixed trains in fp16 everywhere, since ranks in one DDP job must step the same way.
+    """
+    if device.type == "cuda":
+        native = cuda_has_native_bf16(torch.cuda.get_device_capability(device))
+    else:
+        native = cpu_has_native_bf16()
+    flag = torch.tensor([1.0 if native else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # once, at start-up
+    native_everywhere = bool(flag.item())
+    return resolve_precision(device.type, config.amp, config.dtype, cuda_bf16=native_everywhere,
+                             cpu_native_bf16=native_everywhere if device.type == "cpu" else None)
+
+
+def seed_rank_randomness(seed: int) -> None:
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def check_task_contract(task: Task, spec: str) -> None:
+    """The first item of the data set, checked against the Task contract on every rank: a wrong shape would
+    otherwise surface as a misleading error from deep inside the model."""
+    dataset = task.dataset
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise RankSetupError(f"--task {spec}: the dataset must be map-style (__len__ and __getitem__), got "
+                             f"{type(dataset).__name__}")
+    if len(dataset) == 0:
+        raise RankSetupError(f"--task {spec}: the dataset is empty")
+    item = dataset[0]
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return
+    if isinstance(item, Mapping):
+        shape = f"a {type(item).__name__} with keys {sorted(map(str, item))}"
+    elif isinstance(item, (tuple, list)):
+        shape = f"a {type(item).__name__} of {len(item)} elements"
+    elif isinstance(item, torch.Tensor):
+        shape = f"a single tensor of shape {tuple(item.shape)}"
+    else:
+        shape = f"a {type(item).__name__}"
+    raise RankSetupError(f"--task {spec}: dataset items must be (inputs, target) pairs, but item 0 is {shape}; "
+                         "return a pair from __getitem__ (inputs may themselves be a dict or a tuple)")
+
+
+def check_room_for_weights(run_dir: Path, model: torch.nn.Module) -> None:
+    """Before training: the run dir's file system must hold model.pt, or the trained work would be lost at
+    the very end (the write fails, the weights exist nowhere else)."""
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + WEIGHTS_OVERHEAD
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise RankSetupError(f"--run-dir {run_dir}: {free / 2**20:.1f} MiB free, but model.pt needs "
+                             f"{need / 2**20:.1f} MiB; free some space or choose another --run-dir")
+
+
+def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
+    """The task, built with identical initial weights on every rank (run after run), checked, and then the
+    training randomness seeded per rank."""
+    torch.manual_seed(config.seed)
+    task = build_task(config.task)
+    check_task_contract(task, config.task)
+    if env.writes_run_dir:
+        check_room_for_weights(Path(config.run_dir), task.model)
+    # The randomness of training itself (dropout, augmentation) differs between ranks, or every rank would
+    # draw the same masks and waste data parallelism; it is still fixed by the seed and the rank.
+    seed_rank_randomness(config.seed + env.rank)
+    return task

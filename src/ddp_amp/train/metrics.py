@@ -1,0 +1,168 @@
+"""What a run measures, in one place: the loss and the throughput of each log interval (one all-reduce that
+also carries the ranks' stop and divergence flags), the steady-state window that summary.json's throughput
+comes from, the profiler's share of it, memory peaks and MFU. It feeds the reporter, whose sinks are
+metrics.jsonl, the launcher's events and TensorBoard.
+
+Host syncs happen at log intervals only (the all-reduce, `.tolist()`, the loss scale), plus one at the first
+step and one at the start of the steady state, which make those instants real on an asynchronous device.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistEnv
+from ddp_amp.profiling import StepProfiler
+from ddp_amp.tasks import Task
+from ddp_amp.train.step import StepOutcome
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs whose name we can match, for MFU.
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
+                   "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+
+
+class Reporter(Protocol):
+    """How the core tells the outside world what it is doing. Called on every rank."""
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        """Metrics of one log interval: the all-reduced figures, plus this rank's own under `rank_*` keys."""
+
+
+def steady_state_start(total_steps: int) -> int:
+    """Steps excluded from the throughput figure: start-up, DDP's bucket rebuild, the first allocations."""
+    return 0 if total_steps < 4 else min(20, max(1, total_steps // 10))
+
+
+def mfu(device_name: str, tokens_per_s: float, flops_per_token: float, gpus: int) -> float | None:
+    """Model FLOPs utilisation per GPU: the global `tokens_per_s` is shared by `gpus` GPUs, each with the peak
+    of `device_name` (None when that peak is not known)."""
+    for name, peak in GPU_PEAK_TFLOPS.items():
+        if name in device_name:
+            return tokens_per_s / gpus * flops_per_token / (peak * 1e12)
+    return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class MetricsProcessor:
+    """One per run of the training loop; `step_done` after every optimizer step, `log` at log intervals,
+    `summary` at the end."""
+
+    def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, task: Task,
+                 scaler: torch.amp.GradScaler, profiler: StepProfiler, reporter: Reporter, *, total_steps: int,
+                 start_step: int) -> None:
+        self.config, self.env, self.device, self.task = config, env, device, task
+        self.scaler, self.profiler, self.reporter = scaler, profiler, reporter
+        self.total_steps, self.start_step = total_steps, start_step
+        self.samples_per_step = config.batch_size * config.grad_accum  # per rank
+        self.measure_from = steady_state_start(total_steps)
+        self.start = time.time()
+        # The interval's loss lives on the device and is read only at log intervals: a .item() per step would
+        # make every step wait for the device.
+        self.loss_sum = torch.zeros((), device=device)
+        self.loss_count = 0
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        self.record: dict[str, Any] = {}
+        self.step_s: list[float] = []
+        """Each optimizer step's duration on this rank, when config.record_step_times (bench)."""
+        self.step_started = self.step_clock = time.perf_counter()
+        self.first_step_at: float | None = None
+        self.first_step_s: float | None = None
+        self.steady_at: float | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step_done(self, number: int, outcome: StepOutcome) -> None:
+        """After optimizer step `number` (from 1): its loss into the interval's sum, and the windows' edges."""
+        self.loss_sum += outcome.loss
+        self.loss_count += outcome.micro_steps
+        self.interval_steps += 1
+        if self.config.record_step_times:
+            self._sync()  # benchmark mode: wait for the device so each step's time is its own
+            now = time.perf_counter()
+            self.step_s.append(now - self.step_started)
+            self.step_started = now
+        self.profiler.after_step(number)
+        if self.first_step_at is None:
+            self._sync()
+            self.first_step_at = time.time()
+            self.first_step_s = time.perf_counter() - self.step_clock
+        if number == self.measure_from:
+            self._sync()
+            self.steady_at = time.perf_counter()
+
+    def log(self, number: int, *, lr: float, epoch: int, skipped_steps: int, grad_norm: torch.Tensor | None,
+            flags: list[torch.Tensor]) -> list[float]:
+        """The interval's record, all-reduced, to the reporter. `flags`: one-element device tensors that ride
+        along in the same all-reduce (a stop request, a tripped divergence watch); returned summed over ranks."""
+        count = torch.tensor([float(self.loss_count)], device=self.device)
+        local = torch.cat([self.loss_sum.reshape(1), count, *flags])
+        totals = local.clone()
+        dist.all_reduce(totals)  # also a sync point: the interval's time below is real
+        now = time.perf_counter()
+        interval_s = now - self.interval_start
+        norm = grad_norm if grad_norm is not None else torch.full((), math.nan, device=self.device)
+        values = torch.cat([local[:2], totals, norm.reshape(1).float()]).tolist()  # one host read for all
+        local_loss, local_count, total_loss, total_count, *summed_flags, norm_value = values
+        rank_samples_per_s = self.interval_steps * self.samples_per_step / interval_s
+        record = {"step": number, "total_steps": self.total_steps, "epoch": epoch, "loss": total_loss / total_count,
+                  "lr": lr, "samples_per_s": rank_samples_per_s * self.env.world_size, "skipped_steps": skipped_steps,
+                  "grad_norm": norm_value, "elapsed_s": time.time() - self.start,
+                  # This rank's own view, for the per-rank display (not written to metrics.jsonl).
+                  "rank_loss": local_loss / local_count, "rank_samples_per_s": rank_samples_per_s}
+        if self.task.item_name != "samples":
+            record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
+        if self.scaler.is_enabled():
+            record["loss_scale"] = self.scaler.get_scale()  # a host sync, at log intervals only
+        self.reporter.on_log(record)
+        self.record = record
+        self.loss_sum.zero_()
+        self.loss_count, self.interval_start, self.interval_steps = 0, now, 0
+        return summed_flags
+
+    def summary(self, steps_done: int) -> dict[str, Any]:
+        """The run's throughput over the steady state (profiled steps left out) and its timings."""
+        self.profiler.stop()  # a run that stopped inside the window
+        self._sync()
+        end = time.time()
+        measured_from = max(self.measure_from, self.start_step)
+        steady_s = time.perf_counter() - self.steady_at if self.steady_at is not None else end - self.start
+        steady_steps = steps_done - measured_from
+        # Profiled steps run slower: they are not part of the figure.
+        profiled_s, profiled_steps = self.profiler.overlap(self.steady_at, measured_from)
+        if profiled_steps < steady_steps:
+            steady_s, steady_steps = steady_s - profiled_s, steady_steps - profiled_steps
+        rank_samples_per_s = max(1, steady_steps) * self.samples_per_step / steady_s
+        samples_per_s = rank_samples_per_s * self.env.world_size
+        launch = self.config.launch_time or self.start
+        summary: dict[str, Any] = {
+            "final_loss": self.record.get("loss"), "samples_per_s": samples_per_s,
+            "rank_samples_per_s": rank_samples_per_s, "train_s": end - self.start, "wall_s": end - launch,
+            "time_to_first_step_s": (self.first_step_at or end) - launch}
+        item = self.task.item_name
+        if item != "samples":
+            summary[f"{item}_per_s"] = samples_per_s * self.task.items_per_sample
+        if self.task.flops_per_item:
+            summary[f"model_flops_per_{item.rstrip('s')}"] = self.task.flops_per_item
+        if self.profiler.window is not None:
+            summary["profile"] = self.profiler.summary()
+        if self.config.compile and self.first_step_s is not None:
+            # The first step traces and compiles (a shape seen later, like a smaller last batch, compiles
+            # again); the throughput above is measured after the warm-up steps, without it.
+            summary["compile_s"] = self.first_step_s
+        if self.scaler.is_enabled():
+            summary["loss_scale"] = self.scaler.get_scale()
+        return summary

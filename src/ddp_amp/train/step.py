@@ -1,0 +1,103 @@
+"""One optimizer step under DDP and mixed precision, on one screen (the README's "Step" line):
+
+autocast forward -> scaled backward (`no_sync` on every micro-step but the last) -> `unscale_` -> clip or norm
+-> `scaler.step` -> `update` -> `zero_grad(set_to_none=True)` -> the LR schedule, unless GradScaler skipped.
+
+Nothing here reads a value back from the device except where marked: the loss and the gradient norm are
+returned as device tensors, for the metrics to read at log intervals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_amp.precision import Precision, autocast
+from ddp_amp.train.data import to_device
+
+PHASES = ("data", "forward", "backward", "step", "log")
+"""Where the training loop can be, in order within one optimizer step; `AmpStep.position` names one."""
+DATA, FORWARD, BACKWARD, STEP, LOG = range(len(PHASES))
+
+
+@dataclass
+class StepOutcome:
+    stepped: bool
+    """False when GradScaler found inf/NaN gradients and skipped the update (and the schedule with it)."""
+    loss: torch.Tensor
+    """The sum of the micro-steps' losses, fp32, on the device."""
+    micro_steps: int
+    grad_norm: torch.Tensor | None
+    """The global norm of the unscaled gradients, on the device; None when neither clipping nor a log asked."""
+
+
+class AmpStep:
+    """The training step, with what it needs: the DDP model, the loss, the optimizer, its scaler and schedule."""
+
+    def __init__(self, model: DDP, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision, device: torch.device, *,
+                 grad_accum: int, clip_grad: float | None) -> None:
+        self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
+        self.scheduler, self.precision, self.device = scheduler, precision, device
+        self.grad_accum, self.clip_grad = grad_accum, clip_grad
+        self.position: tuple[int, int, int] = (0, 0, DATA)
+        """(optimizer step, micro-step, phase): rebound, never mutated, so a watchdog thread reads it whole."""
+        # Counts the optimizer steps actually taken. GradScaler calls optimizer.step() only when the gradients
+        # are finite (it learns that with the one host sync it already makes), so a skipped step is seen here
+        # without reading the scale back from the device. (A fused optimizer takes the scaler's found_inf itself
+        # and would break this: never built under a GradScaler, see optim.optimizer_impl.)
+        self.steps_taken = 0
+        optimizer.register_step_post_hook(self._count_step)
+
+    def __call__(self, batches: Iterator[Any], step: int, *, want_norm: bool) -> StepOutcome:
+        on_gpu, last = self.device.type != "cpu", self.grad_accum - 1
+        loss_sum: torch.Tensor | None = None
+        for micro in range(self.grad_accum):
+            self.position = (step, micro, DATA)
+            inputs, target = next(batches)
+            if on_gpu:
+                inputs, target = to_device((inputs, target), self.device)
+            # Gradients are all-reduced only on the last micro-step; the others accumulate locally.
+            with contextlib.nullcontext() if micro == last else self.model.no_sync():
+                self.position = (step, micro, FORWARD)
+                with autocast(self.precision, self.device.type):
+                    loss = self.loss_fn(self.model(inputs), target)
+                self.position = (step, micro, BACKWARD)  # DDP's all-reduce runs inside the last backward
+                # Each micro-step contributes 1/K of the mean; no extra kernel when there is one micro-step.
+                self.scaler.scale(loss if self.grad_accum == 1 else loss / self.grad_accum).backward()
+            part = loss.detach().float()
+            loss_sum = part if loss_sum is None else loss_sum + part
+        self.position = (step, self.grad_accum, STEP)
+        grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
+        stepped = self.optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if stepped:  # after a skip the schedule must not advance either
+            self.scheduler.step()
+        return StepOutcome(stepped, loss_sum, self.grad_accum, grad_norm)
+
+    def _unscale_and_clip(self) -> torch.Tensor:
+        """The norm of the true gradients: unscaled first (a no-op without fp16), clipped after unscaling. The
+        gradients are all-reduced already, so this rank's norm is the global one; it stays on the device."""
+        self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.clip_grad is not None:
+            return torch.nn.utils.clip_grad_norm_(params, self.clip_grad)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    def optimizer_step(self) -> bool:
+        """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""
+        if not self.scaler.is_enabled():
+            self.optimizer.step()
+            return True
+        taken = self.steps_taken
+        self.scaler.step(self.optimizer)  # host sync (inside GradScaler): were the gradients finite?
+        self.scaler.update()  # stays on the device
+        return self.steps_taken > taken
+
+    def _count_step(self, *_: Any) -> None:
+        self.steps_taken += 1

@@ -1,0 +1,178 @@
+"""The training core shared by every launcher: DDP + autocast + GradScaler + an LR schedule, done right.
+
+It knows nothing of the terminal or the CLI: it reports through a `Reporter` and returns the run summary.
+The loop itself is short; the step, the metrics, the divergence watch and the data each live in a module of
+their own beside this one (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddp_amp.config import TrainConfig, parse_window
+from ddp_amp.dist import DistEnv
+from ddp_amp.precision import Precision, grad_scaler
+from ddp_amp.profiling import StepProfiler
+from ddp_amp.schedule import build_scheduler
+from ddp_amp.tasks import Task
+from ddp_amp.train.data import RankData, loader_workers
+from ddp_amp.train.divergence import DivergenceWatch
+from ddp_amp.train.metrics import MetricsProcessor, Reporter
+from ddp_amp.train.optim import build_optimizer, optimizer_impl, wrap_ddp
+from ddp_amp.train.step import LOG, AmpStep
+
+
+@dataclass
+class TrainResult:
+    summary: dict[str, Any]
+    model: torch.nn.Module
+    """The trained model without its DDP wrapper."""
+    step_s: list[float]
+    """Each optimizer step's duration on this rank, when config.record_step_times (else empty)."""
+
+
+class Checkpointer(Protocol):
+    """Saves the trainer's state every so many optimizer steps (checkpoint.manager provides one)."""
+
+    def due(self, step: int) -> bool: ...
+
+    def save(self, trainer: Trainer, step: int) -> None: ...
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
+                 reporter: Reporter) -> None:
+        self.config, self.env, self.device, self.precision = config, env, device, precision
+        self.task, self.reporter = task, reporter
+        self.module = task.model.to(device)
+        """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
+        self.model = wrap_ddp(self.module, config, device)
+        self.optimizer_impl = optimizer_impl(config, precision)
+        self.optimizer = build_optimizer(self.module, config, self.optimizer_impl)
+        self.scaler = grad_scaler(precision, device.type)
+        self.data = RankData(task.dataset, env, device, batch_size=config.batch_size, seed=config.seed,
+                             workers=loader_workers(config.num_workers, device, env.local_world_size))
+        self.total_steps = self._total_steps()
+        self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
+                                         warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
+        self.step = AmpStep(self.model, task.loss_fn, self.optimizer, self.scaler, self.scheduler, precision,
+                            device, grad_accum=config.grad_accum, clip_grad=config.clip_grad)
+        self.start_step = 0
+        self.skipped_steps = 0
+        self.checkpointer: Checkpointer | None = None
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Polled (a host flag, no collective) and agreed on by all ranks at log intervals."""
+        self.stopped_at: int | None = None
+        self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
+                                     Path(config.run_dir))
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(optimizer step, micro-step, phase) of the loop right now, for the heartbeat thread."""
+        return self.step.position
+
+    def _total_steps(self) -> int:
+        config, batches = self.config, self.data.batches_per_epoch
+        total = config.steps if config.steps is not None else config.epochs * batches // config.grad_accum
+        if total < 1:
+            raise ValueError(f"--epochs {config.epochs} gives no optimizer step: the data set has "
+                             f"{batches} batches per rank, fewer than --grad-accum {config.grad_accum}")
+        if config.warmup_steps >= total:
+            raise ValueError(f"--warmup-steps {config.warmup_steps} must be smaller than the run's "
+                             f"{total} optimizer steps")
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                **self.data.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None) -> None:
+        """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])  # the loss scale and its growth tracker
+        self.data.load_state_dict(state, saved_world_size)
+        self.skipped_steps = state["skipped_steps"]
+        self.start_step = step
+
+    def train(self) -> TrainResult:
+        config = self.config
+        metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
+                                   self.reporter, total_steps=self.total_steps, start_step=self.start_step)
+        divergence = DivergenceWatch(config.max_nonfinite, self.device)
+        diverged: dict[str, Any] | None = None
+        batches = self.data.batches()
+        steps_done = self.start_step
+        self.model.train()
+        for step in range(self.start_step, self.total_steps):
+            number = step + 1
+            self.profiler.before_step(number)
+            lr = self.scheduler.get_last_lr()[0]
+            log_due = number % config.log_every == 0 or number == self.total_steps
+            outcome = self.step(batches, step, want_norm=log_due)
+            if not outcome.stepped:
+                self.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update
+            diverged = divergence.end_step(number, outcome.loss, outcome.stepped)
+            metrics.step_done(number, outcome)
+            if self.checkpointer is not None and self.checkpointer.due(number):
+                self.checkpointer.save(self, number)
+            if log_due or diverged is not None:
+                self.step.position = (step, config.grad_accum, LOG)
+                # A stop request (a signal on any rank) and a tripped divergence watch ride along with the
+                # log's all-reduce: every rank learns of them at the same step.
+                stop = torch.tensor([float(self.stop_requested())], device=self.device)
+                stops, tripped = metrics.log(number, lr=lr, epoch=self.data.epoch, skipped_steps=self.skipped_steps,
+                                             grad_norm=outcome.grad_norm, flags=[stop, divergence.tripped()])
+                if stops and number < self.total_steps:
+                    self.stopped_at = number
+                if tripped and diverged is None:
+                    diverged = divergence.verdict(self.env)  # where and on which rank: the same on all
+            steps_done = number
+            if diverged is not None or self.stopped_at is not None:
+                break  # every rank breaks here, at the same step: no rank waits in a collective alone
+        summary = {**self._describe(steps_done), **metrics.summary(steps_done)}
+        if diverged is not None:
+            summary["diverged"] = diverged
+        if self.stopped_at is not None:
+            summary["stopped_at_step"] = self.stopped_at
+        if self.start_step:
+            summary["resumed_from_step"] = self.start_step
+        return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
+
+    def _describe(self, steps_done: int) -> dict[str, Any]:
+        """What ran: summary.json's description of the run, beside the metrics' figures."""
+        config, world_size = self.config, self.env.world_size
+        return {
+            "task": config.task, "world_size": world_size, "steps": steps_done,
+            "epochs": round(steps_done * config.grad_accum / self.data.batches_per_epoch, 3),
+            "batch_size": config.batch_size, "global_batch_size": config.batch_size * config.grad_accum * world_size,
+            "precision": self.precision.name, "device": str(self.device.type), "backend": dist.get_backend(),
+            "skipped_steps": self.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0], "seed": config.seed,
+            "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl,
+            "ddp": {"bucket_mb": config.bucket_mb, "bucket_view": config.bucket_view,
+                    "static_graph": config.static_graph, "grad_compression": config.grad_compression},
+            "torch_version": torch.__version__,
+        }
+
+    def close(self) -> None:
+        """Drop the DDP wrapper while the process group is still alive.
+
+        Freed after destroy_process_group, DDP's reducer takes the last reference to the gloo group, whose
+        destructor joins gloo's worker threads while holding the GIL, and a worker thread that needs the GIL
+        to free a tensor never finishes: the rank hangs at exit (seen here once in a few dozen runs).
+        """
+        dist.barrier()  # every rank's last collective is complete; nothing is in flight
+        # the loader's workers end too
+        del self.module, self.model, self.optimizer, self.scaler, self.scheduler, self.step, self.data
+        gc.collect()
