@@ -1,7 +1,10 @@
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,93 @@ def assert_ok(result) -> None:
 def helper_task():
     """`--task` spec of a factory in tests/helper_tasks.py."""
     return lambda name: f"{HELPER_TASKS}:{name}"
+
+
+LONG_RUN = ["--device", "cpu", "--task", "linear", "--steps", "100000", "--log-every", "1", "--log-format", "plain"]
+MARK_VAR = "DDP_AMP_TEST_RUN_MARK"
+
+
+def run_processes(mark: str) -> list[int]:
+    """PIDs of the live processes that carry `mark` in their environment: the launcher and everything it
+    started, at any depth, in any session (torchrun starts its workers in sessions of their own)."""
+    needle = f"{MARK_VAR}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def parent_of(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+class LongRun:
+    """A launch that would train for a long time, returned once it is training (`ready` exists in the run dir).
+
+    `prefix`: a command the launch runs under (`timeout`); `own_session`: in a session and process group of its
+    own, as `setsid` starts it, so that a signal can be sent to the whole group the way the system sends it."""
+
+    def __init__(self, command: str, run_dir: Path, nproc: int = 2, args: list[str] = LONG_RUN, *,
+                 prefix: list[str] = (), own_session: bool = False, ready: str = "metrics.jsonl") -> None:
+        self.mark = uuid.uuid4().hex
+        self.run_dir = run_dir
+        self.process = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "ddp_amp", command, "-n", str(nproc), *args, "--run-dir", str(run_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=own_session,
+            env={**os.environ, MARK_VAR: self.mark})
+        deadline = time.monotonic() + 120
+        while not (run_dir / ready).exists():
+            assert self.process.poll() is None, self.process.stderr.read()
+            assert time.monotonic() < deadline, "the run never started training"
+            time.sleep(0.2)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def processes(self) -> list[int]:
+        return run_processes(self.mark)
+
+    def ranks(self) -> list[int]:
+        """The training processes: the children of the fork server. They carry its command line (forked, not
+        exec'd); the fork server itself is the one whose parent does not."""
+        def forked_from_server(pid: int) -> bool:
+            return b"multiprocessing.forkserver" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+
+        live = [pid for pid in self.processes() if forked_from_server(pid)]
+        servers = {pid for pid in live if parent_of(pid) not in live}
+        return sorted(pid for pid in live if parent_of(pid) in servers)
+
+    def wait_until_gone(self, timeout_s: float = 20) -> list[int]:
+        """Polls until no process of the run is alive; returns those still alive after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+
+@pytest.fixture
+def long_run(tmp_path):
+    """Starts LongRuns; whatever they leave running is killed at the end, so a failing test leaks nothing."""
+    runs = []
+
+    def start(command: str, run_dir: Path | None = None, **options) -> LongRun:
+        runs.append(LongRun(command, run_dir or tmp_path, **options))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        for pid in run.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -265,3 +265,18 @@ def waits_for_a_third_node() -> Task:
         return loss
 
     return _regression_with(on_call)
+
+
+def group_stop_in_evaluate() -> Task:
+    """Its evaluation sends SIGTERM to the whole process group (as `kill -TERM -PGID` or a scheduler would) while
+    it runs, after model.pt is written: the stop comes too late to stop anything. Launch it in a session of
+    its own."""
+    task = _regression_with(lambda call, loss: loss)
+
+    def evaluate(model):
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+        time.sleep(1.0)  # the launcher passes the signal on while this evaluation still runs
+        return {"evaluated": True}
+
+    task.evaluate = evaluate
+    return task

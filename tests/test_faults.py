@@ -3,11 +3,7 @@
 import ipaddress
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -15,78 +11,6 @@ import pytest
 from conftest import last_line, run_cli
 
 pytestmark = pytest.mark.slow
-
-LONG_RUN = ["--device", "cpu", "--task", "linear", "--steps", "100000", "--log-every", "1", "--log-format", "plain"]
-
-
-MARK_VAR = "DDP_AMP_TEST_RUN_MARK"
-
-
-def run_processes(mark: str) -> list[int]:
-    """PIDs of the live processes that carry `mark` in their environment: the launcher and everything it
-    started, at any depth, in any session (torchrun starts its workers in sessions of their own)."""
-    needle = f"{MARK_VAR}={mark}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-class LongRun:
-    """A launch that would train for a long time, returned once every rank is training."""
-
-    def __init__(self, command: str, run_dir: Path, nproc: int = 2) -> None:
-        self.mark = uuid.uuid4().hex
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ddp_amp", command, "-n", str(nproc), *LONG_RUN, "--run-dir", str(run_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, MARK_VAR: self.mark})
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists():
-            assert self.process.poll() is None, self.process.stderr.read()
-            assert time.monotonic() < deadline, "the run never started training"
-            time.sleep(0.2)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def processes(self) -> list[int]:
-        return run_processes(self.mark)
-
-    def wait_until_gone(self, timeout_s: float = 20) -> list[int]:
-        """Polls until no process of the run is alive; returns those still alive after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while (left := self.processes()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
-
-
-@pytest.fixture
-def long_run(tmp_path):
-    """Starts LongRuns; whatever they leave running is killed at the end, so a failing test leaks nothing."""
-    runs = []
-
-    def start(command: str, run_dir: Path | None = None) -> LongRun:
-        runs.append(LongRun(command, run_dir or tmp_path))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        for pid in run.processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
 
 @pytest.mark.parametrize("command", ["spawn", "run"])
 def test_killing_the_launcher_kills_the_whole_run(command, tmp_path, long_run):

@@ -534,17 +534,12 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
     except RunFailed as exc:
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
-        if exc.exit_code > 128:  # stopped by a signal
-            raise RunFailed(_stop_report(Path(config.run_dir), str(exc), config), exit_code=exc.exit_code) from None
-        if (stalled := session.stalled()) and exc.exit_code == 1:
-            # The rank that failed is usually one that timed out waiting; the cause is the one it waited for.
-            first = stalled[0]
-            ranks = ", ".join(str(state.rank) for state in stalled)
-            raise RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "
-                            f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc})",
-                            exit_code=exc.exit_code, details=exc.details) from None
-        raise
-    _check_outcome(Path(config.run_dir))
+        if exc.exit_code <= 128:
+            raise _explained_failure(exc, session, config) from None
+        # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
+        # finished before the stop took effect.
+        _report_stop(Path(config.run_dir), config, signalled=str(exc), exit_code=exc.exit_code)
+    _check_outcome(Path(config.run_dir), config)
     if config.profile and not output["quiet"]:
         from ddp_amp.outputs import read_summary
 
@@ -556,26 +551,50 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
             Console(stderr=output["log_format"] == "json").print(profile_table(profile))
 
 
-def _stop_report(run_dir: Path, stopped_by: str, config) -> str:
-    """The one line after a stop signal: at which step the ranks stopped, and where their work is."""
+def _report_stop(run_dir: Path, config, *, signalled: str | None = None, exit_code: int = 1) -> None:
+    """After a stop signal (to this launcher, `signalled`, or to a rank alone): one line saying at which step
+    the ranks stopped and where their work is, raised with exit code 128 + the signal's number. A run that
+    had already finished (model.pt written) when the stop took effect returns instead: exit 0."""
+    import signal as signals
+
     from ddp_amp.outputs import read_summary
 
     summary = read_summary(run_dir)
+    name = summary.get("stopped_by") or (signalled or "").removeprefix("stopped by ")
+    if summary.get("model_path") and "stopped_at_step" not in summary:
+        typer.echo(f"ddp-amp: {name} came after the run had finished; {summary['model_path']} is written", err=True)
+        return
     step = summary.get("stopped_at_step")
     if step is None:
-        return (f"{stopped_by}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and were "
-                "killed")
+        raise RunFailed(f"{signalled}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and "
+                        "were killed; nothing of this run kept", exit_code=exit_code)
+    if name in signals.Signals.__members__:
+        exit_code = 128 + signals.Signals[name].value
     if summary.get("checkpoint"):
-        return (f"{stopped_by} at step {step}; checkpoint {summary['checkpoint']} (continue with --resume auto "
-                f"--run-dir {run_dir})")
-    return f"{stopped_by} at step {step}; no checkpoint kept (--checkpoint-every 0)"
+        raise RunFailed(f"stopped by {name} at step {step}; checkpoint {summary['checkpoint']} (continue with "
+                        f"--resume auto --run-dir {run_dir})", exit_code=exit_code)
+    raise RunFailed(f"stopped by {name} at step {step}; no checkpoint kept", exit_code=exit_code)
 
 
-def _check_outcome(run_dir: Path) -> None:
+def _explained_failure(exc: RunFailed, session, config) -> RunFailed:
+    """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
+    out waiting, and the cause is the one it waited for)."""
+    if (stalled := session.stalled()) and exc.exit_code == 1:
+        first = stalled[0]
+        ranks = ", ".join(str(state.rank) for state in stalled)
+        return RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "
+                         f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc})",
+                         exit_code=exc.exit_code, details=exc.details)
+    return exc
+
+
+def _check_outcome(run_dir: Path, config) -> None:
     """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
     from ddp_amp.outputs import failure_of, read_summary
 
     summary = read_summary(run_dir)
+    if "stopped_at_step" in summary:  # a stop signal reached a rank, not this launcher
+        _report_stop(run_dir, config)
     if summary and (failure := failure_of(summary, run_dir)):
         raise RunFailed(failure)
 

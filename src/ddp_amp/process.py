@@ -10,8 +10,20 @@ from collections.abc import Iterator
 LAUNCHER_PID_VAR = "DDP_AMP_LAUNCHER_PID"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 """What asks a launcher to stop: kill/schedulers, Ctrl-C, a closed terminal, SLURM's --signal warning."""
-GRACEFUL_STOP = signal.SIGUSR1
-"""What a launcher sends its ranks to have them stop together at the next log interval and checkpoint."""
+
+
+@contextlib.contextmanager
+def stop_signals_ignored() -> Iterator[None]:
+    """Within the block, the STOP_SIGNALS are ignored. A process exec'd here inherits SIG_IGN (an exec resets
+    handlers, not ignored signals): the fork server and the resource tracker, started inside this block, ignore
+    them from their first instant. Signals reach a whole process group or Slurm job step, and either helper
+    dying by one would take every rank with it (the ranks' parent-death signal)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

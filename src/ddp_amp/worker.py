@@ -73,7 +73,7 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         task = setup.build_checked_task(config, env)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter)
-        trainer.stop_requested = lambda: STOP_REQUEST.requested
+        trainer.stop_signal = lambda: STOP_REQUEST.signum
         checkpointer = trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
         resumed = checkpointer.load(trainer, restarted=restarts > 0)
         reporter.state("running")
@@ -89,8 +89,6 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
             summary["checkpoint"] = str(checkpointer.last_path)
         if resumed is not None:
             summary["resumed_from"] = resumed  # the checkpoint's path; its step is resumed_from_step
-        if trainer.stopped_at is not None:
-            summary["stopped_by"] = STOP_REQUEST.name
         rank_times = None
         if config.record_step_times:
             rank_times = [None] * env.world_size

@@ -53,8 +53,9 @@ class CheckpointManager:
         self._thread.start()
 
     def save_at_stop(self, trainer: Trainer) -> None:
-        """Keep the work of a run stopped by a signal: a checkpoint at the step the ranks stopped at."""
-        if self.config.checkpoint_every and trainer.stopped_at is not None and not self.saved(trainer.stopped_at):
+        """Keep the work of a run stopped by a signal: a checkpoint at the step the ranks stopped at, with
+        --checkpoint-every or without (the stop is exactly when one is needed)."""
+        if trainer.stopped_at is not None and not self.saved(trainer.stopped_at):
             self.save(trainer, trainer.stopped_at)
 
     def _write(self, state: dict[str, Any]) -> None:

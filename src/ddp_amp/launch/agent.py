@@ -24,7 +24,7 @@ from pathlib import Path
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.torchrun import ElasticJob
-from ddp_amp.process import GRACEFUL_STOP, StopSignal, signal_processes
+from ddp_amp.process import StopSignal, signal_processes
 
 AGENT_LOGGERS = "torch.distributed.elastic"
 FAILURE_LINGER_S = 1.0
@@ -83,11 +83,11 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
             while not finished.wait(0.2):  # timed: the main thread keeps handling signals
                 pass
         except StopSignal as stop:
-            # Ask the ranks (their pids came with their first event) to stop together at their next log
-            # interval and checkpoint; the agent sees them succeed. Past --stop-timeout, kill them: anything
+            # Pass the signal on to the ranks (their pids came with their first event): they stop together at
+            # one step and checkpoint; the agent sees them succeed. Past --stop-timeout, kill them: anything
             # the agent starts after that dies with this process (fork server tether, parent-death signals).
             pids = rank_pids()
-            signal_processes(pids, GRACEFUL_STOP)
+            signal_processes(pids, stop.signum)
             if not finished.wait(stop_timeout):
                 signal_processes(rank_pids() or pids, signal.SIGKILL)
                 finished.wait(10)  # the agent notices and returns (no restart outlives this process)

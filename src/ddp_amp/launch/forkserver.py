@@ -15,7 +15,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 
-from ddp_amp.process import LAUNCHER_PID_VAR
+from ddp_amp.process import LAUNCHER_PID_VAR, stop_signals_ignored
 
 PRELOAD = ["ddp_amp.launch.forkserver_tether", "torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
 
@@ -24,4 +24,7 @@ def start_forkserver() -> None:
     """Idempotent; torch.multiprocessing's "forkserver" context uses this same server."""
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # inherited by the fork server: whom it must die with
     multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    # The resource tracker starts first, inside ensure_running: both inherit the ignored stop signals. A rank,
+    # forked from the fork server, ignores them too until its own handlers are set (ddp_amp.rank.signals).
+    with stop_signals_ignored():
+        multiprocessing.forkserver.ensure_running()

@@ -19,7 +19,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import LOOPBACK, loopback_store
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.forkserver import start_forkserver
-from ddp_amp.process import GRACEFUL_STOP, StopSignal, signal_processes
+from ddp_amp.process import StopSignal, signal_processes
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -62,9 +62,10 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                 if context.join(timeout=None if stop is None else 0.5):
                     break
             except StopSignal as first:
-                # Ask every rank to stop at its next log interval (and checkpoint); wait --stop-timeout.
+                # Ask every rank to stop at one step they agree on (and checkpoint); wait --stop-timeout. The
+                # signal itself is passed on (the ranks take every stop signal), so the run records its name.
                 stop, deadline = first, time.monotonic() + config.stop_timeout
-                signal_processes([p.pid for p in context.processes if p.is_alive()], GRACEFUL_STOP)
+                signal_processes([p.pid for p in context.processes if p.is_alive()], first.signum)
                 continue
             if stop is not None and time.monotonic() > deadline:
                 _stop_ranks(context)
@@ -84,17 +85,14 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
         del store
 
 
-def _stop_ranks(context: mp.ProcessContext, grace_s: float = 5.0) -> None:
-    """SIGTERM every live rank, then SIGKILL what is still alive after `grace_s`: none outlives the launcher."""
+def _stop_ranks(context: mp.ProcessContext) -> None:
+    """SIGKILL every live rank (a rank takes SIGTERM as a request to stop, which it has had): none outlives the
+    launcher."""
     for process in context.processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + grace_s
-    for process in context.processes:
-        process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
-            process.join()
+    for process in context.processes:
+        process.join()
 
 
 def _first_failure(context: mp.ProcessContext, exc: mp.ProcessRaisedException) -> tuple[int, str]:

@@ -1,20 +1,20 @@
 """The stop request of one rank: the first stop signal it received, read by the training loop and agreed on
-by all ranks at the same step."""
+by all ranks at the same step (train.stop.StopAgreement)."""
 
 from __future__ import annotations
 
 import signal
 
+from ddp_amp.process import STOP_SIGNALS
+
 
 class StopRequest:
-    """The first stop signal this rank received (SIGUSR1 from its launcher or a scheduler, SIGINT from a
-    terminal). The training loop reads it at log intervals, where all ranks agree to stop at the same step."""
+    """The first stop signal this rank received: passed on by its launcher, or delivered by the system to the
+    whole process group or job step (SIGTERM from kill, timeout, systemd or scancel; SIGHUP from a closed
+    terminal; SIGINT from Ctrl-C; SIGUSR1 from Slurm's --signal warning). Later ones change nothing: the
+    rank is stopping already, and the launcher's second signal is what ends everything at once."""
 
     signum: int | None = None
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
 
     @property
     def name(self) -> str | None:
@@ -22,7 +22,6 @@ class StopRequest:
 
 
 STOP_REQUEST = StopRequest()
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGINT)
 
 
 def stop_on_signals() -> None:

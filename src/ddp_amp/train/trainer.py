@@ -8,6 +8,7 @@ their own beside this one (see docs/architecture.md).
 from __future__ import annotations
 
 import gc
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.metrics import MetricsProcessor, Reporter
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, wrap_ddp
 from ddp_amp.train.step import LOG, AmpStep
+from ddp_amp.train.stop import StopAgreement
 
 
 @dataclass
@@ -67,9 +69,11 @@ class Trainer:
         self.start_step = 0
         self.skipped_steps = 0
         self.checkpointer: Checkpointer | None = None
-        self.stop_requested: Callable[[], bool] = lambda: False
-        """Polled (a host flag, no collective) and agreed on by all ranks at log intervals."""
+        self.stop_signal: Callable[[], int | None] = lambda: None
+        """This rank's stop request (a signal's number), polled every step and agreed on by all ranks a step
+        later (train.stop)."""
         self.stopped_at: int | None = None
+        self.stopped_by: int | None = None
         self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
                                      Path(config.run_dir))
 
@@ -111,6 +115,7 @@ class Trainer:
         metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
                                    self.reporter, total_steps=self.total_steps, start_step=self.start_step)
         divergence = DivergenceWatch(config.max_nonfinite, self.device)
+        stop = StopAgreement(lambda: self.stop_signal())
         diverged: dict[str, Any] | None = None
         batches = self.data.batches()
         steps_done = self.start_step
@@ -129,23 +134,24 @@ class Trainer:
                 self.checkpointer.save(self, number)
             if log_due or diverged is not None:
                 self.step.position = (step, config.grad_accum, LOG)
-                # A stop request (a signal on any rank) and a tripped divergence watch ride along with the
-                # log's all-reduce: every rank learns of them at the same step.
-                stop = torch.tensor([float(self.stop_requested())], device=self.device)
-                stops, tripped = metrics.log(number, lr=lr, epoch=self.data.epoch, skipped_steps=self.skipped_steps,
-                                             grad_norm=outcome.grad_norm, flags=[stop, divergence.tripped()])
-                if stops and number < self.total_steps:
-                    self.stopped_at = number
+                # A tripped divergence watch rides along with the log's all-reduce: every rank learns of it at
+                # the same step.
+                (tripped,) = metrics.log(number, lr=lr, epoch=self.data.epoch, skipped_steps=self.skipped_steps,
+                                         grad_norm=outcome.grad_norm, flags=[divergence.tripped()])
                 if tripped and diverged is None:
                     diverged = divergence.verdict(self.env)  # where and on which rank: the same on all
+            if (signum := stop.agreed()) and number < self.total_steps:  # a signal on any rank, a step ago
+                self.stopped_at, self.stopped_by = number, signum
             steps_done = number
             if diverged is not None or self.stopped_at is not None:
                 break  # every rank breaks here, at the same step: no rank waits in a collective alone
+        stop.close()
         summary = {**self._describe(steps_done), **metrics.summary(steps_done)}
         if diverged is not None:
             summary["diverged"] = diverged
         if self.stopped_at is not None:
             summary["stopped_at_step"] = self.stopped_at
+            summary["stopped_by"] = signal.Signals(self.stopped_by).name
         if self.start_step:
             summary["resumed_from_step"] = self.start_step
         return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
