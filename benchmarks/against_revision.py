@@ -1,10 +1,10 @@
 """This working tree's ddp-amp against an earlier revision's (default HEAD), interleaved, medians: the
 throughput of the training core and the time to the first step, on the built-in mlp task and the wide MLP.
 
-    .venv/bin/python benchmarks/against_revision.py [--base REV] [--repeats 5] [--nproc 2] [--steps 300]
+    .venv/bin/python benchmarks/against_revision.py [--base REV] [--repeats 5] [--nproc 2] [--tasks mlp wide]
 
-The earlier revision's src/ is exported with `git archive` and put first on PYTHONPATH for its launches (the
-ranks inherit it), so both run in the same interpreter and virtual environment. For a change that must not
+The earlier revision's src/ is exported with `git archive`; each side's src/ is put first on PYTHONPATH for its
+launches (the ranks inherit it), so both run in the same interpreter and virtual environment. For a change that must not
 cost speed (a refactor, an extra collective): the ratio's median should sit at 1.00 within the spread.
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 from common import run_ddp_amp, spread
 
 HERE = Path(__file__).parent
-TASKS = {"mlp": ("mlp", 32), "wide": (f"{HERE / 'tasks.py'}:wide_regression", 128)}
+TASKS = {"mlp": ("mlp", 32, 300), "wide": (f"{HERE / 'tasks.py'}:wide_regression", 128, 60)}
+"""--tasks: spec, batch per rank, optimizer steps (as make bench runs core_overhead.py)."""
 
 
 def export_src(rev: str, into: Path) -> Path:
@@ -36,22 +37,22 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base_src = export_src(args.base, Path(tmp))
-        envs = {"this tree": None, args.base: {**os.environ, "PYTHONPATH": str(base_src)}}
+        envs = {"this tree": {**os.environ, "PYTHONPATH": str(HERE.parent / "src")},
+                args.base: {**os.environ, "PYTHONPATH": str(base_src)}}
         for task in args.tasks:
-            spec, batch = TASKS[task]
+            spec, batch, steps = TASKS[task]
             rows: dict[str, list[dict]] = {name: [] for name in envs}
             for repeat in range(args.repeats):
                 for name, env in envs.items():  # interleaved: drift on a shared machine hits both alike
                     rows[name].append(run_ddp_amp(
                         ["spawn", "-n", str(args.nproc), "--device", "cpu", "--amp", "off", "--steps",
-                         str(args.steps), "--task", spec, "--batch-size", str(batch), "--quiet"],
+                         str(steps), "--task", spec, "--batch-size", str(batch), "--quiet"],
                         Path(tmp) / f"{task}-{repeat}-{name.replace(' ', '_')}", env=env))
-            print(f"task {task}, batch {batch} per rank, {args.nproc} ranks, {args.steps} steps, {args.repeats} rounds")
+            print(f"task {task}, batch {batch} per rank, {args.nproc} ranks, {steps} steps, {args.repeats} rounds")
             for name, runs in rows.items():
                 print(f"  {name:<10} samples/s {spread([r['samples_per_s'] for r in runs], '.0f'):>22}   first step s "
                       f"{spread([r['time_to_first_step_s'] for r in runs])}")

@@ -280,3 +280,24 @@ def group_stop_in_evaluate() -> Task:
 
     task.evaluate = evaluate
     return task
+
+
+def holds_until_stopped() -> Task:
+    """With DDP_AMP_TEST_HOLD_AT=N, on the first attempt of a Slurm job (SLURM_RESTART_COUNT unset or 0): each rank
+    holds in its N-th micro-step until it has received a stop signal, after touching held-rank<R> in
+    DDP_AMP_TEST_HOLD_DIR. However late the scheduler's signal comes, it lands at step N; a requeued attempt,
+    and a job without the variable, train straight through."""
+    from ddp_amp.rank.signals import STOP_REQUEST
+
+    hold_at = int(os.environ.get("DDP_AMP_TEST_HOLD_AT", "0"))
+    first_attempt = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+
+    def on_call(call, loss):
+        if call == hold_at and first_attempt:
+            held = os.path.join(os.environ["DDP_AMP_TEST_HOLD_DIR"], f"held-rank{os.environ['RANK']}")
+            open(held, "w").close()
+            while STOP_REQUEST.signum is None:
+                time.sleep(0.05)
+        return loss
+
+    return _regression_with(on_call)

@@ -266,3 +266,16 @@ def test_a_restart_remembers_which_global_rank_each_local_rank_was():
     model.apply({"type": "state", "rank": 2, "status": "restarting", "restart": 1, "local_rank": 0, "node": 1})
     assert model.ranks_before_restart == {0: 2, 1: 3}
     assert model.steps_before_restart[2] == 11
+
+
+def test_a_restart_names_the_later_of_the_heartbeat_and_the_last_log_step():
+    """Heartbeats come once a second: with fast steps the last one can be older than the last log line (a rank
+    that logged step 30 was last seen by its heartbeat in step 23)."""
+    from ddp_amp.progress.display import ProgressModel
+
+    model = ProgressModel(clock=FakeClock())
+    model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 1, "node": 0})
+    model.apply(heartbeat(1, 22, 0, "forward"))  # position[0] is the 0-based step: in step 23
+    model.apply(log_event(1, 30, 0.5))
+    model.apply({"type": "state", "rank": 1, "status": "restarting", "restart": 1, "local_rank": 1, "node": 0})
+    assert model.steps_before_restart[1] == 31

@@ -16,7 +16,7 @@ import typer
 
 from ddp_amp.errors import RunFailed, UsageError
 from ddp_amp.options import training_options
-from ddp_amp.process import StopSignal
+from ddp_amp.process import StopSignal, stop_signals_raise
 
 app = typer.Typer(
     name="ddp-amp",
@@ -296,6 +296,9 @@ def multinode(
                                                    "\\[default: the one that routes to the endpoint].")] = None,
     ifname: Annotated[str | None, typer.Option("--ifname", help="Network interface for gloo/nccl "
                                                "\\[default: the one holding --local-addr].")] = None,
+    requeue_signal: Annotated[str, typer.Option("--requeue-signal", help="With --emit-slurm: the signal Slurm sends "
+                                                "before the time limit (USR1, USR2 or TERM); the job stops at one "
+                                                "step, checkpoints and requeues itself.")] = "USR1",
     emit_slurm: Annotated[Path | None, typer.Option("--emit-slurm", help="Write an sbatch script running this "
                                                     "on every node of an allocation, and exit.")] = None,
     dry_run: DryRun = False,
@@ -318,7 +321,7 @@ def multinode(
     if emit_slurm is not None:
         _emit_slurm(emit_slurm, train, output, nodes, where, nproc_per_node=nproc_per_node, rdzv_timeout=rdzv_timeout,
                     rdzv_last_call=rdzv_last_call, monitor_interval=monitor_interval, max_restarts=max_restarts,
-                    ifname=ifname)
+                    ifname=ifname, requeue_signal=requeue_signal)
         return
     if not dry_run:
         _warm_start(train)
@@ -346,9 +349,14 @@ def multinode(
 
 
 def _emit_slurm(path: Path, train: dict, output: dict, nodes, where, *, nproc_per_node: str, rdzv_timeout: float,
-                rdzv_last_call: int, monitor_interval: float, max_restarts: int, ifname: str | None) -> None:
+                rdzv_last_call: int, monitor_interval: float, max_restarts: int, ifname: str | None,
+                requeue_signal: str) -> None:
     """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation."""
     from ddp_amp.launch import torchrun
+
+    if requeue_signal not in torchrun.REQUEUE_SIGNALS:
+        raise UsageError(f"--requeue-signal must be one of {', '.join(torchrun.REQUEUE_SIGNALS)}, got "
+                         f"{requeue_signal!r}")
 
     if nproc_per_node not in ("gpu", "cpu", "auto"):
         torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
@@ -361,7 +369,8 @@ def _emit_slurm(path: Path, train: dict, output: dict, nodes, where, *, nproc_pe
     if ifname:
         args += ["--ifname", ifname]
     gpus = int(nproc_per_node) if nproc_per_node.isdigit() and train["device"] != "cpu" else None
-    script = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"])
+    script = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"],
+                                   requeue_signal=requeue_signal)
     _write_new_file(path, script, "--emit-slurm")
     typer.echo(f"ddp-amp: wrote {path}; submit it with sbatch {path}")
 
@@ -512,7 +521,6 @@ def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON objec
 
 def _launch(plan, nproc: int, output: dict, start) -> None:
     """Start the ranks with `start(extra_env, session)` while a progress session renders their events."""
-    from ddp_amp.process import stop_signals_raise
     from ddp_amp.progress.display import make_display
     from ddp_amp.progress.session import ProgressSession
 
@@ -641,8 +649,11 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning every expected error into one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
     try:
-        # standalone_mode=False: errors come back here instead of being drawn as multi-line panels.
-        code = app(args=args or ["--help"], prog_name="ddp-amp", standalone_mode=False)
+        # standalone_mode=False: errors come back here instead of being drawn as multi-line panels. A stop
+        # signal before the ranks start (the whole job step is signalled while this one starts) is one line
+        # and 128 + its number, like a stop later on.
+        with stop_signals_raise():
+            code = app(args=args or ["--help"], prog_name="ddp-amp", standalone_mode=False)
     except typer.TyperException as exc:  # bad flags and values, as typer parses them
         typer.echo(f"ddp-amp: error: {exc.format_message()}", err=True)
         code = 2 if exc.exit_code == 1 else exc.exit_code

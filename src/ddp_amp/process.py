@@ -8,8 +8,9 @@ import signal
 from collections.abc import Iterator
 
 LAUNCHER_PID_VAR = "DDP_AMP_LAUNCHER_PID"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-"""What asks a launcher to stop: kill/schedulers, Ctrl-C, a closed terminal, SLURM's --signal warning."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+"""What asks a run to stop: kill/schedulers, Ctrl-C, a closed terminal, Slurm's --signal warning (USR1 or USR2,
+see --requeue-signal)."""
 
 
 @contextlib.contextmanager

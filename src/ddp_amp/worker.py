@@ -85,6 +85,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         summary = result.summary
         summary.update(restarts=restarts, threads_per_rank=threads, tf32=config.tf32,
                        worker_start_s=started - (config.launch_time or started))
+        if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
+            summary["slurm_restart_count"] = int(os.environ["SLURM_RESTART_COUNT"])
         if checkpointer.last_path is not None:
             summary["checkpoint"] = str(checkpointer.last_path)
         if resumed is not None:

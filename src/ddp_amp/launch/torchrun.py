@@ -281,18 +281,23 @@ def _is_loopback(address: str) -> bool:
 
 
 SLURM_STOP_WARNING_S = 120
-"""How long before the time limit SLURM sends SIGUSR1: ddp-amp stops at a log interval and checkpoints."""
+"""How long before the time limit Slurm sends the requeue signal: ddp-amp stops at one step and checkpoints."""
+REQUEUE_SIGNALS = {"USR1": 10, "USR2": 12, "TERM": 15}
+"""--requeue-signal: what Slurm sends before the time limit (`--signal=SIG@N`); each is a stop to ddp-amp."""
 
 
 def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_per_node: int | None,
-                 run_dir: str | None) -> str:
+                 run_dir: str | None, requeue_signal: str = "USR1") -> str:
     """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation.
 
-    Preemption: SLURM sends SIGUSR1 before the time limit (--signal); ddp-amp stops every rank at one step and
-    checkpoints, exits 128+10, and the script requeues the job (--requeue), which resumes from the checkpoint.
+    Preemption: Slurm sends `requeue_signal` to every process of the job step before the time limit
+    (--signal, without B:), or `scancel --signal` does; ddp-amp stops every rank at one step, checkpoints and
+    exits 128 + the signal's number. On exactly that exit code, and only with a checkpoint to continue from,
+    the script requeues the job, which resumes from the checkpoint. A finished run exits 0: never requeued.
     """
     args = shlex.join(multinode_args)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    stop_code = 128 + REQUEUE_SIGNALS[requeue_signal]
     header = [
         "#SBATCH --job-name=ddp-amp",
         f"#SBATCH --nodes={nodes.max if nodes.min == nodes.max else f'{nodes.min}-{nodes.max}'}",
@@ -304,7 +309,7 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
         header.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     header += [
         "#SBATCH --time=01:00:00    # placeholder: your job's time limit",
-        f"#SBATCH --signal=USR1@{SLURM_STOP_WARNING_S}    # ddp-amp stops at one step and checkpoints",
+        f"#SBATCH --signal={requeue_signal}@{SLURM_STOP_WARNING_S}    # ddp-amp stops at one step and checkpoints",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
     ]
@@ -326,11 +331,15 @@ set -- {args} --run-dir "$RUN_DIR"
 {resume}# The first node of the allocation hosts the c10d rendezvous store.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export DDP_AMP_ENDPOINT="$head_node:{port}"
-# One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes.
-srun --ntasks-per-node=1 bash -c 'exec ddp-amp multinode --endpoint "$DDP_AMP_ENDPOINT" \\
+# One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes. srun
+# does not inherit --cpus-per-task from the allocation (Slurm 22.05+): it is passed on.
+srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}} \\
+    bash -c 'exec ddp-amp multinode --endpoint "$DDP_AMP_ENDPOINT" \\
     --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-id "ddp-amp-$SLURM_JOB_ID" "$@"' ddp-amp "$@"
 status=$?
-if [ "$status" -eq {128 + 10} ]; then  # stopped by SIGUSR1 before the time limit, work checkpointed
+# Stopped by the requeue signal, the work checkpointed: continue in a new allocation. Anything else (done,
+# failed, cancelled, or stopped with nothing kept) ends the job as it is.
+if [ "$status" -eq {stop_code} ] && ls "$RUN_DIR"/checkpoints/step-*.pt >/dev/null 2>&1; then
   scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$status"

@@ -116,8 +116,9 @@ class ProgressModel:
         if attempt <= self.restarts:
             return
         self.restarts = attempt
-        # The step each rank was last seen in: its heartbeat's, else the one after its last logged step.
-        self.steps_before_restart = {state.rank: state.position[0] + 1 if state.position else state.step + 1
+        # The step each rank was last seen in: the later of its heartbeat's (sent once a second, so it can be
+        # older than the last log line of fast steps) and the one after its last logged step.
+        self.steps_before_restart = {state.rank: max(state.position[0] + 1 if state.position else 0, state.step + 1)
                                      for state in self.ranks.values()}
         self.ranks_before_restart = {state.local_rank: state.rank for state in self.ranks.values()
                                      if state.local_rank is not None}

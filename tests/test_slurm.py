@@ -1,0 +1,250 @@
+"""The script `multinode --emit-slurm` writes, run by a real Slurm cluster: Debian's slurmctld, one slurmd per
+emulated node (`slurmd -N 127.0.0.1`, `-N 127.0.0.2`) and munged, private to a temporary directory. Preempted
+the ways Slurm preempts: `scancel --signal=USR1` (what `--signal=USR1@N` sends), the time-limit warning
+itself, and a plain `scancel` (SIGTERM to the job step). Skipped, with the reason, where the cluster cannot
+run (not root, packages missing)."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HELPER_TASKS, MARK_VAR, read_summary, run_processes
+
+pytestmark = pytest.mark.slow
+
+NODES = ("127.0.0.1", "127.0.0.2")  # resolvable names: `scontrol show hostnames` gives the rendezvous host
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
+HOLD_AT = 30  # the micro-step at which the preempted job's ranks wait for their stop signal
+STEPS = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLURM_CONF = """ClusterName=ddpamp
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# A requeued job waits cred_expire + 1 s before it may start again (120 s by default).
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=10
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+# No cgroups needed: processes are tracked by parentage, tasks are not bound.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# A node may declare the machine's cores although two nodes share them.
+SlurmdParameters=config_overrides
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={root}/log/jobcomp.txt
+# A requeue cycle in about 12 s instead of about 160 s.
+SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
+JobRequeue=1
+MpiDefault=none
+ReturnToService=2
+KillWait=30
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+class SlurmCluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for sub in ("munge", "state", "log", *(f"spool/{node}" for node in NODES)):
+            (root / sub).mkdir(parents=True)
+        (root / "munge").chmod(0o755)  # munged wants its socket's directory searchable by everyone
+        key = root / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        cores = os.cpu_count() or 1
+        nodes = "\n".join(f"NodeName={node} NodeAddr={node} Port={free_port()} CPUs={cores} State=UNKNOWN"
+                          for node in NODES)
+        (root / "slurm.conf").write_text(SLURM_CONF.format(root=root, ctld_port=free_port(), nodes=nodes))
+        self.env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+
+    def start(self) -> None:
+        munge = self.root / "munge"
+        self._run(["munged", f"--socket={munge}/munge.socket", f"--key-file={munge}/munge.key",
+                   f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/seed",
+                   f"--log-file={self.root}/log/munged.log"])
+        self._run(["slurmctld", "-c", "-i"])
+        for node in NODES:
+            self._run(["slurmd", "-N", node])
+        deadline = time.monotonic() + 60
+        while self.sinfo_idle() < len(NODES):
+            assert time.monotonic() < deadline, (self.root / "log" / "slurmctld.log").read_text()[-3000:]
+            time.sleep(0.5)
+
+    def _run(self, command: list[str]) -> None:
+        result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, f"{command}: {result.stderr}"
+
+    def sinfo_idle(self) -> int:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True, text=True).stdout
+        return sum(state.strip() == "idle" for state in out.splitlines())
+
+    def stop(self) -> None:
+        subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True)
+        pid_files = [self.root / f"slurmd-{node}.pid" for node in NODES]
+        pid_files += [self.root / "slurmctld.pid", self.root / "munge" / "munged.pid"]
+        for pid_file in pid_files:
+            try:
+                pid = int(pid_file.read_text())
+                os.kill(pid, signal.SIGTERM)
+            except (OSError, ValueError):
+                continue
+            deadline = time.monotonic() + 20
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    def sbatch(self, script: Path, *options: str, env: dict[str, str] | None = None) -> str:
+        result = subprocess.run(["sbatch", "--parsable", "--chdir", str(script.parent),
+                                 f"--output={script.parent}/slurm-%j.out", *options, str(script)],
+                                env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """scontrol's view of the job (JobState, Restarts, ...); {} once the controller has forgotten it."""
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True,
+                             text=True).stdout
+        return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+    def wait_done(self, job_id: str, timeout_s: float = 400) -> dict[str, str]:
+        """Until the job reached a final state (requeues go through PENDING, not a final state)."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.job(job_id)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                                   "NODE_FAIL", None):
+            assert time.monotonic() < deadline, f"job {job_id} still {state.get('JobState')}"
+            time.sleep(1)
+        return state
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("the private Slurm cluster runs its daemons as root")
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"Slurm or munge not installed ({', '.join(missing)}): apt-get install slurmctld slurmd "
+                    "slurm-client munge")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def emit_script(directory: Path, *extra: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "job.sbatch"
+    result = subprocess.run(
+        [sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1", "--endpoint",
+         f"127.0.0.1:{free_port()}", "--device", "cpu", "--task", f"{HELPER_TASKS}:holds_until_stopped",
+         "--steps", str(STEPS), "--log-every", "10", "--log-format", "plain", "--run-dir", str(directory / "run"),
+         *extra, "--emit-slurm", str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return script
+
+
+def job_env(directory: Path, mark: str, hold: bool) -> dict[str, str]:
+    """What sbatch exports to the job (--export=ALL): this interpreter's ddp-amp first on PATH, a mark that
+    finds the job's processes, and the hold of the helper task."""
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", MARK_VAR: mark}
+    if hold:
+        env.update(DDP_AMP_TEST_HOLD_AT=str(HOLD_AT), DDP_AMP_TEST_HOLD_DIR=str(directory))
+    return env
+
+
+def wait_until_held(directory: Path, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all((directory / f"held-rank{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline, "the job's ranks never reached the hold"
+        time.sleep(0.5)
+
+
+def job_output(directory: Path) -> str:
+    return "\n".join(path.read_text(errors="replace") for path in sorted(directory.glob("slurm-*.out")))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory):
+    """The same job, never signalled: the weights every preempted job must end with."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    job = slurm.sbatch(emit_script(directory), env=job_env(directory, "uninterrupted", hold=False))
+    assert slurm.wait_done(job)["JobState"] == "COMPLETED", job_output(directory)
+    return torch.load(directory / "run" / "model.pt", weights_only=True)
+
+
+def assert_resumed_to_the_same_weights(directory: Path, uninterrupted: dict, signal_name: str) -> None:
+    run = directory / "run"
+    summary = read_summary(run)
+    assert summary["slurm_restart_count"] == 1, job_output(directory)
+    # Held at micro-step HOLD_AT: the flag raised there is read one step later, where every rank stops.
+    assert summary["resumed_from_step"] == HOLD_AT + 1
+    assert summary["steps"] == STEPS
+    assert summary["resumed_from"].endswith(f"step-{HOLD_AT + 1}.pt")
+    weights = torch.load(run / "model.pt", weights_only=True)
+    assert weights.keys() == uninterrupted.keys()
+    assert all(torch.equal(weights[k], uninterrupted[k]) for k in weights), "resumed weights differ"
+    output = job_output(directory)
+    assert f"stopped by {signal_name} at step {HOLD_AT + 1}; checkpoint" in output, output
+
+
+def test_scancel_signal_usr1_stops_requeues_and_resumes_bit_for_bit(slurm, uninterrupted, tmp_path):
+    job = slurm.sbatch(emit_script(tmp_path), env=job_env(tmp_path, "preempted", hold=True))
+    wait_until_held(tmp_path)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
+    state = slurm.wait_done(job)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", job_output(tmp_path)
+    assert_resumed_to_the_same_weights(tmp_path, uninterrupted, "SIGUSR1")
+    assert run_processes("preempted") == []
+
+
+def test_the_time_limit_warning_stops_requeues_and_resumes(slurm, uninterrupted, tmp_path):
+    """--time 3 with --signal=USR2@90: Slurm itself sends USR2 to the job step between 30 s and 90 s in (it may
+    send it up to 60 s early, its documentation says); the ranks wait for it at HOLD_AT, so the step is known
+    however late it comes."""
+    job = slurm.sbatch(emit_script(tmp_path, "--requeue-signal", "USR2"), "--time=3", "--signal=USR2@90",
+                       env=job_env(tmp_path, "time-limit", hold=True))
+    state = slurm.wait_done(job, timeout_s=600)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", job_output(tmp_path)
+    assert_resumed_to_the_same_weights(tmp_path, uninterrupted, "SIGUSR2")
+    assert run_processes("time-limit") == []
+
+
+def test_a_plain_scancel_stops_with_a_checkpoint_and_is_not_requeued(slurm, tmp_path):
+    job = slurm.sbatch(emit_script(tmp_path), env=job_env(tmp_path, "cancelled", hold=True))
+    wait_until_held(tmp_path)
+    subprocess.run(["scancel", job], env=slurm.env, check=True)  # SIGTERM to the job step, then SIGKILL
+    deadline = time.monotonic() + 120
+    while run_processes("cancelled"):
+        assert time.monotonic() < deadline, "the job's processes outlived scancel"
+        time.sleep(0.5)
+    assert slurm.wait_done(job)["JobState"] == "CANCELLED"
+    summary = read_summary(tmp_path / "run")
+    assert summary["stopped_by"] == "SIGTERM" and summary["stopped_at_step"] == HOLD_AT + 1
+    assert (tmp_path / "run" / "checkpoints" / f"step-{HOLD_AT + 1}.pt").exists()
+    assert not (tmp_path / "run" / "model.pt").exists()
