@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,12 +150,17 @@ def slurm(tmp_path_factory):
     if missing:
         pytest.skip(f"Slurm or munge not installed ({', '.join(missing)}): apt-get install slurmctld slurmd "
                     "slurm-client munge")
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    # Not under pytest's temporary directories (mode 700): munged wants every directory above its socket
+    # searchable by everyone.
+    root = Path(tempfile.mkdtemp(prefix="ddp-amp-slurm-"))
+    root.chmod(0o755)
+    cluster = SlurmCluster(root)
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def emit_script(directory: Path, *extra: str) -> Path:
