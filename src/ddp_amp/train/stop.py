@@ -1,19 +1,27 @@
-"""The stop agreement: all ranks stop at one step, within a step or two of a stop request on any of them,
-whatever --log-every is, and the host never waits for it.
+"""The stop agreement: all ranks stop at one step, soon after a stop request on any of them (within
+2 x POLL_S, or two steps where a step takes longer), whatever --log-every is, and the host never waits for it.
 
-Each step, every rank all-reduces a one-element flag (the number of the stop signal it received, or 0)
-asynchronously on a gloo group of its own, on the CPU, and reads the result (the MAX) at the next step, by
-when it has long arrived. Every rank reads the same value at the same step, so they all leave the loop there,
-and all know which signal stopped them, even the ranks that never received it. On a GPU the flag never
-touches the device, and the collectives of DDP's group are not interleaved with it.
+At a poll, every rank all-reduces a small CPU tensor asynchronously on a gloo group of its own, and reads the
+result at the next poll, by when it has long arrived: the number of the stop signal it received (or 0), MAX
+over the ranks, and the number of steps until the next poll. Every rank reads the same values at the same
+step, so they all stop there, know which signal stopped them (even the ranks that never received it), and
+agree on when to poll next. The interval is what makes the agreement cheap: polled every step, the
+all-reduce cost 14% of a 5 ms step here (gloo's threads and loopback round trip on busy cores); polled every
+POLL_S of steps, its share is a few tenths of a percent. On a GPU the flag never touches the device, and
+DDP's collectives are not interleaved with it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+POLL_S = 0.1
+"""How often, in host time, the ranks poll for a stop: steps longer than that poll every step."""
+MAX_INTERVAL = 1000
 
 
 class StopAgreement:
@@ -22,20 +30,39 @@ class StopAgreement:
         """This rank's stop signal (its number), or None."""
         # new_group is itself a collective: every rank builds it, at the same point of its start-up.
         self.group = dist.new_group(backend="gloo")
-        self.flag = torch.zeros(1)
+        self.sent = torch.zeros(2)
+        """[signal number, -proposed interval]: one MAX all-reduce gives the highest signal and the shortest
+        interval any rank proposed."""
         self.work: dist.Work | None = None
+        self.next_poll = 0
+        self.polled_at: tuple[int, float] | None = None
 
-    def agreed(self) -> int:
-        """Called once per step on every rank: the stop signal some rank had received by the previous call
-        (the highest number, if several), else 0."""
+    def agreed(self, step: int) -> int:
+        """Called after every optimizer step `step` on every rank: the stop signal some rank had received by
+        the previous poll (the highest number, if several), else 0."""
+        if step < self.next_poll:
+            return 0
+        interval = 1
         if self.work is not None:
-            self.work.wait()  # the previous step's all-reduce: finished by now, this returns at once
+            self.work.wait()  # the previous poll's all-reduce: finished by now, this returns at once
             self.work = None
-            if signum := int(self.flag.item()):  # a CPU tensor: no device sync
+            signum, interval = int(self.sent[0]), int(-self.sent[1])
+            if signum:
                 return signum
-        self.flag.fill_(float(self.requested() or 0))
-        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.next_poll = step + interval  # the same on every rank: all read the same agreed interval
+        self.sent[0] = float(self.requested() or 0)
+        self.sent[1] = -float(self._proposed_interval(step))
+        self.work = dist.all_reduce(self.sent, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return 0
+
+    def _proposed_interval(self, step: int) -> int:
+        """Steps per POLL_S at this rank's pace since its last poll (host time: no device sync)."""
+        now = time.perf_counter()
+        previous, self.polled_at = self.polled_at, (step, now)
+        if previous is None or step == previous[0]:
+            return 1
+        step_s = (now - previous[1]) / (step - previous[0])
+        return max(1, min(MAX_INTERVAL, int(POLL_S / step_s) if step_s > 0 else MAX_INTERVAL))
 
     def close(self) -> None:
         """Wait for the flag in flight (no collective may be pending when the group is torn down)."""

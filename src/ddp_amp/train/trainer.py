@@ -140,7 +140,7 @@ class Trainer:
                                          grad_norm=outcome.grad_norm, flags=[divergence.tripped()])
                 if tripped and diverged is None:
                     diverged = divergence.verdict(self.env)  # where and on which rank: the same on all
-            if (signum := stop.agreed()) and number < self.total_steps:  # a signal on any rank, a step ago
+            if (signum := stop.agreed(number)) and number < self.total_steps:  # a signal on any rank, lately
                 self.stopped_at, self.stopped_by = number, signum
             steps_done = number
             if diverged is not None or self.stopped_at is not None:
