@@ -301,3 +301,61 @@ def holds_until_stopped() -> Task:
         return loss
 
     return _regression_with(on_call)
+
+
+class _IndexedDataset(Dataset):
+    """Items ((features, index), target): the model sees which samples it trains on."""
+
+    def __init__(self, size: int) -> None:
+        gen = torch.Generator().manual_seed(11)
+        self.x = torch.randn(size, 8, generator=gen)
+        self.y = self.x @ torch.randn(8, 1, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return (self.x[index], index), self.y[index]
+
+
+class _RecordingRegression(nn.Module):
+    """Appends the index of every sample of every forward to DDP_AMP_TEST_INDEX_LOG/<pid>.txt, one a line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.log = os.path.join(os.environ["DDP_AMP_TEST_INDEX_LOG"], f"{os.getpid()}.txt")
+
+    def forward(self, inputs):
+        features, index = inputs
+        with open(self.log, "a") as f:
+            f.write("".join(f"{i}\n" for i in index.tolist()))
+        return self.linear(features)
+
+
+INDEXED_SAMPLES = 96  # divisible by 8 samples x 1, 2 or 3 ranks: no padding, every epoch exactly the data set
+
+
+def records_indices() -> Task:
+    """Records every sample index it trains on (see _RecordingRegression). DDP_AMP_TEST_STEP_SLEEP seconds per
+    step; with DDP_AMP_TEST_STOP_AT=N, rank 0 sends SIGTERM to its process group in its N-th step, as `kill
+    -TERM -PGID` would (launch it in a session of its own)."""
+    pause = float(os.environ.get("DDP_AMP_TEST_STEP_SLEEP", "0"))
+    stop_at = int(os.environ.get("DDP_AMP_TEST_STOP_AT", "0"))
+    calls = 0
+
+    def loss_fn(output, target):
+        nonlocal calls
+        calls += 1
+        if pause:
+            time.sleep(pause)
+        if calls == stop_at and os.environ.get("RANK") == "0":
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+        return nn.functional.mse_loss(output, target)
+
+    return Task(model=_RecordingRegression(), dataset=_IndexedDataset(INDEXED_SAMPLES), loss_fn=loss_fn)
+
+
+def nan_from_step_12() -> Task:
+    """The loss is NaN on every rank from the 12th step on: the weights turn NaN at that step's update."""
+    return _regression_with(lambda call, loss: loss * float("nan") if call >= 12 else loss)

@@ -3,7 +3,9 @@
 import ipaddress
 import json
 import os
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,11 +65,19 @@ def test_a_second_launch_into_a_busy_run_dir_is_refused(tmp_path, long_run):
 
 
 def test_temporary_files_of_a_killed_write_are_removed_at_the_next_launch(tmp_path):
-    leftover = tmp_path / ".model.pt.k3j2h1.tmp"
+    """A temporary file names its writer (host and pid): a dead writer's is debris, a live one's (another node
+    writing into a shared run dir) is left alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    leftover = tmp_path / f".model.pt.{host}.{dead.pid}.k3j2h1.tmp"
     leftover.write_bytes(b"\0" * 4096)  # what a kill during the save of model.pt leaves
+    in_flight = tmp_path / f".summary.json.{host}.{os.getpid()}.x8f2q0.tmp"  # a live writer's (this process)
+    in_flight.write_bytes(b"{")
     result = run_cli("spawn", "-n", "1", "--device", "cpu", "--steps", "3", "--run-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert not leftover.exists() and not list(tmp_path.glob(".*.tmp"))
+    assert not leftover.exists()
+    assert list(tmp_path.glob(".*.tmp")) == [in_flight]
 
 
 @pytest.fixture
@@ -179,3 +189,15 @@ def test_a_metrics_line_that_does_not_fit_is_cut_back(small_file_system):
     with pytest.raises(OSError):
         append_metrics(small_file_system, {"step": 2, "loss": 0.25, "padding": "x" * 100_000})
     assert (small_file_system / METRICS_FILE).read_bytes() == first
+
+
+def test_the_run_files_honour_the_umask(tmp_path):
+    """mkstemp creates 0600 whatever the umask: the files must get what a plain open() gives (0640 under 027)."""
+    command = [sys.executable, "-m", "ddp_amp", "spawn", "-n", "1", "--device", "cpu", "--steps", "4",
+               "--checkpoint-every", "2", "--run-dir", str(tmp_path / "run")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, preexec_fn=lambda: os.umask(0o027))
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    for path in (run / "model.pt", run / "summary.json", run / "config.json", run / "metrics.jsonl",
+                 run / "checkpoints" / "step-4.pt"):
+        assert oct(path.stat().st_mode & 0o777) == oct(0o640), path

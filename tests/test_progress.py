@@ -279,3 +279,12 @@ def test_a_restart_names_the_later_of_the_heartbeat_and_the_last_log_step():
     model.apply(log_event(1, 30, 0.5))
     model.apply({"type": "state", "rank": 1, "status": "restarting", "restart": 1, "local_rank": 1, "node": 0})
     assert model.steps_before_restart[1] == 31
+
+
+def test_a_done_line_without_a_logged_loss():
+    """A restarted group that resumes from a checkpoint at the last step logs no step, so has no loss."""
+    from ddp_amp.progress.events import plain_line
+
+    event = {"type": "done", "rank": 0, "steps": 40, "samples_per_s": 100.0, "peak_memory_mb": 12.0,
+             "final_loss": None}
+    assert plain_line(event) == "[rank 0] done: 40 steps, 100 samples/s, peak memory 12 MB, final loss none logged"

@@ -235,6 +235,22 @@ class PreparedRunDir:
     """Held by the launcher for the whole launch: a second launch into the same directory is refused."""
 
 
+EARLIER_RUN_FILES = ("model.pt", "metrics.jsonl", "summary.json", "step_times.json")
+EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile")
+
+
+def clear_earlier_run(path: Path) -> None:
+    """--overwrite: everything an earlier run left is gone before this one writes anything. Its checkpoints
+    above all: a longer run's higher steps would outrank this run's in pruning and in --resume auto."""
+    import shutil
+
+    for name in EARLIER_RUN_FILES:
+        (path / name).unlink(missing_ok=True)
+    for name in EARLIER_RUN_DIRS:
+        if (path / name).is_dir():
+            shutil.rmtree(path / name)
+
+
 def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False,
                     lock: bool = True, resuming: bool = False) -> PreparedRunDir:
     """Check `--run-dir` before launch, create it and lock it. Refuses to clobber a file, an earlier run's
@@ -285,9 +301,7 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
         if (path / "checkpoints").is_dir():
             remove_partial_writes(path / "checkpoints")
         if overwrite:
-            # Old metrics would otherwise be appended to; the old weights stay until the new ones replace them.
-            for name in ("metrics.jsonl", "summary.json"):
-                (path / name).unlink(missing_ok=True)
+            clear_earlier_run(path)
         elif resuming:
             (path / "summary.json").unlink(missing_ok=True)  # the stopped attempt's; this run writes its own
     except OSError as exc:

@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: set it straight back
+    os.umask(mask)
+    return mask
+
+
+def writer_tag() -> str:
+    """Who writes a temporary file: host and pid, in its name, so that a process sharing the directory (another
+    node of a job on a shared file system) removes only its own leftovers, or those of a writer known dead."""
+    return f"{socket.gethostname()}.{os.getpid()}"
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, then rename it over `path` (atomic on POSIX): a crash or a
-    concurrent reader never sees a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    concurrent reader never sees a half-written file. The file gets the mode a plain open() would give it
+    (0666 less the umask: 0644 under 022), not mkstemp's 0600, so others sharing the directory can read it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -76,10 +91,32 @@ def lock_holder(directory: Path) -> str | None:
 
 
 def remove_partial_writes(directory: Path) -> list[Path]:
-    """Delete the temporary files atomic_write leaves when its process is killed mid-write (`.NAME.*.tmp`).
-    Only safe while holding the directory's lock: no other writer can be half-way through one."""
+    """Delete the temporary files atomic_write leaves when its process is killed mid-write
+    (`.NAME.HOST.PID.*.tmp`): this host's whose writer is dead. A live writer's (rank 0 of a running job that
+    another node joins on a shared file system) and another host's are left alone."""
+    host = socket.gethostname()
     removed = []
     for leftover in directory.glob(".*.tmp"):
-        leftover.unlink(missing_ok=True)
-        removed.append(leftover)
+        if _writer_is_dead(leftover.name, host):
+            leftover.unlink(missing_ok=True)
+            removed.append(leftover)
     return removed
+
+
+def _writer_is_dead(name: str, host: str) -> bool:
+    """`.NAME.HOST.PID.RANDOM.tmp`: HOST is this machine and no process PID lives."""
+    prefix = f".{host}."
+    at = name.rfind(prefix)
+    if at < 0:
+        return False
+    pid = name[at + len(prefix):].split(".", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False  # alive (our own included: a thread of ours may be writing it)
+

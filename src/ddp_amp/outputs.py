@@ -64,7 +64,10 @@ def failure_of(summary: dict[str, Any], run_dir: str | Path) -> str | None:
     if diverged := summary.get("diverged"):
         where = f"step {diverged['step']}" + (f" on rank {diverged['rank']}" if diverged.get("rank") is not None
                                                else "")
-        return f"training diverged at {where}: {diverged['reason']}; no model.pt written (see --max-nonfinite)"
+        kept = (f"; the newest finite checkpoint is {summary['checkpoint']} (--resume {summary['checkpoint']})"
+                if summary.get("checkpoint") else "")
+        return (f"training diverged at {where}: {diverged['reason']}; no model.pt written (see --max-nonfinite)"
+                f"{kept}")
     if summary.get("eval_error"):
         return (f"{summary['eval_error']} (the trained weights are in {Path(run_dir) / MODEL_FILE}; the traceback "
                 f"in {Path(run_dir) / 'logs'}/)")

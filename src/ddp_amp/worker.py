@@ -75,7 +75,7 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         trainer = Trainer(config, env, device, precision, task, reporter)
         trainer.stop_signal = lambda: STOP_REQUEST.signum
         checkpointer = trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
-        resumed = checkpointer.load(trainer, restarted=restarts > 0)
+        resumed = checkpointer.load(trainer)
         reporter.state("running")
         with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
             result = trainer.train()
@@ -89,6 +89,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
             summary["slurm_restart_count"] = int(os.environ["SLURM_RESTART_COUNT"])
         if checkpointer.last_path is not None:
             summary["checkpoint"] = str(checkpointer.last_path)
+        if checkpointer.nonfinite_steps:
+            summary["nonfinite_checkpoints_skipped"] = checkpointer.nonfinite_steps
         if resumed is not None:
             summary["resumed_from"] = resumed  # the checkpoint's path; its step is resumed_from_step
         rank_times = None

@@ -4,6 +4,7 @@ written atomically; finding the newest one that loads, pruning, and what a resum
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import random
 import re
@@ -20,6 +21,10 @@ _CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
 # What a resume must share with the run that wrote the checkpoint (the batches and the schedule depend on it).
 MUST_MATCH = ("task", "batch_size", "grad_accum", "schedule", "warmup_steps", "min_lr_ratio", "steps", "epochs",
               "optimizer", "lr", "seed")
+
+
+METADATA = ("step", "world_size", "config")
+"""What choosing a checkpoint needs, kept in its sidecar (the config holds the launch time)."""
 
 
 class CheckpointError(Exception):
@@ -39,25 +44,62 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+def sidecar(path: Path) -> Path:
+    """step-N.json beside step-N.pt: the checkpoint's metadata, read without loading the checkpoint."""
+    return path.with_suffix(".json")
+
+
+def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: state[key] for key in METADATA}
+
+
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Path:
     """Write step-<N>.pt atomically (temporary file, fsync, rename: a kill at any instant leaves the previous
-    checkpoint whole), then delete all but the newest `keep`."""
+    checkpoint whole) and its metadata beside it, then prune to `keep` (see prune)."""
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = directory / f"step-{state['step']}.pt"
     atomic_write(path, buffer.getbuffer())
-    for old in checkpoints(run_dir)[keep:]:
-        old.unlink(missing_ok=True)
+    atomic_write(sidecar(path), json.dumps(metadata_of(state), sort_keys=True).encode())
+    prune(run_dir, keep, state["config"].get("launch_time"))
     return path
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """torch.load with weights_only=True: tensors and plain types only. Anything else (a pickled object, whose
-    code would run on loading) is refused, never unpickled."""
+def prune(run_dir: str | Path, keep: int, launch_time: float | None) -> None:
+    """Keep the newest `keep` checkpoints, this launch's first: an earlier run's, whatever its steps (a longer
+    run's reach higher), never outranks one this launch wrote."""
+    ranked = []
+    for path in checkpoints(run_dir):
+        try:
+            mine = read_metadata(path)["config"].get("launch_time") == launch_time
+        except CheckpointError:
+            mine = False  # unreadable: the first to go
+        ranked.append((not mine, path))
+    ranked.sort(key=lambda item: item[0])  # stable: newest first within each group
+    for _, old in ranked[keep:]:
+        old.unlink(missing_ok=True)
+        sidecar(old).unlink(missing_ok=True)
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """A checkpoint's step, world size, config and launch: from its sidecar, else (a checkpoint written before
+    sidecars, or one whose sidecar a kill prevented) from the file itself, memory-mapped, so that its tensors
+    are never read into memory."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return json.loads(sidecar(path).read_text())
+    except (OSError, ValueError):
+        pass
+    state = load_checkpoint(path, mmap=True)
+    return metadata_of(state)
+
+
+def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """torch.load with weights_only=True: tensors and plain types only. Anything else (a pickled object, whose
+    code would run on loading) is refused, never unpickled. mmap: tensors stay on disk until used."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: refused, it holds more than tensors and plain data ({first})") from None
@@ -70,28 +112,41 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda state: True
+def nonfinite_tensors(state: Any, where: str = "") -> list[str]:
+    """Where `state` (a checkpoint's trainer state, at any depth) holds inf or NaN floats."""
+    if isinstance(state, torch.Tensor):
+        return [where] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
+    if isinstance(state, dict):
+        return [name for key, value in state.items() for name in nonfinite_tensors(value, f"{where}.{key}")]
+    if isinstance(state, (list, tuple)):
+        return [name for i, value in enumerate(state) for name in nonfinite_tensors(value, f"{where}[{i}]")]
+    return []
+
+
+def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda metadata: True
                             ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads (and that `accept` takes); newer ones that do not load (a write cut
-    short) are skipped with a warning."""
+    """The newest checkpoint whose metadata `accept` takes and that loads whole and finite; newer ones that do
+    not load (a write cut short) or hold inf/NaN are skipped with a warning. Only metadata is read to choose,
+    so at most one checkpoint is in memory at once."""
     for path in checkpoints(run_dir):
         try:
+            if not accept(read_metadata(path)):
+                continue
             state = load_checkpoint(path)
         except CheckpointError as exc:
             warn(f"skipping checkpoint {exc}")
             continue
-        if accept(state):
-            return path, state
+        if bad := nonfinite_tensors(state["trainer"]):
+            warn(f"skipping checkpoint {path}: inf/NaN in {bad[0].lstrip('.')}")
+            continue
+        return path, state
     return None
 
 
-def mismatches(checkpoint_config: dict[str, Any], checkpoint_world_size: int, config: dict[str, Any],
-               world_size: int | None) -> list[str]:
+def mismatches(checkpoint_config: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """What differs between a checkpoint's run and the run resuming it, as flags ("--batch-size 16
-    (checkpoint: 32)"); world_size None: not known yet (checked again by the ranks)."""
+    (checkpoint: 32)"). The world size may differ: the data and the schedule follow (train.data, Trainer)."""
     differ = []
-    if world_size is not None and world_size != checkpoint_world_size:
-        differ.append(f"world size {world_size} (checkpoint: {checkpoint_world_size})")
     for name in MUST_MATCH:
         if config.get(name) != checkpoint_config.get(name):
             differ.append(f"--{name.replace('_', '-')} {config.get(name)} (checkpoint: {checkpoint_config.get(name)})")

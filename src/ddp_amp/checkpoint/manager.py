@@ -29,7 +29,10 @@ class CheckpointManager:
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: Path, device: torch.device) -> None:
         self.config, self.env, self.run_dir, self.device = config, env, run_dir, device
         self.last_path: Path | None = None
+        """The newest checkpoint written (after wait()); never one that held inf/NaN."""
         self.last_step: int | None = None
+        self.nonfinite_steps: list[int] = []
+        """Steps whose state held inf/NaN: no checkpoint written (it would have replaced a good one)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -48,7 +51,6 @@ class CheckpointManager:
         self.wait()
         state = {"step": step, "trainer": _to_host(trainer.state_dict()), "rng": rng,
                  "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
-        self.last_path = fileformat.checkpoint_dir(self.run_dir) / f"step-{step}.pt"
         self._thread = threading.Thread(target=self._write, args=(state,), name="ddp-amp-checkpoint")
         self._thread.start()
 
@@ -59,8 +61,14 @@ class CheckpointManager:
             self.save(trainer, trainer.stopped_at)
 
     def _write(self, state: dict[str, Any]) -> None:
+        """In the background: the finiteness check runs on the host copy, off the training thread, and a
+        diverged state is never written (pruning would otherwise delete the last good checkpoints for it)."""
         try:
-            fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep)
+            if bad := fileformat.nonfinite_tensors(state["trainer"]):
+                print(f"warning: no checkpoint at step {state['step']}: inf/NaN in {bad[0].lstrip('.')}", flush=True)
+                self.nonfinite_steps.append(state["step"])
+                return
+            self.last_path = fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep)
         except BaseException as exc:  # re-raised in the training thread, at the next save or at close
             self._error = exc
 
@@ -76,7 +84,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
 
-    def load(self, trainer: Trainer, *, restarted: bool) -> str | None:
+    def load(self, trainer: Trainer) -> str | None:
         """Continue from the newest checkpoint this launch wrote (after torchrun restarted the workers, for a
         failure or because an elastic job's membership changed: torchrun does not count the latter as a
         restart), else from config.resume. Every rank ends up with the same state: the ranks agree on the
@@ -89,8 +97,9 @@ class CheckpointManager:
         dist.all_gather_object(views, found[1]["step"] if found else None)
         steps = [step for step in views if step is not None]
         if not steps:
-            if restarted and env.writes_run_dir:
-                # Restarted from the beginning: the earlier attempt's log lines no longer apply.
+            if env.writes_run_dir:
+                # From the beginning: lines there are an earlier attempt's (a restart, or a membership change,
+                # which torchrun does not count as one); a new run's directory has none (see prepare_run_dir).
                 (self.run_dir / outputs.METRICS_FILE).unlink(missing_ok=True)
             return None
         newest = max(steps)
@@ -100,15 +109,14 @@ class CheckpointManager:
             dist.broadcast_object_list(shipped, src=source)
             found = shipped[0]
         path, state = found
-        differ = fileformat.mismatches(state["config"], state["world_size"], dataclasses.asdict(config),
-                                   None if config.elastic else env.world_size)
+        differ = fileformat.mismatches(state["config"], dataclasses.asdict(config))
         if differ:
             raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
         trainer.load_state_dict(state["trainer"], state["step"], saved_world_size=state["world_size"])
         if env.rank < len(state["rng"]):  # an elastic job that grew: the new ranks keep their seeded streams
             fileformat.set_rng_state(state["rng"][env.rank], self.device)
-        if env.writes_run_dir:
-            outputs.cut_metrics(self.run_dir, state["step"])
+        if env.writes_run_dir:  # each step logged once, in order: cut back to where this group continues
+            outputs.cut_metrics(self.run_dir, trainer.start_step)
         return str(path)
 
 

@@ -37,12 +37,15 @@ def default_run_dir() -> Path:
 
 
 def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
-    """--resume auto|PATH -> the checkpoint's path, after checking it loads and matches this run."""
+    """--resume auto|PATH -> the checkpoint's path, after checking it loads, is finite and matches this run.
+    A checkpoint of another world size is taken, with one line saying what that changes."""
     from ddp_amp.checkpoint import fileformat as checkpoint
 
+    def warn(line: str) -> None:
+        print(f"ddp-amp: warning: {line}", file=sys.stderr)
+
     if config.resume == "auto":
-        found = checkpoint.newest_valid_checkpoint(
-            config.run_dir, warn=lambda line: print(f"ddp-amp: warning: {line}", file=sys.stderr))
+        found = checkpoint.newest_valid_checkpoint(config.run_dir, warn=warn)
         if found is None:
             raise UsageError(f"--resume auto: no valid checkpoint in {checkpoint.checkpoint_dir(config.run_dir)}")
         path, state = found
@@ -52,9 +55,19 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
             state = checkpoint.load_checkpoint(path)
         except checkpoint.CheckpointError as exc:
             raise UsageError(f"--resume {exc}") from None
-    differ = checkpoint.mismatches(state["config"], state["world_size"], dataclasses.asdict(config), world_size)
+        if bad := checkpoint.nonfinite_tensors(state["trainer"]):
+            finite = checkpoint.newest_valid_checkpoint(path.parent.parent, warn=lambda line: None)
+            instead = f"; the newest finite one is {finite[0]}" if finite else "; no finite one is beside it"
+            raise UsageError(f"--resume {path}: refused, it holds inf/NaN (in {bad[0].lstrip('.')}){instead}")
+    differ = checkpoint.mismatches(state["config"], dataclasses.asdict(config))
     if differ:
         raise UsageError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
+    saved = state["world_size"]
+    if world_size is not None and world_size != saved:
+        per_step = config.batch_size * config.grad_accum
+        warn(f"--resume {path}: written by {saved} ranks, continued by {world_size}: the global batch goes from "
+             f"{per_step * saved} to {per_step * world_size} samples; each remaining sample of the epoch is still "
+             "trained on once" + (", and the schedule keeps its end" if config.steps is None else ""))
     return str(path.resolve())
 
 
@@ -85,6 +98,8 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
     """Validate and prepare one launch. `flag` names the process-count option in messages; `extra` sets
     TrainConfig fields that are not command-line options."""
     launch_time = time.time()
+    if overwrite and train_options.get("resume") is not None:
+        raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
     config = TrainConfig(**train_options, **(extra or {}), run_dir=str(run_dir or default_run_dir()),
                          launch_time=launch_time)
     if nproc_per_node < 1:

@@ -41,8 +41,10 @@ def plain_line(event: dict[str, Any]) -> str | None:
         return f"[rank {rank}] {event['status']}" + (f" ({', '.join(details)})" if details else "")
     if kind == "done":
         outcome = "stopped" if event.get("stopped") else "done"
+        # No loss when no step was logged: a restarted group that resumed from a checkpoint at the last step.
+        loss = "none logged" if event.get("final_loss") is None else f"{event['final_loss']:.4f}"
         return (f"[rank {rank}] {outcome}: {event['steps']} steps, {event['samples_per_s']:.0f} samples/s, "
-                f"peak memory {event['peak_memory_mb']:.0f} MB, final loss {event['final_loss']:.4f}")
+                f"peak memory {event['peak_memory_mb']:.0f} MB, final loss {loss}")
     if kind == "error":
         return f"[rank {rank}] failed:\n{event['traceback']}"
     if kind == "stalled":

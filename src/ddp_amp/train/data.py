@@ -3,11 +3,12 @@ picks the data up."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from ddp_amp.dist import DistEnv, usable_cores
 
@@ -54,62 +55,83 @@ def build_loader(dataset: Any, sampler: Any, batch_size: int, workers: int, devi
                       pin_memory=device.type == "cuda", **extra)
 
 
-class ResumableSampler(Sampler):
-    """A DistributedSampler that can start its next pass `skip_batches` batches in, without loading them:
-    a run resumed mid-epoch sees exactly the batches an uninterrupted one would have."""
+class EpochSampler(Sampler):
+    """This rank's indices of one epoch, from a global sample cursor.
 
-    def __init__(self, inner: DistributedSampler, batch_size: int) -> None:
-        self.inner, self.batch_size, self.skip_batches = inner, batch_size, 0
+    The epoch's order is a permutation drawn from the seed and the epoch, padded to a multiple of the world
+    size with its first samples and striped across the ranks (rank r takes positions r, r + W, ...): exactly
+    DistributedSampler's. `cursor` positions of it were consumed already (by every rank together); the rest
+    is striped across the ranks there are now. A resumed run continues exactly where it stopped, and a
+    resized one (an elastic job, or --resume on another world size) trains on every remaining sample of the
+    epoch once, whatever the world size was before."""
 
-    def set_epoch(self, epoch: int) -> None:
-        self.inner.set_epoch(epoch)
+    def __init__(self, size: int, rank: int, world_size: int, seed: int) -> None:
+        self.size, self.rank, self.world_size, self.seed = size, rank, world_size, seed
+        self.epoch, self.cursor = 0, 0
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(self.inner)[self.skip_batches * self.batch_size:]
-        self.skip_batches = 0
-        return iter(indices)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()
+        rest = order[self.cursor:]
+        padding = -len(rest) % self.world_size
+        rest += (order * math.ceil(padding / self.size))[:padding] if padding else []
+        return iter(rest[self.rank::self.world_size])
 
     def __len__(self) -> int:
-        return len(self.inner)
+        """A whole epoch's share (what an epoch's length in batches is counted from)."""
+        return math.ceil(self.size / self.world_size)
+
+    def remaining(self) -> int:
+        """This rank's samples left in the epoch, from the cursor."""
+        rest = max(0, self.size - self.cursor)
+        return math.ceil(rest / self.world_size) if rest else 0
 
 
 class RankData:
-    """This rank's batches, endlessly across epochs, and its position: the epoch and the micro-batches of it
-    already trained on (what a checkpoint records and a resumed run continues from)."""
+    """This rank's batches, endlessly across epochs, and the position in the data: the epoch, and the global
+    cursor into it (samples consumed by all ranks), which is what a checkpoint records and a resumed or
+    resized run continues from."""
 
     def __init__(self, dataset: Any, env: DistEnv, device: torch.device, *, batch_size: int, seed: int,
                  workers: int) -> None:
-        self.env = env
-        # The sampler pads every rank to the same number of samples, so every rank runs the same number of
+        self.env, self.batch_size = env, batch_size
+        # Every rank gets the same number of samples (the padding), so every rank runs the same number of
         # batches: no rank waits forever in an all-reduce the others never join.
-        self.sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank,
-                                                           shuffle=True, seed=seed, drop_last=False), batch_size)
+        self.sampler = EpochSampler(len(dataset), env.rank, env.world_size, seed)
         self.workers = workers
         self.loader = build_loader(dataset, self.sampler, batch_size, workers, device, seed=seed + env.rank)
-        self.epoch = 0
-        self.batches_in_epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     @property
     def batches_per_epoch(self) -> int:
         return len(self.loader)
 
     def batches(self) -> Iterator[Any]:
-        """set_epoch reshuffles (the same way on every rank) each epoch."""
+        """Each epoch in a new order (the same on every rank), from the cursor on."""
+        sampler = self.sampler
         while True:
-            self.sampler.set_epoch(self.epoch)
-            self.sampler.skip_batches = self.batches_in_epoch  # mid-epoch after a resume, else 0
             for batch in self.loader:
-                self.batches_in_epoch += 1
+                sampler.cursor += self.batch_size * self.env.world_size
                 yield batch
-            self.epoch += 1
-            self.batches_in_epoch = 0
+            sampler.epoch += 1
+            sampler.cursor = 0
+
+    def remaining_batches(self, epochs: int) -> int:
+        """Batches left on this rank until the end of epoch `epochs` (from the current position)."""
+        this_epoch = math.ceil(self.sampler.remaining() / self.batch_size)
+        return this_epoch + max(0, epochs - self.epoch - 1) * self.batches_per_epoch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        return {"epoch": self.sampler.epoch, "cursor": self.sampler.cursor}
 
     def load_state_dict(self, state: dict[str, Any], saved_world_size: int | None) -> None:
-        self.epoch, self.batches_in_epoch = state["epoch"], state["batches_in_epoch"]
-        if saved_world_size and saved_world_size != self.env.world_size:
-            # An elastic job resized: the epoch goes on from the share of its samples already seen (the shards
-            # differ, so a few samples of this epoch may be seen twice or not at all).
-            self.batches_in_epoch = self.batches_in_epoch * saved_world_size // self.env.world_size
+        self.sampler.epoch = state["epoch"]
+        if "cursor" in state:
+            self.sampler.cursor = state["cursor"]
+        else:  # a checkpoint of an earlier version: batches of its own world size
+            self.sampler.cursor = state["batches_in_epoch"] * self.batch_size * (saved_world_size or
+                                                                                 self.env.world_size)

@@ -1,4 +1,4 @@
-"""The stop agreement: all ranks stop at one step, soon after a stop request on any of them (within
+"""The stop agreement: all ranks stop at one step, soon after a stop request on any of them (within about
 2 x POLL_S, or two steps where a step takes longer), whatever --log-every is, and the host never waits for it.
 
 At a poll, every rank all-reduces a small CPU tensor asynchronously on a gloo group of its own, and reads the
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-POLL_S = 0.1
+POLL_S = 0.25
 """How often, in host time, the ranks poll for a stop: steps longer than that poll every step."""
 MAX_INTERVAL = 1000
 

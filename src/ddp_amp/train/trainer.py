@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,29 @@ class Trainer:
         self.data.load_state_dict(state, saved_world_size)
         self.skipped_steps = state["skipped_steps"]
         self.start_step = step
+        if saved_world_size not in (None, self.env.world_size) and self.config.steps is None:
+            self._follow_progress()
+
+    def _follow_progress(self) -> None:
+        """An --epochs run resumed on another world size: its optimizer steps have another size and its
+        length another count. It runs on until the data of its last epoch is used up (every sample once), and
+        its schedule is the one of a run of this world size, entered where that run would stand with as many
+        steps left: so it ends at the schedule's end, as an unresized run does."""
+        config = self.config
+        remaining = self.data.remaining_batches(config.epochs) // config.grad_accum
+        self.total_steps = max(self.total_steps, remaining)
+        self.start_step = self.total_steps - remaining
+        for group in self.optimizer.param_groups:  # the schedule starts over from the configured peak
+            group["lr"] = config.lr
+            for key in ("initial_lr", "max_lr", "min_lr"):
+                group.pop(key, None)
+        self.scheduler = self.step.scheduler = build_scheduler(
+            self.optimizer, schedule=config.schedule, total_steps=self.total_steps, warmup_steps=config.warmup_steps,
+            min_lr_ratio=config.min_lr_ratio)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose here
+            for _ in range(self.start_step):
+                self.scheduler.step()
 
     def train(self) -> TrainResult:
         config = self.config

@@ -1,0 +1,107 @@
+"""Checkpoints outside the one-writer, same-world-size case: --overwrite over a longer run, a resume on another
+world size (every sample once, the schedule's end kept), and a run that diverges."""
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
+from helper_tasks import INDEXED_SAMPLES
+
+pytestmark = pytest.mark.slow
+
+
+def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A launch in a session of its own (a helper task may signal its whole process group)."""
+    return subprocess.run([sys.executable, "-m", "ddp_amp", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def checkpoint_names(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.pt"))
+
+
+def test_overwrite_starts_clean_and_the_advice_after_a_stop_works(tmp_path):
+    run_dir, indices = tmp_path / "run", tmp_path / "indices"
+    indices.mkdir()
+    task = ["--device", "cpu", "--task", f"{HELPER_TASKS}:records_indices", "--checkpoint-every", "10",
+            "--keep", "2", "--log-every", "5", "--run-dir", str(run_dir)]
+    env = {"DDP_AMP_TEST_INDEX_LOG": str(indices), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
+    assert_ok(launch("spawn", "-n", "2", *task, "--steps", "60", env=env))
+    assert checkpoint_names(run_dir) == ["step-50.pt", "step-60.pt"]
+    # A shorter run over it, stopped by SIGTERM to its process group in its 15th step.
+    stopped = launch("spawn", "-n", "2", *task, "--steps", "40", "--overwrite",
+                     env={**env, "DDP_AMP_TEST_STOP_AT": "15"})
+    assert stopped.returncode == 143, stopped.stderr
+    step = read_summary(run_dir)["stopped_at_step"]
+    assert 15 <= step < 40
+    assert checkpoint_names(run_dir) == sorted([f"step-{step}.pt", "step-10.pt"])  # none of the longer run's
+    assert not (run_dir / "model.pt").exists()
+    advice = last_line(stopped.stderr).split("(continue with ", 1)[1].rstrip(")").split()
+    assert advice == ["--resume", "auto", "--run-dir", str(run_dir)]
+    resumed = launch("spawn", "-n", "2", *task[:-2], "--steps", "40", *advice, env=env)  # the advice, pasted
+    assert_ok(resumed)
+    summary = read_summary(run_dir)
+    assert summary["resumed_from_step"] == step and summary["steps"] == 40
+    # Only this run's lines, each step once: the longer run's are gone, the stopped attempt's cut back.
+    assert [record["step"] for record in read_metrics(run_dir)] == list(range(5, 41, 5))
+
+
+def test_overwrite_with_resume_is_refused():
+    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--overwrite", "--resume", "auto")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("ddp-amp: error: --overwrite starts the run dir over and --resume continues "
+                                     "it: pass one of them")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
+def test_a_resume_on_another_world_size_trains_every_sample_once_and_keeps_the_schedules_end(tmp_path, schedule):
+    epochs = 3
+    common = ["--device", "cpu", "--task", f"{HELPER_TASKS}:records_indices", "--epochs", str(epochs),
+              "--batch-size", "8", "--schedule", schedule, "--warmup-steps", "2", "--log-every", "1"]
+    logs = {name: tmp_path / f"indices-{name}" for name in ("resized", "reference")}
+    for log in logs.values():
+        log.mkdir()
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    env = {"DDP_AMP_TEST_INDEX_LOG": str(logs["resized"]), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
+    # Two ranks, stopped in their 8th step (epoch 1 of 0..2: 6 steps an epoch), then continued by four (what is
+    # left of the epoch, a multiple of 16 samples, stripes evenly over them: no sample needs repeating).
+    stopped = launch("spawn", "-n", "2", *common, "--run-dir", str(run), env={**env, "DDP_AMP_TEST_STOP_AT": "8"})
+    assert stopped.returncode == 143, stopped.stderr
+    resumed = launch("spawn", "-n", "4", *common, "--resume", "auto", "--run-dir", str(run), env=env)
+    assert_ok(resumed)
+    assert "written by 2 ranks, continued by 4: the global batch goes from 16 to 32 samples" in resumed.stderr
+    assert_ok(launch("spawn", "-n", "4", *common, "--run-dir", str(reference),
+                     env={"DDP_AMP_TEST_INDEX_LOG": str(logs["reference"])}))
+    seen = Counter(int(line) for path in logs["resized"].iterdir() for line in path.read_text().split())
+    assert seen == {index: epochs for index in range(INDEXED_SAMPLES)}, "a sample was skipped or repeated"
+    summary, unresized = read_summary(run), read_summary(reference)
+    assert summary["world_size"] == 4 and summary["resumed_from_step"] > 0
+    assert summary["final_lr"] == pytest.approx(unresized["final_lr"], rel=1e-9)
+    assert summary["steps"] == unresized["steps"]  # it ran to the end of the last epoch, as the reference
+
+
+def test_a_diverging_run_keeps_its_last_finite_checkpoint_and_resume_refuses_a_nan_one(tmp_path):
+    args = ["--device", "cpu", "--task", f"{HELPER_TASKS}:nan_from_step_12", "--steps", "40", "--checkpoint-every",
+            "5", "--keep", "2", "--max-nonfinite", "4", "--log-every", "1", "--run-dir", str(tmp_path)]
+    result = run_cli("spawn", "-n", "2", *args)
+    assert result.returncode == 1
+    newest_finite = tmp_path / "checkpoints" / "step-10.pt"
+    assert checkpoint_names(tmp_path) == ["step-10.pt", "step-5.pt"]  # step-15 held NaN: not written
+    assert last_line(result.stderr).endswith(f"the newest finite checkpoint is {newest_finite} "
+                                             f"(--resume {newest_finite})"), result.stderr
+    assert read_summary(tmp_path)["nonfinite_checkpoints_skipped"] == [15]
+    # A NaN checkpoint beside them (as an earlier version wrote): --resume names the finite one instead.
+    state = torch.load(newest_finite, weights_only=True)
+    state["trainer"]["model"]["weight"].fill_(float("nan"))
+    planted = tmp_path / "checkpoints" / "step-15.pt"
+    torch.save(state, planted)
+    refused = run_cli("spawn", "-n", "2", *args[:-2], "--resume", str(planted), "--run-dir", str(tmp_path / "again"))
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (f"ddp-amp: error: --resume {planted}: refused, it holds inf/NaN (in "
+                                      f"model.weight); the newest finite one is {newest_finite}")
+    assert not (tmp_path / "again").exists()
