@@ -359,3 +359,17 @@ def records_indices() -> Task:
 def nan_from_step_12() -> Task:
     """The loss is NaN on every rank from the 12th step on: the weights turn NaN at that step's update."""
     return _regression_with(lambda call, loss: loss * float("nan") if call >= 12 else loss)
+
+
+def waits_for_world() -> Task:
+    """With DDP_AMP_TEST_WORLD=N: trains to HOLD_AT_CALL, then waits there (every rank alike) while the world has
+    fewer than N ranks; only an elastic restart with more nodes lets the job go on. Without it, plain training."""
+    wanted = int(os.environ.get("DDP_AMP_TEST_WORLD", "0"))
+
+    def on_call(call, loss):
+        if call == HOLD_AT_CALL:
+            while int(os.environ["WORLD_SIZE"]) < wanted:
+                time.sleep(0.1)
+        return loss
+
+    return _regression_with(on_call)

@@ -58,7 +58,7 @@ def test_a_stop_keeps_the_work_without_checkpoint_every(long_run):
     _, stderr = run.process.communicate(timeout=90)
     assert run.process.returncode == 143, stderr
     step = read_summary(run.run_dir)["stopped_at_step"]
-    checkpoints = sorted(p.name for p in (run.run_dir / "checkpoints").iterdir())
+    checkpoints = sorted(p.name for p in (run.run_dir / "checkpoints").glob("*.pt"))
     assert checkpoints == [f"step-{step}.pt"]
     assert f"stopped by SIGTERM at step {step}; checkpoint" in last_line(stderr)
     assert run.wait_until_gone() == []

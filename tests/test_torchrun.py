@@ -177,7 +177,7 @@ def test_the_slurm_script_runs_every_node(tmp_path, capsys):
     assert result.returncode == 0, result.stderr + logs
     summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["steps"] == 20
-    assert load_weights(run_dir) and sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+    assert load_weights(run_dir) and sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == \
         ["step-10.pt", "step-20.pt"]
     assert not (tmp_path / "log.scontrol").exists()  # finished: nothing requeued
 

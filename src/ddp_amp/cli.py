@@ -328,11 +328,11 @@ def multinode(
     nproc = torchrun.parse_nproc(nproc_per_node)
     net = torchrun.detect_node_network(where, is_host=is_host, local_addr=local_addr, ifname=ifname,
                                        rdzv_timeout=rdzv_timeout, check_reachable=not dry_run)
+    job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
     plan = preflight(train, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
                      run_dir=output["run_dir"], lock_run_dir=False,
                      world_size=nodes.min * nproc if nodes.min == nodes.max else None,
-                     extra={"elastic": nodes.min != nodes.max})
-    job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, _training_args(train))
+                     extra={"elastic": nodes.min != nodes.max, "job_id": job_id})
     job = torchrun.multinode_job(
         endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
         is_host=net.is_host, local_addr=net.local_addr, ifname_env=net.ifname_env, max_restarts=max_restarts,

@@ -26,7 +26,7 @@ DEFAULT_STEPS = 100
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
            "tf32": TF32_MODES, "optimizer_impl": OPTIMIZER_IMPLS, "grad_compression": GRAD_COMPRESSIONS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
-NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "elastic")
+NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "elastic", "job_id")
 """Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
 
 
@@ -89,6 +89,9 @@ class TrainConfig:
     elastic: bool = False
     """An elastic multinode job (--nnodes MIN:MAX): the world size may change when torchrun restarts the workers,
     and they continue from the newest checkpoint across the change."""
+    job_id: str | None = None
+    """multinode: the rendezvous id, the same on every node of one job; a node that joins an elastic job later
+    recognises the job's run dir by it (a shared file system) and joins instead of refusing it."""
     record_step_times: bool = False
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
     tf32: str | None = None
@@ -251,8 +254,17 @@ def clear_earlier_run(path: Path) -> None:
             shutil.rmtree(path / name)
 
 
+def running_job(path: Path) -> str | None:
+    """The job id of the elastic multinode job whose config.json is in `path`, if any."""
+    try:
+        written = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return written.get("job_id") if isinstance(written, dict) and written.get("elastic") else None
+
+
 def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False,
-                    lock: bool = True, resuming: bool = False) -> PreparedRunDir:
+                    lock: bool = True, resuming: bool = False, joining: str | None = None) -> PreparedRunDir:
     """Check `--run-dir` before launch, create it and lock it. Refuses to clobber a file, an earlier run's
     weights or metrics, or a directory another launch is using; removes temporary files a killed write left.
 
@@ -260,6 +272,8 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
     suffix is added. The check and the creation are one mkdir, so concurrent launches cannot share it.
     lock: False for multinode, whose nodes may legitimately share one directory on a shared file system.
     resuming: an unfinished run's metrics are expected (the resumed run cuts them back to its checkpoint).
+    joining: an elastic multinode job's id: when the directory is that job's (a node joining it later, on a
+    shared file system), nothing is refused and nothing of the running job's is touched.
     """
     path = Path(run_dir)
     flag = f"--run-dir {str(path)!r}"
@@ -276,6 +290,8 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                 raise UsageError(f"{flag} cannot be created: {exc.strerror}") from None
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag} is an existing file, not a directory")
+    if joining is not None and path.is_dir() and running_job(path) == joining:
+        return PreparedRunDir(path, None)
     if (path / "model.pt").exists() and not overwrite:
         raise UsageError(f"{flag} already holds a finished run (model.pt); choose another or pass --overwrite")
     try:

@@ -6,13 +6,15 @@ Whatever is wrong becomes a UsageError (one line per problem, exit code 2) and n
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ddp_amp.config import CONFIG_FILE, TrainConfig, prepare_run_dir
+from ddp_amp.config import CONFIG_FILE, TrainConfig, prepare_run_dir, running_job
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
 from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
@@ -128,12 +130,16 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
     if config.resume is not None:
         config = config.replace(resume=resolve_resume(config, world_size))
     # Last, so that a rejected launch leaves nothing behind.
+    joining = config.job_id if config.elastic else None
+    joins = joining is not None and running_job(Path(config.run_dir)) == joining
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
-                               resuming=config.resume is not None)
+                               resuming=config.resume is not None, joining=joining)
     path = prepared.path
     if str(path) != config.run_dir:
         config = config.replace(run_dir=str(path))
-    config_path = path / CONFIG_FILE
+    # A node joining a running elastic job in a shared run dir keeps the job's config.json (its ranks read it
+    # at every restart) and writes its own beside it.
+    config_path = path / (f"config.{socket.gethostname()}.{os.getpid()}.json" if joins else CONFIG_FILE)
     try:
         atomic_write(config_path, (config.to_json() + "\n").encode())
     except OSError as exc:
