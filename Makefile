@@ -21,7 +21,7 @@ help:
 	@echo "make test       the whole test suite, slow multi-process tests included"
 	@echo "make test-fast  the tests not marked slow"
 	@echo "make lint       ruff"
-	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, AMP and compile speedup, gradient compression"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, AMP and compile speedup, gradient compression"
 
 install: $(STAMP)
 
@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/progress_overhead.py --repeats 5
 	$(BIN)/python benchmarks/fp16_skip_sync.py --repeats 5 --steps 60
 	$(BIN)/python benchmarks/checkpoint_cost.py --repeats 3
+	$(BIN)/python benchmarks/resume_memory.py --keep 3 --repeats 3
 	$(BIN)/ddp-amp bench --device auto --repeats 3
 	$(BIN)/ddp-amp bench --device auto --amp off --compile both --repeats 3
 	@# Two hosts in network namespaces behind a tc-limited link: root only.

@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/resume_memory.py [--base REV] [--keep 3] [--repeats 3]
 
+Without --base, this tree alone.
+
 One run of the wide MLP (1024-4096-1024-1024, AdamW: ~113 MB a checkpoint) leaves --keep checkpoints; then,
 in a fresh process per measurement, what every rank of a `--resume` launch does at start-up: find the newest
 checkpoint this launch may continue from (none of this launch's yet), then load --resume's. Reported: the
@@ -46,7 +48,7 @@ def measure(src: Path, run_dir: Path, resume: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="HEAD")
+    parser.add_argument("--base", help="an earlier revision to compare with (git rev)")
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -58,7 +60,9 @@ def main() -> None:
                        check=True, capture_output=True)
         newest = run_dir / "checkpoints" / f"step-{args.keep}.pt"
         size_mb = newest.stat().st_size / 2**20
-        sides = {"this tree": HERE.parent / "src", args.base: export_src(args.base, Path(tmp))}
+        sides = {"this tree": HERE.parent / "src"}
+        if args.base:
+            sides[args.base] = export_src(args.base, Path(tmp))
         results: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.repeats):
             for name, src in sides.items():

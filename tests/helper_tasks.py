@@ -373,3 +373,14 @@ def waits_for_world() -> Task:
         return loss
 
     return _regression_with(on_call)
+
+
+def inf_every_other_call() -> Task:
+    """Every second loss is inf: under fp16 every second step is skipped, never two in a row."""
+    return _regression_with(lambda call, loss: loss * float("inf") if call % 2 == 0 else loss)
+
+
+def loss_is_the_rank() -> Task:
+    """Rank r's loss is r (plus 0 x the real loss, so gradients exist): the logged, global loss of 2 ranks is 0.5."""
+    rank = float(os.environ.get("RANK", "0"))
+    return _regression_with(lambda call, loss: 0 * loss + rank)

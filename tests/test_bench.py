@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -132,3 +133,11 @@ def test_mfu_is_per_gpu():
     eight = mfu("NVIDIA H100 80GB HBM3", tokens_per_s=8e5, flops_per_token=1e6, gpus=8)
     assert one == pytest.approx(1e11 / peak) and eight == pytest.approx(one)
     assert mfu("Some Unknown GPU", 1e5, 1e6, gpus=1) is None
+
+
+@pytest.mark.slow
+def test_the_precisions_are_interleaved(bench_both):
+    """fp32 and AMP take turns (a drift of the shared machine hits both alike), not all of one, then the other."""
+    _, result = bench_both
+    order = re.findall(r"^bench: \d+/4 (\S+) repeat (\d+):", result.stderr, flags=re.MULTILINE)
+    assert order == [("fp32", "1"), ("bf16", "1"), ("fp32", "2"), ("bf16", "2")], result.stderr

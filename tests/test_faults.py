@@ -201,3 +201,22 @@ def test_the_run_files_honour_the_umask(tmp_path):
     for path in (run / "model.pt", run / "summary.json", run / "config.json", run / "metrics.jsonl",
                  run / "checkpoints" / "step-4.pt"):
         assert oct(path.stat().st_mode & 0o777) == oct(0o640), path
+
+
+def test_a_checkpoint_that_does_not_fit_leaves_the_earlier_one_whole_and_alone(small_file_system):
+    """Written beside and renamed over: a save that runs out of room raises, and what was there before stays."""
+    import torch
+
+    from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, save_checkpoint
+
+    def state(step: int, numbers: int) -> dict:
+        return {"step": step, "trainer": {"model": {"w": torch.ones(numbers)}}, "rng": [], "world_size": 1,
+                "config": {"launch_time": 1.0}}
+
+    save_checkpoint(small_file_system, state(10, 1000), keep=2)
+    with pytest.raises(OSError):
+        save_checkpoint(small_file_system, state(20, 1_000_000), keep=2)  # 4 MB on a 2 MiB file system
+    assert [p.name for p in checkpoints(small_file_system)] == ["step-10.pt"]
+    assert torch.equal(load_checkpoint(checkpoints(small_file_system)[0])["trainer"]["model"]["w"], torch.ones(1000))
+    directory = small_file_system / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == ["step-10.json", "step-10.pt"]  # no debris

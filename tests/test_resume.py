@@ -144,14 +144,25 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_unopened(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+# The flags the README says a resume must share with its checkpoint (its "Checkpoints and resume" section), with
+# another value each: written out here, not read from the code's own list.
+MUST_MATCH_IN_README = {"--batch-size": "32", "--grad-accum": "2", "--task": "linear", "--schedule": "step",
+                        "--warmup-steps": "1", "--min-lr-ratio": "0.5", "--steps": "41", "--lr": "0.02",
+                        "--optimizer": "sgd", "--seed": "6"}
+
+
 def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path, uninterrupted):
-    """Another world size is no mismatch (a job continued on another allocation): only the other flags are."""
+    """Each flag is named with both values. Another world size is no mismatch (a job continued on another
+    allocation): spawn -n 1 resumes a 2-rank checkpoint here, and world size is not among the differences."""
     checkpoint = uninterrupted["fp32"] / "checkpoints" / "step-40.pt"
-    result = run_cli("spawn", "-n", "1", *ARGS, "--amp", "off", "--batch-size", "32", "--resume", str(checkpoint),
+    changed = [item for flag, value in MUST_MATCH_IN_README.items() for item in (flag, value)]
+    result = run_cli("spawn", "-n", "1", *ARGS, "--amp", "off", *changed, "--resume", str(checkpoint),
                      "--run-dir", str(tmp_path / "run"))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert lines[0].endswith("this run differs from the checkpoint's: --batch-size 32 (checkpoint: 16)")
+    differences = lines[0].split("this run differs from the checkpoint's: ", 1)[1].split("; ")
+    assert sorted(d.split(" ")[0] for d in differences) == sorted(MUST_MATCH_IN_README), lines[0]
+    assert "--seed 6 (checkpoint: 5)" in differences and "world size" not in lines[0]
     assert not (tmp_path / "run").exists()
 
 

@@ -47,6 +47,7 @@ def test_run_dir_contract(two_rank_run):
     assert summary["steps"] == 20
     assert summary["precision"] == "fp32" and summary["device"] == "cpu" and summary["backend"] == "gloo"
     assert summary["samples_per_s"] > 0 and 0 < summary["time_to_first_step_s"] < summary["wall_s"]
+    assert summary["samples_per_s"] == pytest.approx(2 * summary["rank_samples_per_s"])  # global, not one rank's
     weights = load_weights(run_dir)  # weights_only=True
     assert weights and not any(key.startswith("module.") for key in weights)
     metrics = read_metrics(run_dir)
@@ -283,3 +284,19 @@ def test_compile_trains_the_same_weights_and_reports_the_compile_time(two_rank_r
     compiled, eager = load_weights(tmp_path), load_weights(run_dir)
     assert compiled.keys() == eager.keys()  # the module's own names, not the compiled wrapper's
     assert_weights_close(compiled, eager, rtol=1e-4)
+
+
+def test_the_logged_loss_is_the_mean_over_ranks(tmp_path, helper_task):
+    """Rank r's loss is r: the loss metrics.jsonl records for 2 ranks is 0.5 (one rank's would be 0 or 1)."""
+    assert_ok(run_cli("spawn", "-n", "2", "--device", "cpu", "--task", helper_task("loss_is_the_rank"), "--steps", "3",
+                      "--log-every", "1", "--run-dir", str(tmp_path)))
+    assert [m["loss"] for m in read_metrics(tmp_path)] == [0.5, 0.5, 0.5]
+
+
+def test_a_loss_that_stays_nan_stops_the_run_by_default(tmp_path, helper_task):
+    """No --max-nonfinite: the default (20) still stops a run whose loss stays NaN."""
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--amp", "off", "--task", helper_task("nan_on_rank1"),
+                     "--steps", "200", "--log-every", "10", "--run-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert last_line(result.stderr).startswith("ddp-amp: error: training diverged at step 23 on rank 1: the loss "
+                                               "was inf/NaN for 20 consecutive steps"), result.stderr

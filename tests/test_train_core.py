@@ -204,3 +204,105 @@ def test_grad_norm_is_the_true_gradient_norm_at_each_log_step(one_rank_group, tm
     assert all(0 < norm < 100 for norm in norms), norms
     if fp16:  # between log steps the gradients stay scaled: unscaling happens at log steps only
         assert stepped_with[0] > 1000 * norms[0]
+
+
+def test_gradients_are_all_reduced_once_per_optimizer_step_under_grad_accum(one_rank_group, tmp_path):
+    """no_sync on every micro-step but the last: 3 steps of 4 micro-steps are 3 all-reduces per bucket, not 12."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    config = TrainConfig(task="inline", steps=3, grad_accum=4, log_every=3, amp="off", batch_size=8,
+                         run_dir=str(tmp_path))
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.resumable(),
+                      Recorder())
+    buckets = []
+
+    def counting_allreduce(state, bucket):
+        buckets.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    trainer.model.register_comm_hook(None, counting_allreduce)
+    trainer.train()
+    trainer.close()
+    assert buckets == [0, 0, 0]
+
+
+def test_each_epoch_is_the_order_distributed_sampler_gives_after_set_epoch():
+    """The data of epoch 1 is a new order, exactly the one DistributedSampler gives after set_epoch(1)."""
+    from torch.utils.data import DistributedSampler, TensorDataset
+
+    from ddp_amp.train.data import RankData
+
+    dataset = TensorDataset(torch.arange(40))
+    env = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=0)
+    data = RankData(dataset, env, torch.device("cpu"), batch_size=5, seed=3, workers=0)
+    batches = data.batches()
+    seen = [[int(i) for _ in range(data.batches_per_epoch) for i in next(batches)[0]] for _epoch in range(2)]
+    reference = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=3)
+    for epoch in (0, 1):
+        reference.set_epoch(epoch)
+        assert seen[epoch] == list(reference)
+    assert seen[0] != seen[1]
+
+
+def test_fp16_clips_after_unscaling(one_rank_group, tmp_path):
+    """--clip-grad above the true norm but below the scaled one (x65536) must not clip: the weights equal an fp16
+    run without clipping. Clipping before unscale_ would clip the scaled gradients."""
+    weights = []
+    for clip in (None, 1000.0):
+        config = TrainConfig(task="inline", steps=4, log_every=4, lr=0.05, schedule="constant", batch_size=16,
+                             dtype="fp16", amp="on", clip_grad=clip, run_dir=str(tmp_path))
+        torch.manual_seed(0)
+        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp16"), helper_tasks.resumable(),
+                          Recorder())
+        result = trainer.train()
+        weights.append({k: v.clone() for k, v in result.model.state_dict().items()})
+        trainer.close()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_clip_grad_bounds_every_norm_the_optimizer_sees(one_rank_group, tmp_path):
+    config = TrainConfig(task="inline", steps=4, log_every=2, lr=0.05, schedule="constant", batch_size=16,
+                         amp="off", clip_grad=0.01, run_dir=str(tmp_path))
+    torch.manual_seed(0)
+    recorder = Recorder()
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.resumable(),
+                      recorder)
+    stepped_with = []
+    original_step = trainer.step.optimizer_step
+
+    def step_and_measure():
+        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        stepped_with.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        return original_step()
+
+    trainer.step.optimizer_step = step_and_measure
+    trainer.train()
+    trainer.close()
+    assert len(stepped_with) == 4 and all(norm <= 0.01 * (1 + 1e-5) for norm in stepped_with), stepped_with
+    assert all(record["grad_norm"] > 0.01 for record in recorder.records)  # the norm before clipping
+
+
+def test_the_nonfinite_limit_counts_consecutive_steps(one_rank_group, tmp_path):
+    """Inf every other step, --max-nonfinite 3: never three in a row, so the run finishes (a count of all
+    non-finite steps would stop it at the sixth)."""
+    config = TrainConfig(task="inline", steps=12, log_every=1, lr=0.01, schedule="constant", batch_size=16,
+                         dtype="fp16", amp="on", max_nonfinite=3, run_dir=str(tmp_path))
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp16"),
+                      helper_tasks.inf_every_other_call(), Recorder())
+    summary = trainer.train().summary
+    trainer.close()
+    assert "diverged" not in summary
+    assert summary["steps"] == 12 and summary["skipped_steps"] == 6
+
+
+def test_the_precision_the_ranks_agree_on_is_fp16_on_a_pre_ampere_gpu(monkeypatch):
+    """The function each rank calls, with a capability of 7.5 (a T4): bf16 there is emulated, so --amp auto
+    picks fp16."""
+    from ddp_amp.rank.setup import native_bf16_here, precision_for
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    native = native_bf16_here(torch.device("cuda", 0))
+    assert native is False
+    assert precision_for(TrainConfig(amp="auto"), "cuda", native).name == "fp16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert precision_for(TrainConfig(amp="auto"), "cuda", native_bf16_here(torch.device("cuda", 0))).name == "bf16"

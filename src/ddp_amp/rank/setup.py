@@ -59,21 +59,26 @@ def nccl_watchdog_environment(run_dir: Path) -> None:
         os.environ.setdefault(key, value)
 
 
-def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:
-    """The precision every rank uses, decided from each rank's own device and agreed on by all of them.
-
-    bf16 counts only where it is native (a GPU of compute capability 8.0 or newer): with --amp auto a job
-    whose GPUs are mixed trains in fp16 everywhere, since ranks in one DDP job must step the same way.
-    """
+def native_bf16_here(device: torch.device) -> bool:
+    """This rank's own answer: bf16 counts only where it is native (a GPU of compute capability 8.0 or newer,
+    a CPU with avx512_bf16 or AMX), not where torch would emulate it."""
     if device.type == "cuda":
-        native = cuda_has_native_bf16(torch.cuda.get_device_capability(device))
-    else:
-        native = cpu_has_native_bf16()
-    flag = torch.tensor([1.0 if native else 0.0], device=device)
+        return cuda_has_native_bf16(torch.cuda.get_device_capability(device))
+    return cpu_has_native_bf16()
+
+
+def precision_for(config: TrainConfig, device_type: str, native_everywhere: bool) -> Precision:
+    return resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=native_everywhere,
+                             cpu_native_bf16=native_everywhere if device_type == "cpu" else None)
+
+
+def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:
+    """The precision every rank uses, decided from each rank's own device and agreed on by all of them: with
+    --amp auto a job whose GPUs are mixed trains in fp16 everywhere, since ranks in one DDP job must step the
+    same way."""
+    flag = torch.tensor([1.0 if native_bf16_here(device) else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # once, at start-up
-    native_everywhere = bool(flag.item())
-    return resolve_precision(device.type, config.amp, config.dtype, cuda_bf16=native_everywhere,
-                             cpu_native_bf16=native_everywhere if device.type == "cpu" else None)
+    return precision_for(config, device.type, native_everywhere=bool(flag.item()))
 
 
 def seed_rank_randomness(seed: int) -> None:

@@ -154,8 +154,6 @@ class Trainer:
                 self.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update
             diverged = divergence.end_step(number, outcome.loss, outcome.stepped)
             metrics.step_done(number, outcome)
-            if self.checkpointer is not None and self.checkpointer.due(number):
-                self.checkpointer.save(self, number)
             if log_due or diverged is not None:
                 self.step.position = (step, config.grad_accum, LOG)
                 # A tripped divergence watch rides along with the log's all-reduce: every rank learns of it at
@@ -164,6 +162,10 @@ class Trainer:
                                          grad_norm=outcome.grad_norm, flags=[divergence.tripped()])
                 if tripped and diverged is None:
                     diverged = divergence.verdict(self.env)  # where and on which rank: the same on all
+            # After the log line: a checkpoint at step N always has N's line before it (a resume cuts the
+            # metrics back to N and never writes that line again).
+            if self.checkpointer is not None and self.checkpointer.due(number):
+                self.checkpointer.save(self, number)
             if (signum := stop.agreed(number)) and number < self.total_steps:  # a signal on any rank, lately
                 self.stopped_at, self.stopped_by = number, signum
             steps_done = number
