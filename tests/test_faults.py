@@ -220,3 +220,11 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_earlier_one_whole_and_alone(s
     assert torch.equal(load_checkpoint(checkpoints(small_file_system)[0])["trainer"]["model"]["w"], torch.ones(1000))
     directory = small_file_system / "checkpoints"
     assert sorted(p.name for p in directory.iterdir()) == ["step-10.json", "step-10.pt"]  # no debris
+    # The same for a file written again under its own name (summary.json, model.pt): the old one survives.
+    from ddp_amp.outputs import read_summary, write_summary
+
+    write_summary(small_file_system, {"steps": 10})
+    with pytest.raises(OSError):
+        write_summary(small_file_system, {"steps": 20, "filler": "x" * 3_000_000})
+    assert read_summary(small_file_system) == {"steps": 10}
+    assert not list(small_file_system.glob(".*.tmp"))

@@ -306,3 +306,26 @@ def test_the_precision_the_ranks_agree_on_is_fp16_on_a_pre_ampere_gpu(monkeypatc
     assert precision_for(TrainConfig(amp="auto"), "cuda", native).name == "fp16"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert precision_for(TrainConfig(amp="auto"), "cuda", native_bf16_here(torch.device("cuda", 0))).name == "bf16"
+
+
+def test_a_checkpoint_is_saved_after_its_steps_log_line(one_rank_group, tmp_path):
+    """A kill between the two would otherwise lose step N's line for good: a resume from step N cuts the
+    metrics back to N and never logs N again."""
+    config = TrainConfig(task="inline", steps=6, log_every=2, amp="off", batch_size=16, run_dir=str(tmp_path))
+    recorder = Recorder()
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.resumable(),
+                      recorder)
+
+    class Watching:
+        logged_at_save: dict[int, list[int]] = {}
+
+        def due(self, step):
+            return step % 2 == 0
+
+        def save(self, trainer, step):
+            self.logged_at_save[step] = [record["step"] for record in recorder.records]
+
+    trainer.checkpointer = Watching()
+    trainer.train()
+    trainer.close()
+    assert Watching.logged_at_save == {2: [2], 4: [2, 4], 6: [2, 4, 6]}
