@@ -349,3 +349,28 @@ def test_nodes_on_one_machine_share_its_cores(tmp_path, capsys):
     assert code == 0
     env, _ = parse_dry_run(captured.out)
     assert env["OMP_NUM_THREADS"] == str(cores)
+
+
+def test_emit_slurm_requeues_on_the_chosen_signals_stop_code_only(tmp_path):
+    script = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multinode", "--nnodes", "2", "--endpoint", "node0:29500", "--requeue-signal", "USR2",
+              "--emit-slurm", str(script)])
+    assert exit_info.value.code == 0
+    text = script.read_text()
+    assert "#SBATCH --signal=USR2@120" in text
+    # 128 + SIGUSR2, and only with a checkpoint to continue from.
+    assert 'if [ "$status" -eq 140 ] && ls "$RUN_DIR"/checkpoints/step-*.pt >/dev/null 2>&1; then' in text
+    assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_a_bad_requeue_signal_is_one_line_exit_2(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["multinode", "--nnodes", "2", "--endpoint", "node0:29500", "--requeue-signal", "KILL",
+              "--emit-slurm", str(script)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("ddp-amp: error: --requeue-signal must be one of USR1, USR2, TERM, "
+                                               "got 'KILL'")
+    assert not script.exists()

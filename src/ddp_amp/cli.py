@@ -357,7 +357,6 @@ def _emit_slurm(path: Path, train: dict, output: dict, nodes, where, *, nproc_pe
     if requeue_signal not in torchrun.REQUEUE_SIGNALS:
         raise UsageError(f"--requeue-signal must be one of {', '.join(torchrun.REQUEUE_SIGNALS)}, got "
                          f"{requeue_signal!r}")
-
     if nproc_per_node not in ("gpu", "cpu", "auto"):
         torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
     # What every node shares; per-node values (--local-addr, --is-host, --node-rank) are found on each node.
