@@ -329,3 +329,19 @@ def test_a_checkpoint_is_saved_after_its_steps_log_line(one_rank_group, tmp_path
     trainer.train()
     trainer.close()
     assert Watching.logged_at_save == {2: [2], 4: [2, 4], 6: [2, 4, 6]}
+
+
+def test_an_epoch_split_by_a_resize_repeats_no_sample_and_gives_every_rank_as_many_batches():
+    """25 samples left for 3 ranks in batches of 8: shares of 9, 8 and 8 would make 2, 1 and 1 batches (a rank
+    waiting alone in an all-reduce); the short ranks halve their batch instead, and nothing is padded."""
+    from ddp_amp.train.data import EpochSampler, RankBatches
+
+    shares = []
+    for rank in range(3):
+        sampler = EpochSampler(49, rank, 3, seed=1)
+        sampler.cursor, sampler.resized_epoch = 24, 0  # 24 consumed before the resize
+        batches = list(RankBatches(sampler, 8))
+        assert len(batches) == 2 and all(batches), batches
+        shares.append([index for batch in batches for index in batch])
+    order = torch.randperm(49, generator=torch.Generator().manual_seed(1)).tolist()
+    assert sorted(index for share in shares for index in share) == sorted(order[24:])

@@ -43,16 +43,15 @@ def loader_workers(requested: int | None, device: torch.device, local_world_size
     return max(0, min(MAX_DEFAULT_WORKERS, usable_cores() // local_world_size - 1))
 
 
-def build_loader(dataset: Any, sampler: Any, batch_size: int, workers: int, device: torch.device,
-                 seed: int) -> DataLoader:
+def build_loader(dataset: Any, batch_sampler: Any, workers: int, device: torch.device, seed: int) -> DataLoader:
     # A generator of its own: each new iterator draws its workers' base seed from it, not from the global
     # RNG, so where an iterator starts (a resume mid-epoch) does not shift the training randomness.
     extra: dict[str, Any] = {"generator": torch.Generator().manual_seed(seed)}
     if workers:
         # Workers live as long as the run (not re-forked every epoch) and keep two batches each ready.
         extra.update(persistent_workers=True, prefetch_factor=2)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      pin_memory=device.type == "cuda", **extra)
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
+                      **extra)
 
 
 class EpochSampler(Sampler):
@@ -63,18 +62,21 @@ class EpochSampler(Sampler):
     DistributedSampler's. `cursor` positions of it were consumed already (by every rank together); the rest
     is striped across the ranks there are now. A resumed run continues exactly where it stopped, and a
     resized one (an elastic job, or --resume on another world size) trains on every remaining sample of the
-    epoch once, whatever the world size was before."""
+    epoch once, whatever the world size was before: in the epoch a resize split, nothing is padded (the
+    ranks' shares differ by one sample at most; RankBatches keeps their batch counts equal)."""
 
     def __init__(self, size: int, rank: int, world_size: int, seed: int) -> None:
         self.size, self.rank, self.world_size, self.seed = size, rank, world_size, seed
         self.epoch, self.cursor = 0, 0
+        self.resized_epoch: int | None = None
+        """The epoch a world-size change split: its rest is striped without padding."""
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.size, generator=generator).tolist()
         rest = order[self.cursor:]
-        padding = -len(rest) % self.world_size
+        padding = 0 if self.epoch == self.resized_epoch else -len(rest) % self.world_size
         rest += (order * math.ceil(padding / self.size))[:padding] if padding else []
         return iter(rest[self.rank::self.world_size])
 
@@ -86,6 +88,32 @@ class EpochSampler(Sampler):
         """This rank's samples left in the epoch, from the cursor."""
         rest = max(0, self.size - self.cursor)
         return math.ceil(rest / self.world_size) if rest else 0
+
+
+class RankBatches(Sampler):
+    """This rank's batches: `batch_size` indices at a time, as DataLoader's own batching makes them. In the
+    epoch a resize split, a rank may hold one sample fewer than another and so end a batch short: it halves
+    its last full batch, so every rank runs as many batches (no rank waits in an all-reduce the others never
+    join) and no sample is repeated."""
+
+    def __init__(self, sampler: EpochSampler, batch_size: int) -> None:
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices, size = list(self.sampler), self.batch_size
+        batches = [indices[start:start + size] for start in range(0, len(indices), size)]
+        if self.sampler.epoch == self.sampler.resized_epoch:
+            wanted = math.ceil(self.sampler.remaining() / size)  # the same on every rank
+            if len(batches) < wanted:
+                if batches and len(batches[-1]) > 1:
+                    last = batches.pop()
+                    batches += [last[:len(last) // 2], last[len(last) // 2:]]
+                else:  # a batch of one sample cannot be halved: repeat this epoch's first sample
+                    batches.append(indices[:1] or [0])
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
 
 
 class RankData:
@@ -100,7 +128,8 @@ class RankData:
         # batches: no rank waits forever in an all-reduce the others never join.
         self.sampler = EpochSampler(len(dataset), env.rank, env.world_size, seed)
         self.workers = workers
-        self.loader = build_loader(dataset, self.sampler, batch_size, workers, device, seed=seed + env.rank)
+        self.loader = build_loader(dataset, RankBatches(self.sampler, batch_size), workers, device,
+                                   seed=seed + env.rank)
 
     @property
     def epoch(self) -> int:
@@ -125,11 +154,15 @@ class RankData:
         this_epoch = math.ceil(self.sampler.remaining() / self.batch_size)
         return this_epoch + max(0, epochs - self.epoch - 1) * self.batches_per_epoch
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "cursor": self.sampler.cursor}
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.sampler.epoch, "cursor": self.sampler.cursor,
+                "resized_epoch": self.sampler.resized_epoch}
 
     def load_state_dict(self, state: dict[str, Any], saved_world_size: int | None) -> None:
         self.sampler.epoch = state["epoch"]
+        self.sampler.resized_epoch = state.get("resized_epoch")
+        if saved_world_size not in (None, self.env.world_size):
+            self.sampler.resized_epoch = state["epoch"]
         if "cursor" in state:
             self.sampler.cursor = state["cursor"]
         else:  # a checkpoint of an earlier version: batches of its own world size
