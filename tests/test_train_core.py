@@ -27,6 +27,20 @@ class Recorder:
 
 
 
+def norms_handed_to_the_optimizer(trainer) -> list[float]:
+    """A list that fills, as the trainer runs, with the norm of the gradients each optimizer step is handed."""
+    norms = []
+    original_step = trainer.step.optimizer_step
+
+    def step_and_measure():
+        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        return original_step()
+
+    trainer.step.optimizer_step = step_and_measure
+    return norms
+
+
 @pytest.fixture
 def one_rank_group(monkeypatch):
     store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
@@ -188,15 +202,7 @@ def test_grad_norm_is_the_true_gradient_norm_at_each_log_step(one_rank_group, tm
     recorder = Recorder()
     trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision(precision), helper_tasks.resumable(),
                       recorder)
-    stepped_with = []  # the norm of the gradients each optimizer step is handed
-    original_step = trainer.step.optimizer_step
-
-    def step_and_measure():
-        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
-        stepped_with.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
-        return original_step()
-
-    trainer.step.optimizer_step = step_and_measure
+    stepped_with = norms_handed_to_the_optimizer(trainer)
     trainer.train()
     trainer.close()
     norms = [record["grad_norm"] for record in recorder.records]
@@ -267,15 +273,7 @@ def test_clip_grad_bounds_every_norm_the_optimizer_sees(one_rank_group, tmp_path
     recorder = Recorder()
     trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.resumable(),
                       recorder)
-    stepped_with = []
-    original_step = trainer.step.optimizer_step
-
-    def step_and_measure():
-        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
-        stepped_with.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
-        return original_step()
-
-    trainer.step.optimizer_step = step_and_measure
+    stepped_with = norms_handed_to_the_optimizer(trainer)
     trainer.train()
     trainer.close()
     assert len(stepped_with) == 4 and all(norm <= 0.01 * (1 + 1e-5) for norm in stepped_with), stepped_with
