@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddp_amp.errors import UsageError
 from ddp_amp.files import DirectoryInUse, DirectoryLock, remove_partial_writes
+from ddp_amp.outputs import METRICS_FILE, MODEL_FILE, STEP_TIMES_FILE, SUMMARY_FILE
 
 DEVICES = ("auto", "cpu", "cuda")
 AMP_MODES = ("auto", "on", "off")
@@ -238,8 +239,8 @@ class PreparedRunDir:
     """Held by the launcher for the whole launch: a second launch into the same directory is refused."""
 
 
-EARLIER_RUN_FILES = ("model.pt", "metrics.jsonl", "summary.json", "step_times.json")
-EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile")
+EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE)
+EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile")  # checkpoint.fileformat, rank.reporter, profiling
 
 
 def clear_earlier_run(path: Path) -> None:

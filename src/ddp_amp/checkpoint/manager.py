@@ -128,7 +128,7 @@ def checkpoint_to_continue(config: TrainConfig, run_dir: Path) -> tuple[Path, di
     must never pick up as its own. Before this launch wrote one, a restart continues from --resume, if given."""
     found = fileformat.newest_valid_checkpoint(
         run_dir, warn=lambda line: print(f"warning: {line}"),
-        accept=lambda state: state["config"].get("launch_time") == config.launch_time)
+        accept=lambda metadata: metadata["config"].get("launch_time") == config.launch_time)
     if found is not None or config.resume is None:
         return found
     path = Path(config.resume)

@@ -16,10 +16,6 @@ class StopRequest:
 
     signum: int | None = None
 
-    @property
-    def name(self) -> str | None:
-        return signal.Signals(self.signum).name if self.signum else None
-
 
 STOP_REQUEST = StopRequest()
 
