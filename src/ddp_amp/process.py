@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 LAUNCHER_PID_VAR = "DDP_AMP_LAUNCHER_PID"
@@ -59,16 +60,29 @@ class StopSignal(Exception):
         return 128 + self.signum  # what a shell reports for a process killed by that signal (SIGTERM: 143)
 
 
+REPEAT_WINDOW_S = 1.0
+"""A repeat of the stop signal within this long of the first is the same stop delivered twice: GNU `timeout`
+signals its command and then its whole process group, which holds the command again, microseconds apart."""
+
+
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
     """Within the block, the STOP_SIGNALS raise StopSignal in the main thread, so the launcher stops its ranks
-    (gracefully) and says so instead of vanishing with them still running. A second signal is not caught:
-    it ends the launcher at once, and its ranks with it."""
+    (gracefully) and says so instead of vanishing with them still running. A second signal ends the launcher at
+    once, and its ranks with it (their parent-death signal), by that signal's default action: any other stop
+    signal, or the same one more than REPEAT_WINDOW_S after the first (sooner, it is the first delivered twice)."""
+    first: list[tuple[int, float]] = []
 
     def handler(signum: int, frame: object) -> None:
-        for sig in STOP_SIGNALS:  # a second signal ends the launcher at once (its ranks die with it)
+        if not first:
+            first.append((signum, time.monotonic()))
+            raise StopSignal(signum)
+        first_signum, first_at = first[0]
+        if signum == first_signum and time.monotonic() - first_at < REPEAT_WINDOW_S:
+            return
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
-        raise StopSignal(signum)
+        os.kill(os.getpid(), signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
