@@ -384,3 +384,18 @@ def loss_is_the_rank() -> Task:
     """Rank r's loss is r (plus 0 x the real loss, so gradients exist): the logged, global loss of 2 ranks is 0.5."""
     rank = float(os.environ.get("RANK", "0"))
     return _regression_with(lambda call, loss: 0 * loss + rank)
+
+
+EVALUATION_BYTES = 2 * 2**30
+
+
+def memory_hungry_evaluation() -> Task:
+    """Training is small; the evaluation touches 2 GiB: the run's peak memory is that of the training."""
+    task = _regression_with(lambda call, loss: loss)
+
+    def evaluate(model, device):
+        block = torch.ones(EVALUATION_BYTES // 4, device=device)  # written, so resident
+        return {"block_sum": float(block[::4096].sum())}
+
+    task.evaluate = evaluate
+    return task

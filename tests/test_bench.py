@@ -125,14 +125,55 @@ def test_compiled_variants_are_compared_within_their_precision():
 
 
 def test_mfu_is_per_gpu():
-    from ddp_amp.train.metrics import GPU_PEAK_TFLOPS, mfu
+    from ddp_amp.gpu_peaks import mfu
 
-    peak = GPU_PEAK_TFLOPS["H100"] * 1e12
     # 8 GPUs together process 8x the tokens of one: the utilisation of each is that of one alone.
-    one = mfu("NVIDIA H100 80GB HBM3", tokens_per_s=1e5, flops_per_token=1e6, gpus=1)
-    eight = mfu("NVIDIA H100 80GB HBM3", tokens_per_s=8e5, flops_per_token=1e6, gpus=8)
-    assert one == pytest.approx(1e11 / peak) and eight == pytest.approx(one)
-    assert mfu("Some Unknown GPU", 1e5, 1e6, gpus=1) is None
+    one = mfu("NVIDIA H100 80GB HBM3", "bf16", tokens_per_s=1e5, flops_per_token=1e6, gpus=1)
+    eight = mfu("NVIDIA H100 80GB HBM3", "bf16", tokens_per_s=8e5, flops_per_token=1e6, gpus=8)
+    assert one == pytest.approx(1e11 / 989.4e12) and eight == pytest.approx(one)
+    assert mfu("Some Unknown GPU", "bf16", 1e5, 1e6, gpus=1) is None
+
+
+# Names as torch.cuda.get_device_name prints them, and the model and dense peaks each must get.
+@pytest.mark.parametrize(("name", "model", "fp32", "tf32", "bf16", "fp16"), [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 67.0, 494.7, 989.4, 989.4),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 51.2, 378.0, 756.0, 756.0),
+    ("NVIDIA H100 NVL", "H100 NVL", 60.0, 417.5, 835.5, 835.5),
+    ("NVIDIA H200", "H200 SXM", 67.0, 494.7, 989.4, 989.4),
+    ("NVIDIA A100-SXM4-40GB", "A100", 19.5, 156.0, 312.0, 312.0),
+    ("NVIDIA A100-SXM4-80GB", "A100", 19.5, 156.0, 312.0, 312.0),
+    ("NVIDIA A100-PCIE-40GB", "A100", 19.5, 156.0, 312.0, 312.0),
+    ("NVIDIA A100 80GB PCIe", "A100", 19.5, 156.0, 312.0, 312.0),
+    ("NVIDIA L40S", "L40S", 91.6, 183.0, 362.05, 362.05),
+    ("NVIDIA L40", "L40", 90.5, 90.5, 181.05, 181.05),
+    ("NVIDIA L4", "L4", 30.3, 60.0, 121.0, 121.0),
+    ("NVIDIA A10", "A10", 31.2, 62.5, 125.0, 125.0),
+    ("Tesla V100-SXM2-16GB", "V100 SXM2", 15.7, None, None, 125.0),
+    ("Tesla V100-PCIE-32GB", "V100 PCIe", 14.0, None, None, 112.0),
+    ("Tesla T4", "T4", 8.1, None, None, 65.0),
+])
+def test_each_gpu_gets_its_own_peaks(name, model, fp32, tf32, bf16, fp16):
+    from ddp_amp.gpu_peaks import gpu_model, peak_tflops
+
+    assert gpu_model(name)[0] == model
+    assert [peak_tflops(name, p) for p in ("fp32", "tf32", "bf16", "fp16")] == [fp32, tf32, bf16, fp16]
+
+
+@pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GeForce RTX 4090", "NVIDIA L40G", "NVIDIA H100",
+                                  "NVIDIA H800", "AMD Instinct MI300X", ""])
+def test_a_gpu_without_a_known_peak_gets_no_mfu(name):
+    from ddp_amp.gpu_peaks import gpu_model, mfu
+
+    assert gpu_model(name) is None
+    assert mfu(name, "bf16", 1e5, 1e6, gpus=1) is None
+
+
+def test_fp32_rows_are_held_to_the_fp32_or_tf32_peak():
+    from ddp_amp.bench import peak_precision
+
+    assert peak_precision("fp32", {"tf32_matmul": False}) == "fp32"
+    assert peak_precision("fp32+compile", {"tf32_matmul": True}) == "tf32"
+    assert peak_precision("bf16+compile", {"tf32_matmul": True}) == "bf16"
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import torch
 from ddp_amp.schedule import closed_form_lr
 
 from conftest import assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
-from helper_tasks import DRAWS_DIR_VAR, RECORDED_DRAWS
+from helper_tasks import DRAWS_DIR_VAR, EVALUATION_BYTES, RECORDED_DRAWS
 
 pytestmark = pytest.mark.slow
 
@@ -168,6 +168,14 @@ def test_a_failing_evaluation_keeps_the_weights_and_exits_1(tmp_path, helper_tas
 def test_evaluate_is_handed_the_models_device(tmp_path, helper_task):
     spawn(tmp_path, "--device", "cpu", "--task", helper_task("eval_reports_device"), "--steps", "4", nproc=1)
     assert read_summary(tmp_path)["eval"] == {"on_model_device": 1.0, "training_mode": 0.0}
+
+
+def test_peak_memory_is_the_trainings_not_the_evaluations(tmp_path, helper_task):
+    """Rank 0's evaluation touches 2 GiB after training: the figure reported is read before it."""
+    spawn(tmp_path, "--device", "cpu", "--task", helper_task("memory_hungry_evaluation"), "--steps", "4", nproc=1)
+    summary = read_summary(tmp_path)
+    assert summary["eval"]["block_sum"] > 0  # the evaluation ran
+    assert 0 < summary["peak_memory_mb"] < EVALUATION_BYTES / 2**20 / 2
 
 
 def test_loader_workers_train_the_same_weights(two_rank_run, tmp_path):

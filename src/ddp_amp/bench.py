@@ -71,7 +71,7 @@ def analyse(measurements: list[Measurement]) -> dict[str, Any]:
             "slowest_rank_step_s_median": max(per_rank.values()),
             "per_rank_step_s_median": {str(rank): value for rank, value in per_rank.items()},
             "samples_per_s": samples_per_s,
-            "peak_memory_mb": max(max(m.peak_memory_mb.values()) for m in runs),
+            "peak_memory_mb": max(max(m.peak_memory_mb.values()) for m in runs),  # reserved, on a GPU
             "final_loss": statistics.median(m.summary["final_loss"] for m in runs),
             "repeats": [{"repeat": m.repeat, "step_s_median": m.median_step_s, "final_loss": m.summary["final_loss"],
                          "step_s": {str(rank): times for rank, times in m.step_s.items()}} for m in runs],
@@ -200,6 +200,13 @@ def environment_report() -> dict[str, Any]:
     }
 
 
+def peak_precision(label: str, env: dict[str, Any]) -> str:
+    """Which of the GPU's peaks a measured variant ("fp32", "bf16+compile"...) is held to: float32 matmuls run
+    on the tensor cores as tf32 when tf32 is on."""
+    precision = label.removesuffix(COMPILED)
+    return "tf32" if precision == "fp32" and env.get("tf32_matmul") else precision
+
+
 AMP_CHOICES = ("both", "on", "off")
 COMPILE_CHOICES = ("off", "on", "both")
 COMPILED = "+compile"
@@ -261,7 +268,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     from ddp_amp.launch.spawn import spawn
     from ddp_amp.progress.display import PlainDisplay
     from ddp_amp.progress.session import ProgressSession
-    from ddp_amp.train.metrics import mfu
+    from ddp_amp.gpu_peaks import mfu
 
     measurements, notes, summary, plan = [], [], None, None
     total = options.repeats * len(options.variants)
@@ -298,10 +305,10 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     flops = summary.get("model_flops_per_token")
     if flops:
         env["model_flops_per_token"] = flops
-        for entry in report["precisions"].values():
+        for label, entry in report["precisions"].items():
             if "tokens_per_s" in entry:
-                entry["mfu"] = (mfu(env["device"], entry["tokens_per_s"], flops, gpus=summary["world_size"])
-                                if plan.device_type == "cuda" else None)
+                entry["mfu"] = (mfu(env["device"], peak_precision(label, env), entry["tokens_per_s"], flops,
+                                    gpus=summary["world_size"]) if plan.device_type == "cuda" else None)
     report["environment"] = env
     report["notes"] = notes
     report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,

@@ -30,7 +30,7 @@ from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
 from ddp_amp.rank.reporter import TensorBoardScalars, WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
 from ddp_amp.tasks import Task
-from ddp_amp.train.metrics import peak_memory_mb
+from ddp_amp.train.metrics import peak_memory
 from ddp_amp.train.trainer import Trainer, TrainResult
 
 
@@ -79,11 +79,12 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         reporter.state("running")
         with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
             result = trainer.train()
+        memory = peak_memory(device)  # of training: before rank 0's evaluation
         checkpointer.save_at_stop(trainer)
         checkpointer.close()  # waits for the write in flight
         trainer.close()  # on success only: after a failure the launcher stops every rank anyway
         summary = result.summary
-        summary.update(restarts=restarts, threads_per_rank=threads, tf32=config.tf32,
+        summary.update(memory, restarts=restarts, threads_per_rank=threads, tf32=config.tf32,
                        worker_start_s=started - (config.launch_time or started))
         if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
             summary["slurm_restart_count"] = int(os.environ["SLURM_RESTART_COUNT"])
@@ -97,11 +98,11 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         if config.record_step_times:
             rank_times = [None] * env.world_size
             dist.all_gather_object(rank_times, {"rank": env.rank, "step_s": result.step_s,
-                                                "peak_memory_mb": peak_memory_mb(device)})
+                                                **memory})
         if env.writes_run_dir:
             reporter.state("checkpointing")
             write_results(config, summary, result, task, rank_times, device)
-        reporter.done(summary, peak_memory_mb(device))
+        reporter.done(summary, memory)
         return summary if env.writes_run_dir else None
 
 

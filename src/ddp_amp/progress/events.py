@@ -6,7 +6,8 @@ Every event has "type" and "rank"; the rest depends on the type:
            restart (torchrun's restart count)
     log    step, total_steps, epoch, loss (this rank's, over the interval), global_loss (all ranks), lr,
            samples_per_s (this rank), global_samples_per_s, items_per_s / item_name, loss_scale, skipped_steps
-    done   steps, samples_per_s (this rank's mean), peak_memory_mb, final_loss, stopped (by a stop signal,
+    done   steps, samples_per_s (this rank's mean), peak_memory_mb (GPU: reserved; CPU: peak RSS), on a GPU
+           peak_memory_allocated_mb, final_loss, stopped (by a stop signal,
            before the last step), plus the run summary on the
            node's writer (wall_s, time_to_first_step_s, model_path, summary_path)
     error  traceback (the failing rank's, sent once)

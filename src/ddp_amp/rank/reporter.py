@@ -60,9 +60,10 @@ class WorkerReporter:
             event["grad_norm"] = record["grad_norm"]
         self._send(event)
 
-    def done(self, summary: dict[str, Any], peak_memory_mb: float) -> None:
+    def done(self, summary: dict[str, Any], memory: dict[str, float]) -> None:
+        """`memory`: train.metrics.peak_memory of the training, measured before any evaluation."""
         event = {"type": "done", "steps": summary["steps"], "samples_per_s": summary["rank_samples_per_s"],
-                 "peak_memory_mb": peak_memory_mb, "final_loss": self.last_loss,
+                 **memory, "final_loss": self.last_loss,
                  "stopped": "stopped_at_step" in summary}
         if self.env.writes_run_dir:
             event["summary"] = summary

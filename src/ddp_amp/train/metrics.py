@@ -23,11 +23,6 @@ from ddp_amp.profiling import StepProfiler
 from ddp_amp.tasks import Task
 from ddp_amp.train.step import StepOutcome
 
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs whose name we can match, for MFU.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
-                   "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
-
-
 class Reporter(Protocol):
     """How the core tells the outside world what it is doing. Called on every rank."""
 
@@ -40,19 +35,14 @@ def steady_state_start(total_steps: int) -> int:
     return 0 if total_steps < 4 else min(20, max(1, total_steps // 10))
 
 
-def mfu(device_name: str, tokens_per_s: float, flops_per_token: float, gpus: int) -> float | None:
-    """Model FLOPs utilisation per GPU: the global `tokens_per_s` is shared by `gpus` GPUs, each with the peak
-    of `device_name` (None when that peak is not known)."""
-    for name, peak in GPU_PEAK_TFLOPS.items():
-        if name in device_name:
-            return tokens_per_s / gpus * flops_per_token / (peak * 1e12)
-    return None
-
-
-def peak_memory_mb(device: torch.device) -> float:
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This rank's peak memory so far, in MiB. On a GPU `peak_memory_mb` is what the caching allocator reserved,
+    which is what runs out, and `peak_memory_allocated_mb` what tensors used of it; on a CPU the peak resident
+    set of the process."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        return {"peak_memory_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+                "peak_memory_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+    return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux reports KiB
 
 
 class MetricsProcessor:
