@@ -262,13 +262,13 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     import sys
 
     from ddp_amp.dist import loopback_store
+    from ddp_amp.gpu_peaks import mfu
     from ddp_amp.launch import torchrun
     from ddp_amp.launch.agent import run_agent
     from ddp_amp.launch.preflight import preflight
     from ddp_amp.launch.spawn import spawn
     from ddp_amp.progress.display import PlainDisplay
     from ddp_amp.progress.session import ProgressSession
-    from ddp_amp.gpu_peaks import mfu
 
     measurements, notes, summary, plan = [], [], None, None
     total = options.repeats * len(options.variants)

@@ -23,6 +23,7 @@ from ddp_amp.profiling import StepProfiler
 from ddp_amp.tasks import Task
 from ddp_amp.train.step import StepOutcome
 
+
 class Reporter(Protocol):
     """How the core tells the outside world what it is doing. Called on every rank."""
 
