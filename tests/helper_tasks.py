@@ -399,3 +399,17 @@ def memory_hungry_evaluation() -> Task:
 
     task.evaluate = evaluate
     return task
+
+
+def subnormal_activations() -> Task:
+    """Inputs and frozen weights of ~1e-20: every product, so every activation, is ~1e-40, below fp32's
+    smallest normal (1.2e-38), unless the rank flushes subnormals to zero. The trained layer after it sees
+    those activations too."""
+    gen = torch.Generator().manual_seed(7)
+    x = 1e-20 * (1 + torch.rand(256, 64, generator=gen))
+    tiny = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        tiny.weight.copy_(1e-20 * (1 + torch.rand(64, 64, generator=gen)))
+    tiny.weight.requires_grad_(False)
+    model = nn.Sequential(tiny, nn.Linear(64, 64, bias=False))
+    return Task(model=model, dataset=TensorDataset(x, torch.zeros(256, 64)), loss_fn=nn.functional.mse_loss)

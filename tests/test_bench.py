@@ -182,3 +182,39 @@ def test_the_precisions_are_interleaved(bench_both):
     _, result = bench_both
     order = re.findall(r"^bench: \d+/4 (\S+) repeat (\d+):", result.stderr, flags=re.MULTILINE)
     assert order == [("fp32", "1"), ("bf16", "1"), ("fp32", "2"), ("bf16", "2")], result.stderr
+
+
+def test_subnormals_and_collapsed_gradients_are_named_under_the_table():
+    from ddp_amp.bench import numerics_notes
+
+    clean = {"subnormal_fraction": {"activations": 0.0, "gradients": 1e-6, "weights": 0.0, "optimizer_state": 0.0},
+             "gradient_to_weight_norm": 0.03}
+    slow = {"subnormal_fraction": {"activations": 0.25, "gradients": 0.01, "weights": 0.0, "optimizer_state": 0.0},
+            "gradient_to_weight_norm": 2e-9}
+    assert numerics_notes({"precisions": {"fp32": clean, "bf16": clean}}) == []
+    notes = numerics_notes({"precisions": {"fp32": slow, "bf16": clean}})
+    assert len(notes) == 2 and all(note.startswith("fp32: ") for note in notes)
+    assert "25.0% of the activations were subnormal" in notes[0] and "--flush-denormal on" in notes[0]
+    assert "gradients had collapsed by the end (2.0e-09 of the weights' norm)" in notes[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flush", ["off", "auto"])
+def test_bench_finds_subnormal_activations_unless_they_are_flushed(tmp_path, helper_task, flush):
+    out = tmp_path / "bench.json"
+    result = run_cli("bench", "--device", "cpu", "--amp", "off", "--task", helper_task("subnormal_activations"),
+                     "--steps", "3", "--warmup", "1", "--repeats", "1", "--nproc", "2", "--flush-denormal", flush,
+                     "--run-dir", str(tmp_path / "runs"), "--json", str(out))
+    assert_ok(result)
+    report = json.loads(out.read_text())
+    fp32 = report["precisions"]["fp32"]
+    assert fp32["flush_denormal"] is (flush == "auto") and report["environment"]["flush_denormal"] is (flush == "auto")
+    if flush == "off":
+        share = fp32["subnormal_fraction"]["activations"]
+        assert share > 0.5  # the frozen layer's outputs all are, the trained layer's most
+        note = f"fp32: {share:.1%} of the activations were subnormal (below 1.2e-38)"
+        assert any(line.startswith(note) for line in report["notes"])
+        assert note in " ".join(result.stdout.split())
+    else:
+        assert fp32["subnormal_fraction"]["activations"] == 0.0
+        assert not any("were subnormal" in note for note in report["notes"])

@@ -1,6 +1,7 @@
 """Which precision --amp/--dtype resolve to on each kind of device."""
 
 import pytest
+import torch
 
 from ddp_amp.errors import UsageError
 from ddp_amp.precision import cuda_devices_have_native_bf16, cuda_has_native_bf16, resolve_precision
@@ -9,21 +10,48 @@ from ddp_amp.precision import cuda_devices_have_native_bf16, cuda_has_native_bf1
 @pytest.mark.parametrize(
     ("device", "amp", "dtype", "cuda_bf16", "cpu_bf16", "expected"),
     [
-        ("cpu", "auto", "auto", False, False, "fp32"),
-        ("cpu", "auto", "auto", False, True, "bf16"),
-        ("cpu", "on", "auto", False, True, "bf16"),
-        ("cpu", "off", "auto", False, True, "fp32"),
-        ("cpu", "auto", "bf16", False, False, "bf16"),  # an explicit dtype means on
-        ("cuda", "auto", "auto", True, False, "bf16"),
-        ("cuda", "auto", "auto", False, False, "fp16"),  # older GPUs
-        ("cuda", "on", "fp16", True, False, "fp16"),
-        ("cuda", "off", "auto", True, False, "fp32"),
+        ("cpu", "auto", "auto", False, "none", "fp32"),
+        ("cpu", "auto", "auto", False, "avx512_bf16", "fp32"),  # native, but slower than fp32 without AMX
+        ("cpu", "auto", "auto", False, "amx", "bf16"),
+        ("cpu", "on", "auto", False, "avx512_bf16", "bf16"),  # AMP asked for: the CPU's AMP dtype
+        ("cpu", "off", "auto", False, "amx", "fp32"),
+        ("cpu", "auto", "bf16", False, "none", "bf16"),  # an explicit dtype means on
+        ("cuda", "auto", "auto", True, "none", "bf16"),
+        ("cuda", "auto", "auto", False, "none", "fp16"),  # older GPUs
+        ("cuda", "on", "fp16", True, "none", "fp16"),
+        ("cuda", "off", "auto", True, "none", "fp32"),
     ],
 )
 def test_resolution(device, amp, dtype, cuda_bf16, cpu_bf16, expected):
-    precision = resolve_precision(device, amp, dtype, cuda_bf16=cuda_bf16, cpu_native_bf16=cpu_bf16)
+    precision = resolve_precision(device, amp, dtype, cuda_bf16=cuda_bf16, cpu_native_bf16=cpu_bf16 != "none",
+                                  cpu_fast_bf16=cpu_bf16 == "amx")
     assert precision.name == expected
     assert precision.uses_scaler == (expected == "fp16")
+    assert (precision.reason is not None) == (amp == "auto" and dtype == "auto" or device == "cuda" and
+                                              amp != "off" and dtype == "auto")
+
+
+def test_auto_says_why_it_chose():
+    assert resolve_precision("cpu", "auto", "auto", cpu_native_bf16=True, cpu_fast_bf16=False).reason == (
+        "the faster on this CPU: its bf16 (avx512_bf16 without AMX) trains slower than fp32")
+    assert resolve_precision("cpu", "auto", "auto", cpu_native_bf16=False, cpu_fast_bf16=False).reason == (
+        "the faster on this CPU: it has no native bf16")
+    assert "AMX" in resolve_precision("cpu", "auto", "auto", cpu_native_bf16=True, cpu_fast_bf16=True).reason
+    assert "GradScaler" in resolve_precision("cuda", "auto", "auto", cuda_bf16=False).reason
+
+
+@pytest.mark.parametrize(("flags", "expected"), [({"avx2"}, "fp32"), ({"avx512f", "avx512_bf16"}, "fp32"),
+                                                 ({"avx512_bf16", "amx_bf16", "amx_tile"}, "bf16")])
+def test_the_precision_a_cpu_rank_picks_from_its_own_flags(monkeypatch, flags, expected):
+    """The function each rank calls, on CPUs whose flags are those of an AVX2 AMD, an AVX-512 Xeon with
+    avx512_bf16 and no AMX, and a Sapphire Rapids."""
+    from ddp_amp import precision
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.rank.setup import bf16_is_fast_here, precision_for
+
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset(flags))
+    fast = bf16_is_fast_here(torch.device("cpu"))
+    assert precision_for(TrainConfig(amp="auto"), "cpu", fast).name == expected
 
 
 def test_emulated_cpu_bf16_warns_once_in_words():

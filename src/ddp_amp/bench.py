@@ -78,6 +78,11 @@ def analyse(measurements: list[Measurement]) -> dict[str, Any]:
         }
         if first.get("compile_s") is not None:
             entry["compile_s"] = statistics.median(m.summary["compile_s"] for m in runs)
+        if "subnormal_fraction" in first:  # the worst of the repeats
+            entry["subnormal_fraction"] = {part: max(m.summary["subnormal_fraction"][part] for m in runs)
+                                           for part in first["subnormal_fraction"]}
+            entry["gradient_to_weight_norm"] = min(m.summary["gradient_to_weight_norm"] for m in runs)
+            entry["flush_denormal"] = first.get("flush_denormal")
         if first.get("tokens_per_s") is not None:
             entry["tokens_per_s"] = samples_per_s * first["tokens_per_s"] / first["samples_per_s"]
         results[precision] = entry
@@ -110,6 +115,32 @@ def analyse(measurements: list[Measurement]) -> dict[str, Any]:
         report["loss_agreement"] = {"fp32" + suffix: loss_off, amp: loss_on,
                                     "relative_difference": abs(loss_on - loss_off) / max(abs(loss_off), 1e-12)}
     return report
+
+
+SUBNORMAL_NOTE_AT = 1e-3
+"""The share of subnormal values in a part (activations, gradients, weights, optimizer state) that bench
+names under its table: enough to put a CPU's step on its slow path for a visible share of the step."""
+COLLAPSED_GRADIENTS_AT = 1e-6
+"""A gradient norm below this fraction of the weights' norm: the model has stopped learning (a converged
+classifier's gradients are ~1e-9 of it, one still learning ~1e-2)."""
+
+
+def numerics_notes(report: dict[str, Any]) -> list[str]:
+    """What makes a precision's step times measure something other than its arithmetic, one line each."""
+    notes = []
+    for label, entry in report["precisions"].items():
+        shares = entry.get("subnormal_fraction", {})
+        worst = max(shares, key=shares.get, default=None)
+        if worst is not None and shares[worst] >= SUBNORMAL_NOTE_AT:
+            notes.append(f"{label}: {shares[worst]:.1%} of the {worst.replace('_', ' ')} were subnormal (below "
+                         "1.2e-38), which CPUs compute on a path many times slower: its step times measure that "
+                         "more than its arithmetic; --flush-denormal on (the default on CPU ranks) flushes them")
+        ratio = entry.get("gradient_to_weight_norm")
+        if ratio is not None and ratio < COLLAPSED_GRADIENTS_AT:
+            notes.append(f"{label}: the gradients had collapsed by the end ({ratio:.1e} of the weights' norm): the "
+                         "model stopped learning within the timed steps, where subnormals arise; use fewer "
+                         "--steps or a task that is still learning")
+    return notes
 
 
 CPU_FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
@@ -171,7 +202,7 @@ def environment_report() -> dict[str, Any]:
 
     from ddp_amp import __version__
     from ddp_amp.dist import usable_cores
-    from ddp_amp.precision import cpu_has_native_bf16, cuda_has_native_bf16
+    from ddp_amp.precision import cpu_has_fast_bf16, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = []
@@ -180,6 +211,10 @@ def environment_report() -> dict[str, Any]:
         capability = (props.major, props.minor)
         gpus.append({"index": index, "name": props.name, "compute_capability": f"{props.major}.{props.minor}",
                      "memory_gib": props.total_memory / 2**30, "native_bf16": cuda_has_native_bf16(capability)})
+    amp_auto = {"cpu": resolve_precision("cpu", "auto", "auto")}
+    if gpus:
+        amp_auto["cuda"] = resolve_precision("cuda", "auto", "auto",
+                                             cuda_bf16=all(gpu["native_bf16"] for gpu in gpus))
     nccl = None
     if dist.is_available() and dist.is_nccl_available():
         nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
@@ -194,6 +229,8 @@ def environment_report() -> dict[str, Any]:
         "gpus": gpus,
         "cpu": cpu_name(),
         "cpu_native_bf16": cpu_has_native_bf16(),
+        "cpu_fast_bf16": cpu_has_fast_bf16(),
+        "amp_auto": {device: {"precision": choice.name, "reason": choice.reason} for device, choice in amp_auto.items()},
         "cores": usable_cores(),
         "threads": {"torch": torch.get_num_threads(), "torch_interop": torch.get_num_interop_threads(),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
@@ -309,8 +346,9 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
             if "tokens_per_s" in entry:
                 entry["mfu"] = (mfu(env["device"], peak_precision(label, env), entry["tokens_per_s"], flops,
                                     gpus=summary["world_size"]) if plan.device_type == "cuda" else None)
+    env["flush_denormal"] = summary.get("flush_denormal")
     report["environment"] = env
-    report["notes"] = notes
+    report["notes"] = notes + numerics_notes(report)
     report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,
                         "order": "interleaved " + ", ".join(f"{m}{COMPILED if c else ''}" for m, c in options.variants),
                         "launcher": options.launcher,

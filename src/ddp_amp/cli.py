@@ -510,7 +510,10 @@ def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON objec
     threads = report["threads"]
     typer.echo(f"cores {report['cores']}, torch threads {threads['torch']} (OMP_NUM_THREADS "
                f"{threads['OMP_NUM_THREADS'] or 'unset'}), CPU native bf16: "
-               f"{'yes' if report['cpu_native_bf16'] else 'no (emulated)'}")
+               f"{'yes' if report['cpu_native_bf16'] else 'no (emulated)'}, AMX: "
+               f"{'yes' if report['cpu_fast_bf16'] else 'no'}")
+    for device, choice in report["amp_auto"].items():
+        typer.echo(f"--amp auto on {device}: {choice['precision']} ({choice['reason']})")
     typer.echo(f"CUDA devices: {len(report['gpus'])}")
     for gpu in report["gpus"]:
         native = "native" if gpu["native_bf16"] else "no (emulated; --amp auto uses fp16)"
@@ -530,7 +533,8 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
         atomic_write(plan.config_path.parent / "config.toml", config_toml(_resolved_config).encode())
     # Diagnostics go to stderr: stdout carries the progress itself (JSON lines with --log-format json).
     tf32 = f", tf32 {config.tf32}" if config.tf32 and plan.device_type == "cuda" else ""
-    typer.echo(f"ddp-amp: {nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}{tf32}, "
+    why = f" (--amp {config.amp}: {plan.precision.reason})" if plan.precision.reason else ""
+    typer.echo(f"ddp-amp: {nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}{why}{tf32}, "
                f"task {config.task}, run dir {config.run_dir}", err=True)
     if plan.precision.warning:
         typer.echo(f"ddp-amp: warning: {plan.precision.warning}", err=True)

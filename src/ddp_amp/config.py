@@ -21,11 +21,12 @@ DTYPES = ("auto", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
 OPTIMIZERS = ("adamw", "sgd")
 TF32_MODES = ("on", "off")
+FLUSH_DENORMAL_MODES = ("auto", "on", "off")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 DEFAULT_STEPS = 100
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
-           "tf32": TF32_MODES, "optimizer_impl": OPTIMIZER_IMPLS, "grad_compression": GRAD_COMPRESSIONS}
+           "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS, "grad_compression": GRAD_COMPRESSIONS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
 NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "elastic", "job_id")
 """Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
@@ -97,6 +98,9 @@ class TrainConfig:
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
     tf32: str | None = None
     """CUDA only: on or off to allow TF32 for fp32 matmuls and convolutions (None leaves torch's default)."""
+    flush_denormal: str = "auto"
+    """CPU ranks: on flushes subnormal floats (below 1.2e-38) to zero, which CPUs otherwise compute on a path
+    many times slower (torch.set_flush_denormal); auto: on for CPU ranks. Numerics change only below 1.2e-38."""
     checkpoint_every: int = 0
     """Write RUN_DIR/checkpoints/step-<N>.pt every this many optimizer steps (0: never)."""
     keep: int = 2
@@ -153,6 +157,7 @@ class TrainConfig:
         choice("--optimizer", self.optimizer, OPTIMIZERS)
         choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         choice("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS)
+        choice("--flush-denormal", self.flush_denormal, FLUSH_DENORMAL_MODES)
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             problems.append(f"--bucket-mb must be a finite number > 0, got {self.bucket_mb}")
         if self.static_graph and self.grad_accum > 1:

@@ -18,6 +18,9 @@ class Precision:
     """fp32, bf16 or fp16: what summary.json reports."""
     warning: str | None = None
     """One line to print once, e.g. bf16 emulated on a CPU without native support."""
+    reason: str | None = None
+    """Why --amp auto (or --amp on without --dtype) chose it, for the start line and `ddp-amp env`: "the faster
+    on this CPU: ..."; None when the flags chose."""
 
     @property
     def enabled(self) -> bool:
@@ -51,6 +54,13 @@ def cpu_has_native_bf16() -> bool:
     return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True where bf16 trains faster than fp32: CPUs with AMX tiles (amx_bf16). With avx512_bf16 alone the
+    bf16 matmuls are native but slower than fp32's (0.81x on the bench's task, an AVX-512 Xeon without AMX),
+    so --amp auto keeps fp32 there."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def cpu_has_native_fp16() -> bool:
     """True on CPUs with fp16 arithmetic (AVX512-FP16 or AMX-FP16); elsewhere fp16 autocast is emulated."""
     return bool(_cpu_flags() & {"avx512_fp16", "amx_fp16"})
@@ -77,31 +87,42 @@ def cuda_devices_have_native_bf16(device_indices) -> bool:
 
 def resolve_precision(
     device_type: str, amp: str, dtype: str, *, cuda_bf16: bool = False, cpu_native_bf16: bool | None = None,
-    cpu_native_fp16: bool | None = None,
+    cpu_fast_bf16: bool | None = None, cpu_native_fp16: bool | None = None,
 ) -> Precision:
     """Turn --amp/--dtype into a concrete precision for a device type ("cpu" or "cuda").
 
-    auto: bf16 where the device computes it natively, fp16 on older GPUs, fp32 on CPUs without bf16.
-    An explicit --dtype with --amp auto means "on with that dtype".
+    auto: the faster precision. On GPUs bf16 where it is native (Ampere on), fp16 on older ones; on CPUs bf16
+    only where it beats fp32 (AMX), fp32 elsewhere. An explicit --dtype with --amp auto means "on with that
+    dtype". `cuda_bf16`: every GPU of the job computes bf16 natively; `cpu_native_bf16`: this CPU has bf16
+    instructions (no emulation warning); `cpu_fast_bf16`: they are faster than fp32 (AMX).
     """
     if cpu_native_bf16 is None:
         cpu_native_bf16 = cpu_has_native_bf16()
+    if cpu_fast_bf16 is None:
+        cpu_fast_bf16 = cpu_has_fast_bf16()
     if cpu_native_fp16 is None:
         cpu_native_fp16 = cpu_has_native_fp16()
     if amp == "off":
         return Precision("fp32")
     if device_type == "cuda":
         if dtype == "auto":
-            return Precision("bf16" if cuda_bf16 else "fp16")
+            if cuda_bf16:
+                return Precision("bf16", reason="native on these GPUs (compute capability 8.0+)")
+            return Precision("fp16", reason="with GradScaler: these GPUs predate native bf16 "
+                             "(compute capability < 8.0)")
         if dtype == "bf16" and not cuda_bf16:
             raise UsageError("--dtype bf16 needs a GPU of compute capability 8.0 or newer (Ampere); "
                              "use --dtype fp16")
         return Precision(dtype)
     # CPU
     if dtype == "auto":
-        if amp == "auto" and not cpu_native_bf16:
-            return Precision("fp32")
-        dtype = "bf16"
+        if cpu_fast_bf16 and amp == "auto":
+            return Precision("bf16", reason="the faster on this CPU: it has AMX (amx_bf16)")
+        if amp == "auto":
+            why = ("its bf16 (avx512_bf16 without AMX) trains slower than fp32" if cpu_native_bf16
+                   else "it has no native bf16")
+            return Precision("fp32", reason=f"the faster on this CPU: {why}")
+        dtype = "bf16"  # --amp on asked for AMP: bf16 is the CPU's AMP dtype
     if dtype == "bf16" and not cpu_native_bf16:
         return Precision(
             "bf16", warning="this CPU has no native bf16 (avx512_bf16/amx): bf16 autocast is emulated and will be slow"

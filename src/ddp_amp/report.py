@@ -42,6 +42,8 @@ def bench_table(report: dict[str, Any]):
     footer = (f"torch {env['torch']} | {env['device']} | world size {env['world_size']} ({env['backend']}) | "
               f"{env['threads_per_rank']} threads/rank | CPU native bf16: {'yes' if env['cpu_native_bf16'] else 'no'} "
               f"({' '.join(env.get('cpu_flags', [])) or 'no AVX2'})")
+    if env.get("flush_denormal") is not None:
+        footer += f" | subnormals flushed: {'yes' if env['flush_denormal'] else 'no'}"
     if "tf32_matmul" in env:
         footer += f" | TF32 matmul {'on' if env['tf32_matmul'] else 'off'}"
     if env.get("model_flops_per_token"):

@@ -63,7 +63,7 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
 
 def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float,
            restarts: int) -> dict[str, Any] | None:
-    device, threads = setup.prepare_device(config, env.local_rank, env.local_world_size)
+    device, threads, flushing = setup.prepare_device(config, env.local_rank, env.local_world_size)
     run_dir = Path(config.run_dir)
     with process_group(env, device, timeout_s=config.timeout):
         env = reporter.env = settle_run_dir_writers(env, run_dir)
@@ -80,11 +80,12 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
             result = trainer.train()
         memory = peak_memory(device)  # of training: before rank 0's evaluation
+        numerics = trainer.probe_numerics() if config.record_step_times else {}  # bench
         checkpointer.save_at_stop(trainer)
         checkpointer.close()  # waits for the write in flight
         trainer.close()  # on success only: after a failure the launcher stops every rank anyway
         summary = result.summary
-        summary.update(memory, restarts=restarts, threads_per_rank=threads, tf32=config.tf32,
+        summary.update(memory, restarts=restarts, threads_per_rank=threads, tf32=config.tf32, flush_denormal=flushing,
                        worker_start_s=started - (config.launch_time or started))
         if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
             summary["slurm_restart_count"] = int(os.environ["SLURM_RESTART_COUNT"])
@@ -95,7 +96,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         if resumed is not None:
             summary["resumed_from"] = resumed  # the checkpoint's path; its step is resumed_from_step
         rank_times = None
-        if config.record_step_times:
+        if config.record_step_times:  # bench
+            summary.update(numerics)
             rank_times = [None] * env.world_size
             dist.all_gather_object(rank_times, {"rank": env.rank, "step_s": result.step_s,
                                                 **memory})

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, resolve_device, set_cpu_threads
 from ddp_amp.errors import RankSetupError
-from ddp_amp.precision import Precision, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
+from ddp_amp.precision import Precision, cpu_has_fast_bf16, cuda_has_native_bf16, resolve_precision
 from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
 
@@ -38,16 +38,26 @@ def redirect_output(rank: int) -> None:
     os.close(fd)
 
 
-def prepare_device(config: TrainConfig, local_rank: int, local_world_size: int) -> tuple[torch.device, int]:
-    """This rank's device with --tf32 applied, and its CPU threads (its share of the cores on CPU ranks)."""
+def prepare_device(config: TrainConfig, local_rank: int,
+                   local_world_size: int) -> tuple[torch.device, int, bool]:
+    """This rank's device with --tf32 and --flush-denormal applied, its CPU threads (its share of the cores on
+    CPU ranks), and whether subnormals are flushed."""
     device = resolve_device(config.device, local_rank)
+    # Before any parallel op: the intra-op threads are created later and inherit this thread's flush mode.
+    flushing = flush_denormal(config.flush_denormal == "on" or config.flush_denormal == "auto" and device.type == "cpu")
     if device.type == "cuda" and config.tf32 is not None:
         torch.backends.cuda.matmul.allow_tf32 = config.tf32 == "on"
         torch.backends.cudnn.allow_tf32 = config.tf32 == "on"
     threads = set_cpu_threads(local_world_size) if device.type == "cpu" else torch.get_num_threads()
     if device.type == "cuda":
         nccl_watchdog_environment(Path(config.run_dir))
-    return device, threads
+    return device, threads, flushing
+
+
+def flush_denormal(on: bool) -> bool:
+    """Whether subnormal floats are flushed to zero on this thread (and the threads it starts) from now on:
+    False where asked not to, or where the CPU cannot (torch.set_flush_denormal needs SSE3's DAZ)."""
+    return torch.set_flush_denormal(on) and on
 
 
 def nccl_watchdog_environment(run_dir: Path) -> None:
@@ -59,26 +69,26 @@ def nccl_watchdog_environment(run_dir: Path) -> None:
         os.environ.setdefault(key, value)
 
 
-def native_bf16_here(device: torch.device) -> bool:
-    """This rank's own answer: bf16 counts only where it is native (a GPU of compute capability 8.0 or newer,
-    a CPU with avx512_bf16 or AMX), not where torch would emulate it."""
+def bf16_is_fast_here(device: torch.device) -> bool:
+    """This rank's own answer to "would --amp auto pick bf16 here": a GPU of compute capability 8.0 or newer
+    (bf16 native, not emulated), a CPU with AMX (where bf16 beats fp32)."""
     if device.type == "cuda":
         return cuda_has_native_bf16(torch.cuda.get_device_capability(device))
-    return cpu_has_native_bf16()
+    return cpu_has_fast_bf16()
 
 
-def precision_for(config: TrainConfig, device_type: str, native_everywhere: bool) -> Precision:
-    return resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=native_everywhere,
-                             cpu_native_bf16=native_everywhere if device_type == "cpu" else None)
+def precision_for(config: TrainConfig, device_type: str, fast_everywhere: bool) -> Precision:
+    return resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=fast_everywhere,
+                             cpu_fast_bf16=fast_everywhere if device_type == "cpu" else None)
 
 
 def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:
     """The precision every rank uses, decided from each rank's own device and agreed on by all of them: with
-    --amp auto a job whose GPUs are mixed trains in fp16 everywhere, since ranks in one DDP job must step the
-    same way."""
-    flag = torch.tensor([1.0 if native_bf16_here(device) else 0.0], device=device)
+    --amp auto a job whose GPUs are mixed trains in fp16 everywhere, and one whose CPUs are mixed in fp32,
+    since ranks in one DDP job must step the same way."""
+    flag = torch.tensor([1.0 if bf16_is_fast_here(device) else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # once, at start-up
-    return precision_for(config, device.type, native_everywhere=bool(flag.item()))
+    return precision_for(config, device.type, fast_everywhere=bool(flag.item()))
 
 
 def seed_rank_randomness(seed: int) -> None:

@@ -46,6 +46,58 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux reports KiB
 
 
+def _subnormal_share(tensors) -> tuple[int, int]:
+    """(subnormal values, values) among the floating tensors: non-zero and below the dtype's smallest normal
+    (1.2e-38 in fp32 and bf16, 6.1e-5 in fp16)."""
+    found = total = 0
+    for t in tensors:
+        if torch.is_tensor(t) and t.is_floating_point() and t.numel():
+            found += int(((t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)).sum())
+            total += t.numel()
+    return found, total
+
+
+def probe_numerics(module: torch.nn.Module, loss_fn, batch, optimizer: torch.optim.Optimizer,
+                   precision, device: torch.device) -> dict[str, Any]:
+    """Whether a step's times measure arithmetic, for bench. `subnormal_fraction`: the share of subnormal
+    values in one forward and backward of `batch` (activations: every module's output; gradients), in the
+    weights and in the optimizer's state; CPUs compute subnormals on a path many times slower.
+    `gradient_to_weight_norm`: near 0 when the model has stopped learning (gradients ~0, softmax outputs of
+    exp(-100)), which is how subnormals arise. Run once, after training, on the unwrapped module in eval mode
+    (no all-reduce, no running statistics updated); the gradients it makes are dropped."""
+    from ddp_amp.precision import autocast
+    from ddp_amp.train.data import to_device
+
+    counts = {"activations": [0, 0], "gradients": [0, 0]}
+
+    def count_output(_module, _inputs, output) -> None:
+        found, total = _subnormal_share(output if isinstance(output, (tuple, list)) else [output])
+        counts["activations"][0] += found
+        counts["activations"][1] += total
+
+    hooks = [m.register_forward_hook(count_output) for m in module.modules()]
+    was_training = module.training
+    module.eval()
+    try:
+        inputs, target = to_device(batch, device)
+        with autocast(precision, device.type):
+            loss = loss_fn(module(inputs), target)
+        loss.float().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        module.train(was_training)
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    counts["gradients"] = list(_subnormal_share(grads))
+    ratio = (float(torch.nn.utils.get_total_norm(grads) / torch.nn.utils.get_total_norm(list(module.parameters())))
+             if grads else math.nan)
+    module.zero_grad(set_to_none=True)
+    counts["weights"] = list(_subnormal_share(module.parameters()))
+    counts["optimizer_state"] = list(_subnormal_share(v for entry in optimizer.state.values() for v in entry.values()))
+    return {"subnormal_fraction": {name: found / total if total else 0.0 for name, (found, total) in counts.items()},
+            "gradient_to_weight_norm": ratio}
+
+
 class MetricsProcessor:
     """One per run of the training loop; `step_done` after every optimizer step, `log` at log intervals,
     `summary` at the end."""

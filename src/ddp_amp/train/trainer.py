@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import default_collate
 
 from ddp_amp.config import TrainConfig, parse_window
 from ddp_amp.dist import DistEnv
@@ -26,7 +27,7 @@ from ddp_amp.schedule import build_scheduler
 from ddp_amp.tasks import Task
 from ddp_amp.train.data import RankData, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
-from ddp_amp.train.metrics import MetricsProcessor, Reporter
+from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, wrap_ddp
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
@@ -93,6 +94,12 @@ class Trainer:
             raise ValueError(f"--warmup-steps {config.warmup_steps} must be smaller than the run's "
                              f"{total} optimizer steps")
         return total
+
+    def probe_numerics(self) -> dict[str, Any]:
+        """train.metrics.probe_numerics on the data set's first batch: for bench, after training."""
+        dataset = self.task.dataset
+        batch = default_collate([dataset[i] for i in range(min(len(dataset), self.config.batch_size))])
+        return probe_numerics(self.module, self.task.loss_fn, batch, self.optimizer, self.precision, self.device)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""
