@@ -230,7 +230,8 @@ def environment_report() -> dict[str, Any]:
         "cpu": cpu_name(),
         "cpu_native_bf16": cpu_has_native_bf16(),
         "cpu_fast_bf16": cpu_has_fast_bf16(),
-        "amp_auto": {device: {"precision": choice.name, "reason": choice.reason} for device, choice in amp_auto.items()},
+        "amp_auto": {device: {"precision": choice.name, "reason": choice.reason}
+                     for device, choice in amp_auto.items()},
         "cores": usable_cores(),
         "threads": {"torch": torch.get_num_threads(), "torch_interop": torch.get_num_interop_threads(),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},

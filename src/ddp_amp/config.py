@@ -26,7 +26,8 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 DEFAULT_STEPS = 100
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
-           "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS, "grad_compression": GRAD_COMPRESSIONS}
+           "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
+           "grad_compression": GRAD_COMPRESSIONS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
 NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "elastic", "job_id")
 """Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
