@@ -1,5 +1,6 @@
 """`ddp-amp show`: real run directories read back, compared, plotted; bad paths refused in one line."""
 
+import os
 import subprocess
 import sys
 
@@ -18,16 +19,16 @@ def show(*args, columns=200):
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    for name, lr in (("fast", "0.003"), ("slow", "0.001")):
+    for name, lr in (("fast", "0.003"), ("slow", "0.001"), ("slowest-of-the-three", "0.0003")):
         assert_ok(run_cli("spawn", "-n", "1", "--device", "cpu", "--steps", "12", "--log-every", "3", "--lr", lr,
                           "--run-dir", str(root / name)))
-    return root / "fast", root / "slow"
+    return root / "fast", root / "slow", root / "slowest-of-the-three"
 
 
 @pytest.mark.slow
 def test_two_runs_side_by_side_with_their_differences_and_a_plot(two_runs, tmp_path):
     plot = tmp_path / "runs.png"
-    result = show(*two_runs, "--plot", plot)
+    result = show(*two_runs[:2], "--plot", plot)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "fast" in out and "slow" in out and out.count("finished") == 2
@@ -65,3 +66,26 @@ def test_what_is_not_a_run_dir_is_one_line_exit_2(tmp_path, make):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddp-amp: error: show: ") and str(path) in lines[0]
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [80, 100, 140])
+def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
+    """Rendered as a terminal of that width renders it: each run's samples/s and final loss appear in full,
+    and nothing is cut short with an ellipsis."""
+    from rich.console import Console
+
+    from ddp_amp.report import runs_table
+    from ddp_amp.runs import load_run
+
+    runs = [load_run(path) for path in two_runs]
+    console = Console(width=width, record=True, file=open(os.devnull, "w"))
+    console.print(runs_table(runs, width=width))
+    text = console.export_text()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    for run in runs:
+        assert f"{run.summary['samples_per_s']:.0f}" in text
+        assert f"{run.summary['final_loss']:.4f}" in text
+    result = show(*two_runs, columns=width)  # the command itself, at that width
+    assert result.returncode == 0 and "…" not in result.stdout, result.stdout

@@ -474,7 +474,8 @@ def show(
 
     from ddp_amp.report import runs_table
 
-    Console().print(runs_table(runs))
+    console = Console()
+    console.print(runs_table(runs, width=console.width))
     if plot is not None:
         from ddp_amp.report import runs_plot
 

@@ -108,22 +108,19 @@ def _last(run, key: str):
     return None
 
 
-def runs_table(runs: list) -> Any:
-    """One row per run (what it is, how fast, how good), a loss curve each, and for two runs or more the
-    options that differ and each run's throughput and final loss against the first."""
-    from rich.console import Group
-    from rich.table import Table
+RUN_TEXT_COLUMNS = ("run", "state", "eval", "loss curve")
+
+
+def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
+    """The runs table's headers, and one row of cells per run (rich Text or str)."""
     from rich.text import Text
 
-    from ddp_amp.runs import config_differences, curve
+    from ddp_amp.runs import curve
 
     compare = len(runs) > 1
-    table = Table(title="ddp-amp runs", title_justify="left")
     headers = ["run", "state", "precision", "world", "steps", "samples/s", *(("vs first",) if compare else ()),
                "final loss", *(("Δ loss",) if compare else ()), "eval", "wall", "first step", "loss curve"]
-    for header in headers:
-        table.add_column(header, justify="left" if header in ("run", "state", "eval", "loss curve") else "right",
-                         no_wrap=header in ("eval", "loss curve"))
+    rows = []
     first_speed = first_loss = None
     for index, run in enumerate(runs):
         s = run.summary
@@ -144,10 +141,37 @@ def runs_table(runs: list) -> Any:
         if compare:
             row.append(f"{loss - first_loss:+.4f}" if loss is not None and first_loss is not None else "-")
         row += [evaluation, _seconds(s.get("wall_s")), _seconds(s.get("time_to_first_step_s")),
-                sparkline([value for _, value in curve(run, "loss")])]
+                sparkline([value for _, value in curve(run, "loss")], width=16)]
+        rows.append(row)
+    return headers, rows
+
+
+def runs_table(runs: list, width: int | None = None) -> Any:
+    """One row per run (what it is, how fast, how good), a loss curve each, and for two runs or more the
+    options that differ and each run's throughput and final loss against the first. Where the rows do not fit
+    in `width` columns (a terminal's), the table turns: one column per run, one row per figure, so that no
+    number is ever cut short (long text wraps instead)."""
+    from rich.console import Console, Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from ddp_amp.runs import config_differences
+
+    headers, rows = _run_rows(runs)
+    table = Table(title="ddp-amp runs", title_justify="left")
+    for header in headers:
+        table.add_column(header, justify="left" if header in RUN_TEXT_COLUMNS else "right", no_wrap=True)
+    for row in rows:
         table.add_row(*row)
+    if width is not None and Console(width=10_000).measure(table).maximum > width:
+        table = Table(title="ddp-amp runs", title_justify="left")
+        table.add_column("", no_wrap=True)
+        for row in rows:  # a run's name may wrap in its header; its figures fold rather than being cut
+            table.add_column(row[0], justify="right", overflow="fold")
+        for position, header in enumerate(headers[1:], start=1):
+            table.add_row(header, *(row[position] for row in rows))
     parts = [table]
-    if compare:
+    if len(runs) > 1:
         differences = config_differences(runs)
         if differences:
             options = Table(title="options that differ", title_justify="left")
