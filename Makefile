@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fp16_skip_sync.py --repeats 5 --steps 60
 	$(BIN)/python benchmarks/checkpoint_cost.py --repeats 3
 	$(BIN)/python benchmarks/resume_memory.py --keep 3 --repeats 3
+	$(BIN)/python benchmarks/gemm_limit.py --repeats 3 --profile
 	$(BIN)/ddp-amp bench --device auto --repeats 3
 	$(BIN)/ddp-amp bench --device auto --amp off --compile both --repeats 3
 	@# Two hosts in network namespaces behind a tc-limited link: root only.

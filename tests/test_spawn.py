@@ -275,7 +275,7 @@ def test_profile_records_exactly_its_window_on_every_rank(tmp_path):
 
     result = spawn(tmp_path, "--device", "cpu", "--steps", "12", "--profile", "5:8", "--log-format", "plain")
     profile = read_summary(tmp_path)["profile"]
-    assert profile["steps"] == [5, 8] and profile["excluded_from_throughput"]
+    assert profile["steps"] == [5, 8] and profile["excluded_from_throughput"] and profile["window_s"] > 0
     calls = {row["name"]: row["calls"] for row in profile["top_ops"]}
     assert calls.get("Optimizer.step#AdamW.step") == 4, calls  # steps 5, 6, 7 and 8: no more, no less
     for rank in (0, 1):

@@ -87,5 +87,7 @@ class StepProfiler:
         return max(0.0, self.ended_at - begin), max(0, steps)
 
     def summary(self) -> dict[str, Any]:
+        window_s = (self.ended_at - self.started_at
+                    if self.started_at is not None and self.ended_at is not None else None)
         return {"steps": list(self.window), "traces": str(self.trace_dir), "top_ops": self.top_ops,
-                "excluded_from_throughput": True}
+                "window_s": window_s, "excluded_from_throughput": True}
