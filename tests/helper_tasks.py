@@ -413,3 +413,40 @@ def subnormal_activations() -> Task:
     tiny.weight.requires_grad_(False)
     model = nn.Sequential(tiny, nn.Linear(64, 64, bias=False))
     return Task(model=model, dataset=TensorDataset(x, torch.zeros(256, 64)), loss_fn=nn.functional.mse_loss)
+
+
+OOM_ABOVE = 8  # oom_above_8_on_rank1: rank 1 "runs out of memory" on a micro-batch of more samples
+
+
+def oom_above_8_on_rank1() -> Task:
+    """A regression whose model raises torch.OutOfMemoryError in forward on rank 1 alone, for any micro-batch
+    above OOM_ABOVE samples: the other rank goes on into backward and the agreement, as it would on a GPU."""
+    task = _regression_with(lambda call, loss: loss)
+    inner = task.model
+
+    class FailsWhenWide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if os.environ.get("RANK") == "1" and x.shape[0] > OOM_ABOVE:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return self.inner(x)
+
+    task.model = FailsWhenWide()
+    return task
+
+
+ACTIVATION_HEAVY = (64, 16384, 10)
+
+
+def activation_heavy() -> Task:
+    """A 64-16384-10 MLP whose activations dominate its memory: 4096 samples need about 0.5 GiB of them per
+    layer, so under --max-memory 1 a batch of 4096 fails in the CPU allocator and 2048 trains."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(8192, ACTIVATION_HEAVY[0], generator=gen)
+    y = torch.randint(0, ACTIVATION_HEAVY[2], (8192,), generator=gen)
+    model = nn.Sequential(nn.Linear(ACTIVATION_HEAVY[0], ACTIVATION_HEAVY[1]), nn.GELU(),
+                          nn.Linear(ACTIVATION_HEAVY[1], ACTIVATION_HEAVY[2]))
+    return Task(model=model, dataset=TensorDataset(x, y), loss_fn=nn.functional.cross_entropy)

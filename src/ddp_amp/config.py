@@ -79,6 +79,13 @@ class TrainConfig:
     """Passes over the training set, as an alternative to --steps."""
     grad_accum: int = 1
     """Micro-steps accumulated per optimizer step; gradients are all-reduced only on the last."""
+    micro_batch: str | None = None
+    """Split each rank's --batch-size into micro-batches of N samples (gradients accumulated, the all-reduce
+    once a step, each weighted by its share of the batch: the mathematics stay the full batch's); auto: start
+    from the whole batch and halve it on every rank when any rank runs out of memory, rerunning the same batch."""
+    max_memory: float | None = None
+    """Cap each rank's memory at this many GB (CUDA: the caching allocator's share of the GPU; CPU: RLIMIT_DATA),
+    to rehearse a smaller device or bound --micro-batch auto."""
     clip_grad: float | None = None
     """Clip the global gradient norm to this value (after unscaling under fp16)."""
     log_every: int = 10
@@ -203,6 +210,20 @@ class TrainConfig:
             problems.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         elif self.steps is not None and self.steps >= 1 and self.warmup_steps >= self.steps:
             problems.append(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
+        if self.micro_batch is not None and self.micro_batch != "auto":
+            try:
+                micro = int(self.micro_batch)
+            except ValueError:
+                problems.append(f"--micro-batch must be auto or a number of samples, got {self.micro_batch!r}")
+            else:
+                if not 1 <= micro <= self.batch_size:
+                    problems.append(f"--micro-batch must be between 1 and --batch-size ({self.batch_size}), "
+                                    f"got {micro}")
+        if self.micro_batch is not None and self.static_graph:
+            problems.append("--static-graph cannot be combined with --micro-batch in torch's DDP (its static "
+                            "graph fails under no_sync); drop one of them")
+        if self.max_memory is not None and not (math.isfinite(self.max_memory) and self.max_memory > 0):
+            problems.append(f"--max-memory must be a finite number of GB > 0, got {self.max_memory}")
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):

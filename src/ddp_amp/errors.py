@@ -1,4 +1,6 @@
-"""The project's own error type. The CLI turns it into one line on stderr and exit code 2."""
+"""The project's own error types: UsageError is one line on stderr and exit code 2, a failed run one line and 1."""
+
+import re
 
 
 class UsageError(Exception):
@@ -22,3 +24,17 @@ class RunFailed(Exception):
 class RankSetupError(Exception):
     """A problem a rank finds before it trains (the task breaks its contract, no room for the weights). The
     message says it all: it is reported as one line, without the traceback that led to it."""
+
+
+class RankOutOfMemory(Exception):
+    """A rank ran out of memory where no halving of --micro-batch can help. Reported as one line, like
+    RankSetupError; the allocator's own error and traceback stay in the rank's log."""
+
+
+SELF_EXPLAINING = ("RankSetupError", "RankOutOfMemory")
+
+
+def failure_line(last_traceback_line: str) -> str:
+    """A failed rank's last traceback line as the launcher's one line: the errors whose message says it all
+    lose their type ("ddp_amp.errors.RankOutOfMemory: out of memory in step 3..." -> "out of memory...")."""
+    return re.sub(rf"^(ddp_amp\.[\w.]+\.)?({'|'.join(SELF_EXPLAINING)}): ", "", last_traceback_line.strip())

@@ -21,7 +21,7 @@ from ddp_amp import outputs
 from ddp_amp.checkpoint.manager import CheckpointManager
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, process_group, settle_run_dir_writers
-from ddp_amp.errors import RankSetupError
+from ddp_amp.errors import RankOutOfMemory, RankSetupError
 from ddp_amp.process import die_with_parent
 from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.rank import setup
@@ -49,6 +49,10 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     try:
         return _train(config, env, reporter, started, restart)
     except RankSetupError as exc:
+        reporter.error(str(exc))
+        raise
+    except RankOutOfMemory as exc:
+        traceback.print_exc()  # the allocator's own error stays in the rank's log; the launcher shows one line
         reporter.error(str(exc))
         raise
     except Exception:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddp_amp.errors import RunFailed
+from ddp_amp.errors import RunFailed, failure_line
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.torchrun import ElasticJob
 from ddp_amp.process import StopSignal, signal_processes
@@ -120,7 +120,7 @@ def root_failure(failures: dict) -> tuple[int, str]:
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
     last = [line for line in message.strip().splitlines() if line.strip()]
     if last and "To enable traceback" not in last[-1]:
-        return rank, f"failed: {last[-1].strip()}"
+        return rank, f"failed: {failure_line(last[-1])}"
     return rank, f"exited with code {failure.exitcode}"
 
 

@@ -73,6 +73,20 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
     return str(path.resolve())
 
 
+def check_max_memory(config: TrainConfig, device_type: str) -> None:
+    """--max-memory above what a rank's device has caps nothing: refused, as a typo (GB for MB) most likely."""
+    if config.max_memory is None:
+        return
+    if device_type == "cuda":
+        import torch
+
+        total, what = torch.cuda.get_device_properties(0).total_memory, "GPU 0 has"
+    else:
+        total, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+    if config.max_memory * 2**30 > total:
+        raise UsageError(f"--max-memory {config.max_memory:g} GB is more than {what} ({total / 2**30:.1f} GB)")
+
+
 def check_tensorboard(config: TrainConfig) -> None:
     if not config.tensorboard:
         return
@@ -123,6 +137,7 @@ def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc"
     cuda_bf16 = device_type == "cuda" and cuda_devices_have_native_bf16(range(nproc_per_node))
     precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=cuda_bf16)
     check_ddp_options(config, device_type, precision)
+    check_max_memory(config, device_type)
     check_tensorboard(config)
     from ddp_amp.tasks import resolve_factory
 

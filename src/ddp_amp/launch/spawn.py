@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import LOOPBACK, loopback_store
-from ddp_amp.errors import RunFailed
+from ddp_amp.errors import RunFailed, failure_line
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.process import StopSignal, signal_processes
 
@@ -74,7 +74,7 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
             raise RunFailed(str(stop), exit_code=stop.exit_code)
     except mp.ProcessRaisedException as exc:
         rank, traceback_text = _first_failure(context, exc)
-        last_line = traceback_text.splitlines()[-1] if traceback_text else "unknown error"
+        last_line = failure_line(traceback_text.splitlines()[-1]) if traceback_text else "unknown error"
         raise RunFailed(f"rank {rank} failed: {last_line}", details=traceback_text) from None
     except mp.ProcessExitedException as exc:
         raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}") from None

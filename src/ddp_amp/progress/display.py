@@ -29,6 +29,7 @@ class RankState:
     samples_per_s: float | None = None
     loss_scale: float | None = None
     skipped_steps: int = 0
+    micro_batch_size: int | None = None
     done: dict[str, Any] | None = None
     traceback: str | None = None
     failed_at: float = 0.0
@@ -82,7 +83,7 @@ class ProgressModel:
         elif kind == "log":
             state.status = "running"
             for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "loss_scale",
-                         "skipped_steps"):
+                         "skipped_steps", "micro_batch_size"):
                 if name in event:
                     setattr(state, name, event[name])
             self.global_loss = event.get("global_loss", self.global_loss)
@@ -283,8 +284,10 @@ class RichDisplay:
         ranks = sorted(self.model.ranks.values(), key=lambda s: s.rank)
         show_node = any(s.node for s in ranks)
         show_scale = any(s.loss_scale is not None for s in ranks)  # fp16 only
+        show_micro = any(s.micro_batch_size is not None for s in ranks)  # --micro-batch only
         headers = ["rank", *(("node", "local") if show_node else ()), "progress", "step", "epoch", "loss", "lr",
-                   "samples/s", *(("scale", "skipped") if show_scale else ()), "status"]
+                   "samples/s", *(("scale", "skipped") if show_scale else ()), *(("micro",) if show_micro else ()),
+                   "status"]
         for header in headers:
             table.add_column(header, justify="left" if header in ("progress", "status") else "right")
         styles = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan",
@@ -299,6 +302,8 @@ class RichDisplay:
                     _fmt(state.samples_per_s, ".0f")]
             if show_scale:
                 row += [_fmt(state.loss_scale, ".0f"), str(state.skipped_steps)]
+            if show_micro:
+                row.append(_fmt(state.micro_batch_size, "d"))
             row.append(Text(state.status, style=styles.get(state.status, "")))
             table.add_row(*row)
         model = self.model

@@ -56,6 +56,8 @@ class WorkerReporter:
             event["global_items_per_s"] = record["samples_per_s"] * self.items_per_sample
         if "loss_scale" in record:
             event["loss_scale"] = record["loss_scale"]
+        if "micro_batch_size" in record:
+            event["micro_batch_size"] = record["micro_batch_size"]
         if record.get("grad_norm") is not None and math.isfinite(record["grad_norm"]):
             event["grad_norm"] = record["grad_norm"]
         self._send(event)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import shutil
 import sys
 from collections.abc import Mapping
@@ -48,10 +49,25 @@ def prepare_device(config: TrainConfig, local_rank: int,
     if device.type == "cuda" and config.tf32 is not None:
         torch.backends.cuda.matmul.allow_tf32 = config.tf32 == "on"
         torch.backends.cudnn.allow_tf32 = config.tf32 == "on"
+    if config.max_memory is not None:
+        cap_memory(device, config.max_memory)
     threads = set_cpu_threads(local_world_size) if device.type == "cpu" else torch.get_num_threads()
     if device.type == "cuda":
         nccl_watchdog_environment(Path(config.run_dir))
     return device, threads, flushing
+
+
+def cap_memory(device: torch.device, gib: float) -> None:
+    """--max-memory: on a GPU the caching allocator's share of it (beyond, allocations raise
+    torch.OutOfMemoryError); on a CPU rank the process's data limit, RLIMIT_DATA (beyond, the CPU allocator
+    raises "can't allocate memory")."""
+    limit = int(gib * 2**30)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    else:
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
 
 
 def flush_denormal(on: bool) -> bool:

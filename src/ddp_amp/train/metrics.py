@@ -107,6 +107,8 @@ class MetricsProcessor:
                  start_step: int) -> None:
         self.config, self.env, self.device, self.task = config, env, device, task
         self.scaler, self.profiler, self.reporter = scaler, profiler, reporter
+        self.micro: Any = None
+        """The run's train.microbatch.MicroBatches, whose size each log record carries (None without)."""
         self.total_steps, self.start_step = total_steps, start_step
         self.samples_per_step = config.batch_size * config.grad_accum  # per rank
         self.measure_from = steady_state_start(total_steps)
@@ -168,6 +170,8 @@ class MetricsProcessor:
                   "rank_loss": local_loss / local_count, "rank_samples_per_s": rank_samples_per_s}
         if self.task.item_name != "samples":
             record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
+        if self.micro is not None:
+            record["micro_batch_size"] = self.micro.size
         if self.scaler.is_enabled():
             record["loss_scale"] = self.scaler.get_scale()  # a host sync, at log intervals only
         self.reporter.on_log(record)

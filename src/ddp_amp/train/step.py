@@ -2,6 +2,8 @@
 
 autocast forward -> scaled backward (`no_sync` on every micro-step but the last) -> `unscale_` -> clip or norm
 -> `scaler.step` -> `update` -> `zero_grad(set_to_none=True)` -> the LR schedule, unless GradScaler skipped.
+With --micro-batch each batch runs in pieces (train.microbatch); an out-of-memory error that no halving
+answers is one line, RankOutOfMemory.
 
 Nothing here reads a value back from the device except where marked: the loss and the gradient norm are
 returned as device tensors, for the metrics to read at log intervals.
@@ -17,8 +19,16 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_amp.errors import RankOutOfMemory
 from ddp_amp.precision import Precision, autocast
 from ddp_amp.train.data import to_device
+from ddp_amp.train.microbatch import (
+    MicroBatches,
+    OutOfMemoryAgreement,
+    free_after_out_of_memory,
+    is_out_of_memory,
+    split_batch,
+)
 
 PHASES = ("data", "forward", "backward", "step", "log")
 """Where the training loop can be, in order within one optimizer step; `AmpStep.position` names one."""
@@ -41,10 +51,17 @@ class AmpStep:
 
     def __init__(self, model: DDP, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision, device: torch.device, *,
-                 grad_accum: int, clip_grad: float | None) -> None:
+                 grad_accum: int, clip_grad: float | None, batch_size: int = 0, micro: MicroBatches | None = None,
+                 gradient_reduction: Callable[[], None] | None = None) -> None:
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
         self.scheduler, self.precision, self.device = scheduler, precision, device
-        self.grad_accum, self.clip_grad = grad_accum, clip_grad
+        self.grad_accum, self.clip_grad, self.batch_size = grad_accum, clip_grad, batch_size
+        self.micro = micro
+        """--micro-batch: each batch cut into pieces (train.microbatch); None: one piece per batch."""
+        self.gradient_reduction = gradient_reduction
+        """Under --micro-batch auto: the all-reduce of the accumulated gradients, after the ranks agreed that
+        every piece fitted (its backward passes all ran under no_sync)."""
+        self.out_of_memory = OutOfMemoryAgreement(device) if micro is not None and micro.auto else None
         self.position: tuple[int, int, int] = (0, 0, DATA)
         """(optimizer step, micro-step, phase): rebound, never mutated, so a watchdog thread reads it whole."""
         # Counts the optimizer steps actually taken. GradScaler calls optimizer.step() only when the gradients
@@ -55,6 +72,25 @@ class AmpStep:
         optimizer.register_step_post_hook(self._count_step)
 
     def __call__(self, batches: Iterator[Any], step: int, *, want_norm: bool) -> StepOutcome:
+        try:
+            if self.micro is None:
+                loss_sum = self._accumulate(batches, step)
+            else:
+                loss_sum = self._accumulate_pieces([next(batches) for _ in range(self.grad_accum)], step)
+            self.position = (step, self.grad_accum, STEP)
+            grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
+            stepped = self.optimizer_step()
+        except Exception as exc:
+            if isinstance(exc, RankOutOfMemory) or not is_out_of_memory(exc):
+                raise
+            raise RankOutOfMemory(self._out_of_memory_line(step)) from exc
+        self.optimizer.zero_grad(set_to_none=True)
+        if stepped:  # after a skip the schedule must not advance either
+            self.scheduler.step()
+        return StepOutcome(stepped, loss_sum, self.grad_accum, grad_norm)
+
+    def _accumulate(self, batches: Iterator[Any], step: int) -> torch.Tensor:
+        """Forward and backward of each of the step's batches; the sum of their losses, on the device."""
         on_gpu, last = self.device.type != "cpu", self.grad_accum - 1
         loss_sum: torch.Tensor | None = None
         for micro in range(self.grad_accum):
@@ -72,13 +108,58 @@ class AmpStep:
                 self.scaler.scale(loss if self.grad_accum == 1 else loss / self.grad_accum).backward()
             part = loss.detach().float()
             loss_sum = part if loss_sum is None else loss_sum + part
-        self.position = (step, self.grad_accum, STEP)
-        grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
-        stepped = self.optimizer_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if stepped:  # after a skip the schedule must not advance either
-            self.scheduler.step()
-        return StepOutcome(stepped, loss_sum, self.grad_accum, grad_norm)
+        return loss_sum
+
+    def _accumulate_pieces(self, batches: list[Any], step: int) -> torch.Tensor:
+        """--micro-batch: the step's batches in pieces. Under auto, a piece that does not fit on any rank
+        halves the pieces on every rank and the same batches run again (train.microbatch)."""
+        while True:
+            pieces = [(piece, share) for batch in batches for piece, share in split_batch(batch, self.micro.size)]
+            loss_sum = self._run_pieces(pieces, step)
+            if loss_sum is not None:
+                break
+            free_after_out_of_memory(self.optimizer, self.device)
+            self.micro.halve(step + 1)
+        if self.gradient_reduction is not None:
+            self.gradient_reduction()
+        return loss_sum
+
+    def _run_pieces(self, pieces: list[tuple[Any, float]], step: int) -> torch.Tensor | None:
+        """Forward and backward of each piece, its mean loss weighted by its share of its batch (and 1/K of
+        the step's K batches); the sum of the batches' losses, or None when a rank ran out of memory (auto)."""
+        on_gpu, last, auto = self.device.type != "cpu", len(pieces) - 1, self.out_of_memory is not None
+        loss_sum: torch.Tensor | None = None
+        for index, ((inputs, target), share) in enumerate(pieces):
+            self.position = (step, index, DATA)
+            failed = False
+            try:
+                if on_gpu:
+                    inputs, target = to_device((inputs, target), self.device)
+                # auto: no collective inside any piece's passes, so a rank that fails leaves nobody waiting
+                with contextlib.nullcontext() if index == last and not auto else self.model.no_sync():
+                    self.position = (step, index, FORWARD)
+                    with autocast(self.precision, self.device.type):
+                        loss = self.loss_fn(self.model(inputs), target)
+                    self.position = (step, index, BACKWARD)
+                    self.scaler.scale(loss * (share / self.grad_accum)).backward()
+            except Exception as exc:
+                if not (auto and is_out_of_memory(exc)):
+                    raise
+                failed = True  # the traceback, and the pass's tensors with it, go at the end of this block
+            if auto and self.out_of_memory.anyone(failed):
+                return None
+            part = loss.detach().float() * share
+            loss_sum = part if loss_sum is None else loss_sum + part
+        return loss_sum
+
+    def _out_of_memory_line(self, step: int) -> str:
+        _, _, phase = self.position
+        size = (f"a micro-batch of {self.micro.size} samples (--batch-size {self.batch_size})" if self.micro
+                else f"a batch of {self.batch_size} samples per rank")
+        advice = ("the model itself does not fit (see --max-memory)" if self.micro is not None and self.micro.auto
+                  else "use --micro-batch auto, or a smaller --batch-size" +
+                  (" or --micro-batch" if self.micro is not None else ""))
+        return f"out of memory in step {step + 1} ({PHASES[phase]}) with {size}: {advice}"
 
     def _unscale_and_clip(self) -> torch.Tensor:
         """The norm of the true gradients: unscaled first (a no-op without fp16), clipped after unscaling. The

@@ -28,6 +28,7 @@ from ddp_amp.tasks import Task
 from ddp_amp.train.data import RankData, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
+from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, wrap_ddp
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
@@ -50,6 +51,14 @@ class Checkpointer(Protocol):
     def save(self, trainer: Trainer, step: int) -> None: ...
 
 
+def micro_batches(config: TrainConfig) -> MicroBatches | None:
+    """--micro-batch: auto starts from the whole batch."""
+    if config.micro_batch is None:
+        return None
+    auto = config.micro_batch == "auto"
+    return MicroBatches(config.batch_size if auto else int(config.micro_batch), auto)
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
                  reporter: Reporter) -> None:
@@ -66,8 +75,17 @@ class Trainer:
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
                                          warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
+        self.micro = micro_batches(config)
+        reduction = None
+        if self.micro is not None and self.micro.auto:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+
+            def reduction() -> None:
+                all_reduce_gradients(params, env.world_size, config.bucket_mb, config.grad_compression)
+
         self.step = AmpStep(self.model, task.loss_fn, self.optimizer, self.scaler, self.scheduler, precision,
-                            device, grad_accum=config.grad_accum, clip_grad=config.clip_grad)
+                            device, grad_accum=config.grad_accum, clip_grad=config.clip_grad,
+                            batch_size=config.batch_size, micro=self.micro, gradient_reduction=reduction)
         self.start_step = 0
         self.skipped_steps = 0
         self.checkpointer: Checkpointer | None = None
@@ -145,6 +163,7 @@ class Trainer:
         config = self.config
         metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
                                    self.reporter, total_steps=self.total_steps, start_step=self.start_step)
+        metrics.micro = self.micro
         divergence = DivergenceWatch(config.max_nonfinite, self.device)
         stop = StopAgreement(lambda: self.stop_signal())
         diverged: dict[str, Any] | None = None
@@ -187,6 +206,9 @@ class Trainer:
             summary["stopped_by"] = signal.Signals(self.stopped_by).name
         if self.start_step:
             summary["resumed_from_step"] = self.start_step
+        if self.micro is not None:
+            summary["micro_batch_size"] = self.micro.size
+            summary["micro_batch_changes"] = self.micro.changes
         return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
 
     def _describe(self, steps_done: int) -> dict[str, Any]:

@@ -1,0 +1,134 @@
+"""Micro-batches: a rank's batch cut into pieces that fit in memory (--micro-batch N), and the agreement that
+lets --micro-batch auto halve the pieces on every rank when any one runs out of memory.
+
+The protocol of auto, after composer's automatic micro-batching: every piece runs forward and backward under
+`no_sync` (no collective inside, so a rank that fails anywhere in them leaves no other rank waiting in one),
+then the ranks all-reduce one flag, "did anyone run out of memory". If anyone did, every rank drops its
+gradients, empties the CUDA cache, halves the piece and runs the same batch again: the optimizer, GradScaler,
+schedule and data position have not moved. Otherwise the accumulated gradients are all-reduced once, in
+buckets, and the step goes on as any other.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_amp.errors import RankOutOfMemory
+
+CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's torch.OutOfMemoryError, or the CPU allocator's RuntimeError (under RLIMIT_DATA, or a full host)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
+                                                        and CPU_ALLOCATOR_FAILURE in str(exc))
+
+
+def batch_length(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
+    for value in values:
+        try:
+            return batch_length(value)
+        except ValueError:
+            continue
+    raise ValueError("the batch holds no tensor to count its samples by")
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, Mapping):
+        return type(batch)({key: _slice(value, start, stop) for key, value in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_slice(value, start, stop) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice(value, start, stop) for value in batch)
+    return batch
+
+
+def split_batch(batch: Any, size: int) -> list[tuple[Any, float]]:
+    """`batch` cut into pieces of `size` samples (the last one shorter), each with its share of the batch: a
+    piece's mean loss weighted by its share adds up to the batch's mean loss, an uneven last piece included."""
+    total = batch_length(batch)
+    if size >= total:
+        return [(batch, 1.0)]
+    return [(_slice(batch, start, min(start + size, total)), (min(start + size, total) - start) / total)
+            for start in range(0, total, size)]
+
+
+@dataclass
+class MicroBatches:
+    """The micro-batch size of a run and its history."""
+
+    size: int
+    auto: bool
+    changes: list[dict[str, int]] = field(default_factory=list)
+    """Each halving under auto: the optimizer step it happened in and the new size."""
+
+    def halve(self, step: int) -> None:
+        if self.size == 1:
+            raise RankOutOfMemory(f"out of memory in step {step} with a micro-batch of 1 sample, under "
+                                  "--micro-batch auto: the model itself does not fit (see --max-memory)")
+        self.size //= 2
+        self.changes.append({"step": step, "micro_batch_size": self.size})
+
+
+class OutOfMemoryAgreement:
+    """One flag all-reduced per micro-batch under auto: whether any rank ran out of memory in it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.flag = torch.zeros(1, device=device)  # allocated once: after an OOM there may be no room for it
+
+    def anyone(self, failed: bool) -> bool:
+        self.flag.fill_(1.0 if failed else 0.0)
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
+        return bool(self.flag.item())  # host sync: every rank must know before it goes on
+
+
+def free_after_out_of_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Drop the partial gradients and whatever the failed pass left, so the rerun starts from what the step
+    started with."""
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()  # the failed pass's activations, held by its traceback's frames until now
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int, bucket_mb: float,
+                         compression: str) -> None:
+    """The mean of the accumulated gradients over the ranks, as DDP would have made it in the last backward:
+    flat buckets of about `bucket_mb`, launched together, in fp16 or bf16 under --grad-compression. A
+    parameter without a gradient counts as zeros, so every rank reduces the same sizes."""
+    wire = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[compression]
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    limit = bucket_mb * 2**20
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for grad in grads:
+        if buckets[-1] and size + grad.numel() * grad.element_size() > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel() * grad.element_size()
+    flats = []
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        flat = (flat.to(wire) if wire is not None else flat).div_(world_size)  # divided first, as DDP's hooks do
+        flats.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+    for bucket, flat, work in flats:
+        work.wait()
+        for grad, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
+            grad.copy_(piece.view_as(grad))
