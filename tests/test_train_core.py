@@ -343,3 +343,74 @@ def test_an_epoch_split_by_a_resize_repeats_no_sample_and_gives_every_rank_as_ma
         shares.append([index for batch in batches for index in batch])
     order = torch.randperm(49, generator=torch.Generator().manual_seed(1)).tolist()
     assert sorted(index for share in shares for index in share) == sorted(order[24:])
+
+
+def test_micro_batches_are_all_reduced_once_per_optimizer_step(one_rank_group, tmp_path):
+    """--micro-batch 3 of a batch of 8 (pieces 3, 3, 2) under --grad-accum 2: six pieces a step, one
+    all-reduce per bucket a step; and every sample weighs as in the whole batch."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def run(micro_batch):
+        config = TrainConfig(task="inline", steps=3, grad_accum=2, log_every=3, amp="off", batch_size=8, seed=5,
+                             optimizer="sgd", schedule="constant", micro_batch=micro_batch, run_dir=str(tmp_path))
+        torch.manual_seed(5)  # the model's initial weights, as a rank seeds before it builds the task
+        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.plain_regression(),
+                          Recorder())
+        buckets = []
+
+        def counting_allreduce(state, bucket):
+            buckets.append(bucket.index())
+            return default_hooks.allreduce_hook(None, bucket)
+
+        trainer.model.register_comm_hook(None, counting_allreduce)
+        result = trainer.train()
+        weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+        trainer.close()
+        return buckets, weights, result.summary
+
+    whole_buckets, whole, _ = run(None)
+    piece_buckets, pieces, summary = run("3")
+    assert whole_buckets == piece_buckets == [0, 0, 0]
+    assert summary["micro_batch_size"] == 3 and summary["micro_batch_changes"] == []
+    for key in whole:
+        torch.testing.assert_close(pieces[key], whole[key], rtol=1e-6, atol=1e-7)
+
+
+def test_a_piece_that_does_not_fit_is_halved_and_the_same_batch_rerun(one_rank_group, tmp_path, monkeypatch):
+    """Under auto, an out-of-memory error in backward (the CPU allocator's) halves the piece, reruns the same
+    batch, and steps the optimizer once on the whole batch's gradient: the weights of --micro-batch 4."""
+    def run(micro_batch, fail_above=None):
+        config = TrainConfig(task="inline", steps=3, log_every=3, amp="off", batch_size=16, seed=5,
+                             optimizer="sgd", schedule="constant", micro_batch=micro_batch, run_dir=str(tmp_path))
+        torch.manual_seed(5)  # the model's initial weights, as a rank seeds before it builds the task
+        task = helper_tasks.plain_regression()
+        if fail_above is not None:
+            original = task.loss_fn
+
+            def loss_fn(output, target):
+                loss = original(output, target)
+                if output.shape[0] > fail_above:
+                    def fail(grad):
+                        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't "
+                                           "allocate memory: you tried to allocate 4294967296 bytes.")
+                    loss.register_hook(fail)
+                return loss
+
+            task.loss_fn = loss_fn
+        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), task, Recorder())
+        steps = []
+        original_step = trainer.step.optimizer_step
+        trainer.step.optimizer_step = lambda: steps.append(1) or original_step()
+        result = trainer.train()
+        weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+        trainer.close()
+        return weights, result.summary, len(steps)
+
+    fixed, _, _ = run("4")
+    auto, summary, optimizer_steps = run("auto", fail_above=4)
+    assert summary["micro_batch_size"] == 4
+    assert summary["micro_batch_changes"] == [{"step": 1, "micro_batch_size": 8}, {"step": 1, "micro_batch_size": 4}]
+    assert optimizer_steps == 3  # never on a partial gradient
+    assert summary["steps"] == 3 and summary["final_lr"] == pytest.approx(3e-3)
+    for key in fixed:
+        torch.testing.assert_close(auto[key], fixed[key], rtol=1e-5, atol=1e-7)
