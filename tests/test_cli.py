@@ -53,6 +53,15 @@ BAD_INPUTS = [
     (["--profile", "5"], "--profile"),
     (["--profile", "8:5"], "--profile"),
     (["--profile", "90:120"], "--profile"),  # beyond the run's 100 steps
+    (["--flush-denormal", "maybe"], "--flush-denormal"),
+    (["--micro-batch", "0"], "--micro-batch"),
+    (["--micro-batch", "half"], "--micro-batch"),
+    (["--micro-batch", "64", "--batch-size", "32"], "--micro-batch"),
+    (["--micro-batch", "auto", "--static-graph"], "--static-graph"),
+    (["--max-memory", "0"], "--max-memory"),
+    (["--max-memory", "nan"], "--max-memory"),
+    (["--max-memory", "lots"], "--max-memory"),
+    (["--max-memory", "1000000"], "--max-memory"),  # more than this machine has
 ]
 
 

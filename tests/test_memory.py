@@ -1,0 +1,77 @@
+"""Memory: --micro-batch auto across real 2-rank gloo runs, with an out-of-memory error on one rank only and
+with real CPU allocator failures under --max-memory; the one-line refusal without auto; resume with another
+micro-batch."""
+
+import pytest
+import torch
+
+from conftest import assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
+from helper_tasks import OOM_ABOVE
+
+pytestmark = pytest.mark.slow
+
+REGRESSION = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--schedule", "constant", "--seed", "3",
+              "--batch-size", "32", "--log-every", "3", "--log-format", "plain"]
+
+
+def spawn(run_dir, *args):
+    return run_cli("spawn", "-n", "2", *args, "--run-dir", str(run_dir))
+
+
+def assert_weights_close(a: dict, b: dict) -> None:
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)
+
+
+def test_an_out_of_memory_error_on_one_rank_halves_the_micro_batch_on_every_rank(tmp_path, helper_task):
+    """Rank 1 fails in forward above 8 samples while rank 0 goes on into backward: nobody waits forever, both
+    halve twice in step 1, and the weights are those of --micro-batch 8 from the start."""
+    task = helper_task("oom_above_8_on_rank1")
+    result = spawn(tmp_path / "auto", *REGRESSION, "--task", task, "--steps", "6", "--micro-batch", "auto")
+    assert_ok(result)
+    summary = read_summary(tmp_path / "auto")
+    assert summary["micro_batch_size"] == OOM_ABOVE
+    assert summary["micro_batch_changes"] == [{"step": 1, "micro_batch_size": 16}, {"step": 1, "micro_batch_size": 8}]
+    assert [record["micro_batch_size"] for record in read_metrics(tmp_path / "auto")] == [8, 8]
+    assert "micro-batch 8" in result.stdout  # the live view's lines
+    assert_ok(spawn(tmp_path / "fixed", *REGRESSION, "--task", task, "--steps", "6", "--micro-batch", "8"))
+    assert_weights_close(load_weights(tmp_path / "auto"), load_weights(tmp_path / "fixed"))
+
+
+ACTIVATIONS = ["--device", "cpu", "--amp", "off", "--batch-size", "4096", "--steps", "2", "--log-every", "1",
+               "--max-memory", "1", "--log-format", "plain"]
+
+
+def test_without_auto_running_out_of_memory_is_one_line_and_exit_1(tmp_path, helper_task):
+    """A real CPU allocator failure: under a 1 GB RLIMIT_DATA, 4096 samples of the 64-16384-10 MLP do not fit."""
+    result = spawn(tmp_path, *ACTIVATIONS, "--task", helper_task("activation_heavy"))
+    assert result.returncode == 1, result.stderr
+    verdict = last_line(result.stderr)
+    assert verdict.startswith("ddp-amp: error: rank ") and "failed: out of memory in step 1 (" in verdict
+    assert verdict.endswith("with a batch of 4096 samples per rank: use --micro-batch auto, or a smaller "
+                            "--batch-size"), verdict
+    assert "Traceback" not in result.stderr
+    logs = "".join(path.read_text() for path in (tmp_path / "logs").glob("rank*.log"))
+    assert "can't allocate memory" in logs and "Traceback" in logs  # the allocator's own error stays in the log
+
+
+def test_auto_finds_the_micro_batch_that_fits_under_max_memory(tmp_path, helper_task):
+    result = spawn(tmp_path, *ACTIVATIONS, "--task", helper_task("activation_heavy"), "--micro-batch", "auto")
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["micro_batch_size"] == 2048
+    assert summary["micro_batch_changes"] == [{"step": 1, "micro_batch_size": 2048}]
+    assert summary["steps"] == 2
+
+
+def test_resume_with_another_micro_batch_continues_the_same_run(tmp_path, helper_task):
+    """A micro-batch size is not part of the mathematics: a run checkpointed under --micro-batch 4 resumes
+    under --micro-batch 32 (the whole batch) and ends with the weights of the run it continues."""
+    task = ["--task", helper_task("plain_regression"), "--steps", "6", "--checkpoint-every", "3", "--keep", "2"]
+    assert_ok(spawn(tmp_path / "first", *REGRESSION, *task, "--micro-batch", "4"))
+    checkpoint = tmp_path / "first" / "checkpoints" / "step-3.pt"
+    resumed = spawn(tmp_path / "second", *REGRESSION, *task, "--micro-batch", "32", "--resume", str(checkpoint))
+    assert_ok(resumed)
+    summary = read_summary(tmp_path / "second")
+    assert summary["resumed_from_step"] == 3 and summary["micro_batch_size"] == 32
+    assert_weights_close(load_weights(tmp_path / "second"), load_weights(tmp_path / "first"))
