@@ -354,8 +354,8 @@ def test_micro_batches_are_all_reduced_once_per_optimizer_step(one_rank_group, t
         config = TrainConfig(task="inline", steps=3, grad_accum=2, log_every=3, amp="off", batch_size=8, seed=5,
                              optimizer="sgd", schedule="constant", micro_batch=micro_batch, run_dir=str(tmp_path))
         torch.manual_seed(5)  # the model's initial weights, as a rank seeds before it builds the task
-        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.plain_regression(),
-                          Recorder())
+        task = helper_tasks.plain_regression()
+        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), task, Recorder())
         buckets = []
 
         def counting_allreduce(state, bucket):
