@@ -2,6 +2,8 @@
 with real CPU allocator failures under --max-memory; the one-line refusal without auto; resume with another
 micro-batch."""
 
+import json
+
 import pytest
 import torch
 
@@ -75,3 +77,20 @@ def test_resume_with_another_micro_batch_continues_the_same_run(tmp_path, helper
     summary = read_summary(tmp_path / "second")
     assert summary["resumed_from_step"] == 3 and summary["micro_batch_size"] == 32
     assert_weights_close(load_weights(tmp_path / "second"), load_weights(tmp_path / "first"))
+
+
+def test_bench_max_batch_finds_the_largest_batch_under_max_memory(tmp_path, helper_task):
+    out = tmp_path / "max-batch.json"
+    result = run_cli("bench", "--device", "cpu", "--amp", "off", "--max-batch", "--task",
+                     helper_task("activation_heavy"), "--max-memory", "1", "--batch-size", "1024", "--nproc", "2",
+                     "--run-dir", str(tmp_path / "runs"), "--json", str(out))
+    assert_ok(result)
+    report = json.loads(out.read_text())
+    fp32 = report["max_batch"]["fp32"]
+    trials = {trial["batch"]: trial["fits"] for trial in fp32["trials"]}
+    assert trials[1024] and trials[2048] and not trials[4096]  # doubled until it failed
+    assert 2048 <= fp32["max_batch"] < 4096 and trials[fp32["max_batch"]]
+    failed_above = min(size for size, fits in trials.items() if not fits and size > fp32["max_batch"])
+    assert failed_above - fp32["max_batch"] <= fp32["max_batch"] // 16  # bisected
+    assert fp32["samples_per_s"] > 0
+    assert f"│ fp32      │ {fp32['max_batch']:>22} │" in result.stdout

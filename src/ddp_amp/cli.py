@@ -414,6 +414,9 @@ def bench(
     launcher: Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="spawn or run (torchrun).")] = "spawn",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw figure to this file.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
+    max_batch: Annotated[bool, typer.Option("--max-batch", help="Instead of timing: per precision, the largest "
+                                            "per-rank batch that trains (under --max-memory, or the device's "
+                                            "memory) and the throughput at it.")] = False,
     run_dir: RunDir = None,
 ) -> None:
     """Measure what mixed precision (or torch.compile) buys: the same training off and on, interleaved."""
@@ -429,10 +432,10 @@ def bench(
         raise UsageError(f"--json {str(json_path)!r}: directory {str(json_path.parent)!r} does not exist")
     if plot is not None:
         _check_plot_path(plot)
-    if nproc is None:
-        import torch
+    import torch
 
-        cuda = train["device"] != "cpu" and torch.cuda.is_available()
+    cuda = train["device"] != "cpu" and torch.cuda.is_available()
+    if nproc is None:
         nproc = torch.cuda.device_count() if cuda else 2
     from ddp_amp.bench import run_bench
     from ddp_amp.config import TrainConfig
@@ -441,20 +444,30 @@ def bench(
     root = Path(run_dir) if run_dir else RUNS_ROOT / f"bench-{default_run_dir().name}"
     if root.exists() and not root.is_dir():
         raise UsageError(f"--run-dir {str(root)!r} is an existing file, not a directory")
-    report = run_bench(train, options, nproc=nproc, run_root=root,
-                       status=lambda line: typer.echo(line, err=True))
+    status = lambda line: typer.echo(line, err=True)  # noqa: E731
+    if max_batch:
+        from ddp_amp.bench import host_memory_share_gib, run_max_batch
+
+        if compile != "off":
+            raise UsageError("--max-batch searches eager runs; drop --compile")
+        if train["max_memory"] is None and train["device"] != "cuda" and not cuda:
+            # CPU ranks: a cap the allocator fails at cleanly, before the kernel's OOM killer would
+            train["max_memory"] = round(host_memory_share_gib(nproc), 2)
+        report = run_max_batch(train, options, nproc=nproc, run_root=root, status=status)
+    else:
+        report = run_bench(train, options, nproc=nproc, run_root=root, status=status)
     from rich.console import Console
 
-    from ddp_amp.report import bench_plot, bench_table
+    from ddp_amp.report import bench_plot, bench_table, max_batch_plot, max_batch_table
 
-    Console().print(bench_table(report))
+    Console().print(max_batch_table(report) if max_batch else bench_table(report))
     if json_path is not None:
         from ddp_amp.outputs import write_json
 
         write_json(json_path, report)
         typer.echo(f"ddp-amp: wrote {json_path}", err=True)
     if plot is not None:
-        bench_plot(report, plot)
+        (max_batch_plot if max_batch else bench_plot)(report, plot)
         typer.echo(f"ddp-amp: wrote {plot}", err=True)
 
 

@@ -55,6 +55,49 @@ def bench_table(report: dict[str, Any]):
     return Group(table, *(Text(line) for line in lines))
 
 
+def max_batch_table(report: dict[str, Any]):
+    """bench --max-batch: per precision the largest per-rank batch, the throughput at it, the trials."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="ddp-amp bench --max-batch", title_justify="left")
+    for header in ("precision", "largest batch per rank", "samples/s at it", "peak MB", "trials"):
+        table.add_column(header, justify="left" if header == "precision" else "right")
+    for name, entry in report["max_batch"].items():
+        table.add_row(name, str(entry["max_batch"]), _num(entry["samples_per_s"], ".0f"),
+                      f"{entry['peak_memory_mb']:.0f}", str(len(entry["trials"])))
+    lines = []
+    if "max_batch_ratio" in report:
+        ratio = report["max_batch_ratio"]
+        lines.append(f"largest batch {ratio['amp']} / fp32: {ratio['ratio']:.2f}x")
+    env = report["environment"]
+    cap = f" | --max-memory {env['max_memory_gb']:g} GB per rank" if env.get("max_memory_gb") else ""
+    lines.append(f"torch {env['torch']} | {env['device']} | world size {env['world_size']} ({env['backend']}){cap}")
+    return Group(table, *(Text(line) for line in lines))
+
+
+def max_batch_plot(report: dict[str, Any], path: Path) -> None:
+    """Every trial of bench --max-batch: batch size against fits or not, per precision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for row, entry in enumerate(report["max_batch"].values()):
+        for trial in entry["trials"]:
+            ax.scatter(trial["batch"], row, marker="o" if trial["fits"] else "x",
+                       color="tab:green" if trial["fits"] else "tab:red")
+    ax.set_xscale("log", base=2)
+    ax.set_yticks(range(len(report["max_batch"])), list(report["max_batch"]))
+    ax.set_xlabel("batch per rank (o trains, x out of memory)")
+    ax.set_title("ddp-amp bench --max-batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def bench_plot(report: dict[str, Any], path: Path) -> None:
     """Step-time distributions, fp32 vs AMP, as a box plot. Needs matplotlib (`pip install 'ddp-amp[plot]'`)."""
     import matplotlib

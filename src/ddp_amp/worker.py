@@ -81,6 +81,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         checkpointer = trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
         resumed = checkpointer.load(trainer)
         reporter.state("running")
+        if config.max_batch_search:
+            return _search_max_batch(config, env, reporter, trainer, device, threads)
         with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
             result = trainer.train()
         memory = peak_memory(device)  # of training: before rank 0's evaluation
@@ -110,6 +112,22 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
             write_results(config, summary, result, task, rank_times, device)
         reporter.done(summary, memory)
         return summary if env.writes_run_dir else None
+
+
+def _search_max_batch(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, trainer: Trainer,
+                      device: torch.device, threads: int) -> dict[str, Any] | None:
+    """bench --max-batch: the search instead of training; its result in summary.json, no model.pt."""
+    with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
+        found = trainer.largest_batch()
+    memory = peak_memory(device)
+    summary = {"max_batch_search": found, "precision": trainer.precision.name, "world_size": env.world_size,
+               "backend": dist.get_backend(), "threads_per_rank": threads, "steps": 0,
+               "rank_samples_per_s": (found["samples_per_s"] or 0) / env.world_size, **memory}
+    trainer.close()
+    if env.writes_run_dir:
+        outputs.write_summary(Path(config.run_dir), summary)
+    reporter.done(summary, memory)
+    return summary if env.writes_run_dir else None
 
 
 def write_results(config: TrainConfig, summary: dict[str, Any], result: TrainResult, task: Task,

@@ -59,8 +59,8 @@ class AmpStep:
         self.micro = micro
         """--micro-batch: each batch cut into pieces (train.microbatch); None: one piece per batch."""
         self.gradient_reduction = gradient_reduction
-        """Under --micro-batch auto: the all-reduce of the accumulated gradients, after the ranks agreed that
-        every piece fitted (its backward passes all ran under no_sync)."""
+        """The all-reduce of the accumulated gradients under --micro-batch auto (and `try_batch`), after the
+        ranks agreed that every piece fitted: its backward passes all ran under no_sync."""
         self.out_of_memory = OutOfMemoryAgreement(device) if micro is not None and micro.auto else None
         self.position: tuple[int, int, int] = (0, 0, DATA)
         """(optimizer step, micro-step, phase): rebound, never mutated, so a watchdog thread reads it whole."""
@@ -88,6 +88,19 @@ class AmpStep:
         if stepped:  # after a skip the schedule must not advance either
             self.scheduler.step()
         return StepOutcome(stepped, loss_sum, self.grad_accum, grad_norm)
+
+    def try_batch(self, batch: Any, step: int) -> bool:
+        """One optimizer step on `batch` as a single piece, under the out-of-memory agreement of auto: False,
+        with nothing stepped and the memory freed, when it did not fit on some rank (bench --max-batch)."""
+        if self.out_of_memory is None:
+            self.out_of_memory = OutOfMemoryAgreement(self.device)
+        if self._run_pieces([(batch, 1.0)], step) is None:
+            free_after_out_of_memory(self.optimizer, self.device)
+            return False
+        self.gradient_reduction()
+        self.optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
 
     def _accumulate(self, batches: Iterator[Any], step: int) -> torch.Tensor:
         """Forward and backward of each of the step's batches; the sum of their losses, on the device."""
@@ -120,7 +133,7 @@ class AmpStep:
                 break
             free_after_out_of_memory(self.optimizer, self.device)
             self.micro.halve(step + 1)
-        if self.gradient_reduction is not None:
+        if self.micro.auto:
             self.gradient_reduction()
         return loss_sum
 

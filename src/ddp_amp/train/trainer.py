@@ -25,6 +25,7 @@ from ddp_amp.precision import Precision, grad_scaler
 from ddp_amp.profiling import StepProfiler
 from ddp_amp.schedule import build_scheduler
 from ddp_amp.tasks import Task
+from ddp_amp.train.batch_search import largest_batch
 from ddp_amp.train.data import RankData, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
@@ -76,12 +77,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
                                          warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
         self.micro = micro_batches(config)
-        reduction = None
-        if self.micro is not None and self.micro.auto:
-            params = [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
 
-            def reduction() -> None:
-                all_reduce_gradients(params, env.world_size, config.bucket_mb, config.grad_compression)
+        def reduction() -> None:
+            all_reduce_gradients(params, env.world_size, config.bucket_mb, config.grad_compression)
 
         self.step = AmpStep(self.model, task.loss_fn, self.optimizer, self.scaler, self.scheduler, precision,
                             device, grad_accum=config.grad_accum, clip_grad=config.clip_grad,
@@ -118,6 +117,11 @@ class Trainer:
         dataset = self.task.dataset
         batch = default_collate([dataset[i] for i in range(min(len(dataset), self.config.batch_size))])
         return probe_numerics(self.module, self.task.loss_fn, batch, self.optimizer, self.precision, self.device)
+
+    def largest_batch(self) -> dict[str, Any]:
+        """bench --max-batch: the largest per-rank batch of this task that trains here (train.batch_search)."""
+        return largest_batch(self.step, self.task.dataset, self.device, self.env.world_size,
+                             start=self.config.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""

@@ -1,0 +1,70 @@
+"""bench --max-batch: the largest per-rank batch that trains, found inside one launch.
+
+Doubling from --batch-size until a size does not fit on some rank, then bisecting between the last that
+fitted and the first that did not, to within 1/16 of it. Each trial is TRIAL_STEPS optimizer steps on one batch
+of that many samples (the data set's first ones, cycled), run as one piece under the out-of-memory agreement of
+--micro-batch auto (AmpStep.try_batch): every rank learns of a failure on any of them, and nobody waits.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+TRIAL_STEPS = 3
+LARGEST = 2**20
+"""No trial beyond this many samples per rank (a batch of cycled samples could otherwise grow without end)."""
+
+
+def batch_of(dataset: Any, size: int) -> Any:
+    """`size` samples, the data set's first ones cycled: indexed at once where the data set is tensors."""
+    if hasattr(dataset, "tensors"):  # TensorDataset: no per-item collation of a batch of 10^5 samples
+        index = torch.arange(size) % len(dataset)
+        return tuple(tensor[index] for tensor in dataset.tensors)
+    return default_collate([dataset[i % len(dataset)] for i in range(size)])
+
+
+def largest_batch(step, dataset: Any, device: torch.device, world_size: int, *, start: int) -> dict[str, Any]:
+    """{"max_batch": the largest per-rank batch that trained (0: not even 1 sample), "samples_per_s": the global
+    throughput at it (the median of its trial's steps after the first), "trials": every size tried}."""
+    trials: list[dict[str, Any]] = []
+
+    def trial(size: int) -> float | None:
+        batch = batch_of(dataset, size)
+        times = []
+        for number in range(TRIAL_STEPS):
+            started = time.perf_counter()
+            if not step.try_batch(batch, number):
+                trials.append({"batch": size, "fits": False})
+                return None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        rate = size * world_size / statistics.median(times[1:] or times)
+        trials.append({"batch": size, "fits": True, "samples_per_s": rate})
+        return rate
+
+    fitted, failed, rate = 0, None, None
+    size = start
+    while size <= LARGEST:  # doubling
+        found = trial(size)
+        if found is None:
+            failed = size
+            break
+        fitted, rate, size = size, found, size * 2
+    if fitted == 0:  # not even --batch-size: down from it
+        low, high = 0, failed
+    else:
+        low, high = fitted, failed
+    while high is not None and high - low > max(1, low // 16):  # bisecting
+        middle = (low + high) // 2
+        found = trial(middle)
+        if found is None:
+            high = middle
+        else:
+            low, rate = middle, found
+    return {"max_batch": low, "samples_per_s": rate, "trials": trials}
