@@ -1,12 +1,16 @@
 """Micro-batches: a rank's batch cut into pieces that fit in memory (--micro-batch N), and the agreement that
 lets --micro-batch auto halve the pieces on every rank when any one runs out of memory.
 
-The protocol of auto, after composer's automatic micro-batching: every piece runs forward and backward under
-`no_sync` (no collective inside, so a rank that fails anywhere in them leaves no other rank waiting in one),
-then the ranks all-reduce one flag, "did anyone run out of memory". If anyone did, every rank drops its
-gradients, empties the CUDA cache, halves the piece and runs the same batch again: the optimizer, GradScaler,
-schedule and data position have not moved. Otherwise the accumulated gradients are all-reduced once, in
-buckets, and the step goes on as any other.
+The protocol of auto, after composer's automatic micro-batching: the ranks all-reduce one flag per piece, "did
+anyone run out of memory". If anyone did, every rank drops its gradients, empties the CUDA cache, halves the
+piece and runs the same batch again: the optimizer, GradScaler, schedule and data position have not moved.
+While a size is new, every piece's forward and backward run under `no_sync` (no collective inside, so a rank
+that fails anywhere in them leaves no other rank waiting in one), the flag follows each backward, and the
+accumulated gradients are all-reduced once after the last, in buckets. Once a whole step has run at that size,
+the step is DDP's own again (the last backward all-reduces, overlapping) and the flag comes after each forward,
+before any rank enters that all-reduce; a backward under no_sync that fails is told at the next flag. Only an
+out-of-memory error inside the last, synced backward of a settled size cannot be agreed on: it ends the run
+with one line.
 """
 
 from __future__ import annotations
@@ -73,12 +77,16 @@ class MicroBatches:
     auto: bool
     changes: list[dict[str, int]] = field(default_factory=list)
     """Each halving under auto: the optimizer step it happened in and the new size."""
+    settled: bool = False
+    """Under auto: a whole step has run at this size on every rank (AmpStep then lets DDP all-reduce in the
+    last backward again, and agrees before each backward instead of after it)."""
 
     def halve(self, step: int) -> None:
         if self.size == 1:
             raise RankOutOfMemory(f"out of memory in step {step} with a micro-batch of 1 sample, under "
                                   "--micro-batch auto: the model itself does not fit (see --max-memory)")
         self.size //= 2
+        self.settled = False
         self.changes.append({"step": step, "micro_batch_size": self.size})
 
 

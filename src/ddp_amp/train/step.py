@@ -94,7 +94,7 @@ class AmpStep:
         with nothing stepped and the memory freed, when it did not fit on some rank (bench --max-batch)."""
         if self.out_of_memory is None:
             self.out_of_memory = OutOfMemoryAgreement(self.device)
-        if self._run_pieces([(batch, 1.0)], step) is None:
+        if self._run_pieces([(batch, 1.0)], step, probe=True) is None:
             free_after_out_of_memory(self.optimizer, self.device)
             return False
         self.gradient_reduction()
@@ -128,41 +128,59 @@ class AmpStep:
         halves the pieces on every rank and the same batches run again (train.microbatch)."""
         while True:
             pieces = [(piece, share) for batch in batches for piece, share in split_batch(batch, self.micro.size)]
-            loss_sum = self._run_pieces(pieces, step)
+            probe = self.micro.auto and not self.micro.settled
+            loss_sum = self._run_pieces(pieces, step, probe=probe)
             if loss_sum is not None:
                 break
             free_after_out_of_memory(self.optimizer, self.device)
             self.micro.halve(step + 1)
-        if self.micro.auto:
+        if probe:
             self.gradient_reduction()
+            self.micro.settled = True
         return loss_sum
 
-    def _run_pieces(self, pieces: list[tuple[Any, float]], step: int) -> torch.Tensor | None:
+    def _run_pieces(self, pieces: list[tuple[Any, float]], step: int, *, probe: bool) -> torch.Tensor | None:
         """Forward and backward of each piece, its mean loss weighted by its share of its batch (and 1/K of
-        the step's K batches); the sum of the batches' losses, or None when a rank ran out of memory (auto)."""
+        the step's K batches); the sum of the batches' losses, or None when a rank ran out of memory (auto).
+
+        Under auto the ranks agree on every piece. While the size is new (`probe`) every backward runs under
+        no_sync and the agreement follows it: no collective inside any pass, so a rank that fails anywhere
+        leaves nobody waiting; the caller all-reduces the gradients after. Once a step has run at this size,
+        the last piece's backward all-reduces as usual and the agreement comes after each forward: before any
+        rank enters that all-reduce."""
         on_gpu, last, auto = self.device.type != "cpu", len(pieces) - 1, self.out_of_memory is not None
         loss_sum: torch.Tensor | None = None
+        pending = False  # a backward under no_sync that failed, told at the next agreement (settled sizes)
         for index, ((inputs, target), share) in enumerate(pieces):
             self.position = (step, index, DATA)
-            failed = False
-            try:
-                if on_gpu:
-                    inputs, target = to_device((inputs, target), self.device)
-                # auto: no collective inside any piece's passes, so a rank that fails leaves nobody waiting
-                with contextlib.nullcontext() if index == last and not auto else self.model.no_sync():
+            synced = index == last and not probe
+            with contextlib.nullcontext() if synced else self.model.no_sync():
+                loss = None
+                try:
+                    if on_gpu:
+                        inputs, target = to_device((inputs, target), self.device)
                     self.position = (step, index, FORWARD)
                     with autocast(self.precision, self.device.type):
                         loss = self.loss_fn(self.model(inputs), target)
+                except Exception as exc:
+                    if not (auto and is_out_of_memory(exc)):
+                        raise
+                if auto and not probe and self.out_of_memory.anyone(loss is None or pending):
+                    return None
+                if loss is not None:
                     self.position = (step, index, BACKWARD)
-                    self.scaler.scale(loss * (share / self.grad_accum)).backward()
-            except Exception as exc:
-                if not (auto and is_out_of_memory(exc)):
-                    raise
-                failed = True  # the traceback, and the pass's tensors with it, go at the end of this block
-            if auto and self.out_of_memory.anyone(failed):
+                    try:
+                        self.scaler.scale(loss * (share / self.grad_accum)).backward()
+                    except Exception as exc:
+                        # A synced backward's failure cannot be agreed on: the others wait in its all-reduce.
+                        if not (auto and not synced and is_out_of_memory(exc)):
+                            raise
+                        loss, pending = None, True
+            if probe and self.out_of_memory.anyone(loss is None):
                 return None
-            part = loss.detach().float() * share
-            loss_sum = part if loss_sum is None else loss_sum + part
+            if loss is not None:
+                part = loss.detach().float() * share
+                loss_sum = part if loss_sum is None else loss_sum + part
         return loss_sum
 
     def _out_of_memory_line(self, step: int) -> str:
