@@ -455,3 +455,24 @@ def activation_heavy() -> Task:
 def plain_regression() -> Task:
     """The linear regression alone: no dropout, so any split of a batch draws no random numbers."""
     return _regression_with(lambda call, loss: loss)
+
+
+def oom_on_rank1_at_call_3() -> Task:
+    """Rank 1's third forward raises torch.OutOfMemoryError, whatever the batch: under --micro-batch auto the
+    size has settled by then (one piece a step), as when the memory a step needs grows later in a run."""
+    task = _regression_with(lambda call, loss: loss)
+    inner, calls = task.model, [0]
+
+    class FailsOnce(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            calls[0] += 1
+            if os.environ.get("RANK") == "1" and calls[0] == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return self.inner(x)
+
+    task.model = FailsOnce()
+    return task

@@ -94,3 +94,16 @@ def test_bench_max_batch_finds_the_largest_batch_under_max_memory(tmp_path, help
     assert failed_above - fp32["max_batch"] <= fp32["max_batch"] // 16  # bisected
     assert fp32["samples_per_s"] > 0
     assert f"│ fp32      │ {fp32['max_batch']:>22} │" in result.stdout
+
+
+def test_an_out_of_memory_error_at_a_settled_size_is_one_line(tmp_path, helper_task):
+    """Once a size has trained a whole step, auto's steps are DDP's own, with no agreement: an out-of-memory
+    error on one rank later ends the run with one line (the other rank, waiting in the all-reduce, is
+    stopped by the launcher), saying what changed."""
+    result = spawn(tmp_path, *REGRESSION, "--task", helper_task("oom_on_rank1_at_call_3"), "--steps", "6",
+                   "--micro-batch", "auto")
+    assert result.returncode == 1, result.stderr
+    assert last_line(result.stderr) == (
+        "ddp-amp: error: rank 1 failed: out of memory in step 3 (forward) with a micro-batch of 32 samples "
+        "(--batch-size 32): the memory a step needs grew after --micro-batch auto settled on 32 (shapes that "
+        "vary?); use --micro-batch 16 or a smaller --batch-size")

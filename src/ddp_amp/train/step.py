@@ -141,55 +141,48 @@ class AmpStep:
 
     def _run_pieces(self, pieces: list[tuple[Any, float]], step: int, *, probe: bool) -> torch.Tensor | None:
         """Forward and backward of each piece, its mean loss weighted by its share of its batch (and 1/K of
-        the step's K batches); the sum of the batches' losses, or None when a rank ran out of memory (auto).
+        the step's K batches); the sum of the batches' losses, or None when a rank ran out of memory.
 
-        Under auto the ranks agree on every piece. While the size is new (`probe`) every backward runs under
-        no_sync and the agreement follows it: no collective inside any pass, so a rank that fails anywhere
-        leaves nobody waiting; the caller all-reduces the gradients after. Once a step has run at this size,
-        the last piece's backward all-reduces as usual and the agreement comes after each forward: before any
-        rank enters that all-reduce."""
-        on_gpu, last, auto = self.device.type != "cpu", len(pieces) - 1, self.out_of_memory is not None
+        `probe` (auto, a size not yet run a whole step): every backward runs under no_sync and the ranks
+        agree after each piece. No collective runs inside any pass, so a rank that fails anywhere leaves
+        nobody waiting; the caller all-reduces the gradients after. Otherwise the last backward all-reduces,
+        as DDP does, and nothing is agreed on: a settled size's step costs what a step without auto does."""
+        on_gpu, last = self.device.type != "cpu", len(pieces) - 1
         loss_sum: torch.Tensor | None = None
-        pending = False  # a backward under no_sync that failed, told at the next agreement (settled sizes)
         for index, ((inputs, target), share) in enumerate(pieces):
             self.position = (step, index, DATA)
-            synced = index == last and not probe
-            with contextlib.nullcontext() if synced else self.model.no_sync():
-                loss = None
-                try:
-                    if on_gpu:
-                        inputs, target = to_device((inputs, target), self.device)
+            failed = False
+            try:
+                if on_gpu:
+                    inputs, target = to_device((inputs, target), self.device)
+                with contextlib.nullcontext() if index == last and not probe else self.model.no_sync():
                     self.position = (step, index, FORWARD)
                     with autocast(self.precision, self.device.type):
                         loss = self.loss_fn(self.model(inputs), target)
-                except Exception as exc:
-                    if not (auto and is_out_of_memory(exc)):
-                        raise
-                if auto and not probe and self.out_of_memory.anyone(loss is None or pending):
-                    return None
-                if loss is not None:
                     self.position = (step, index, BACKWARD)
-                    try:
-                        self.scaler.scale(loss * (share / self.grad_accum)).backward()
-                    except Exception as exc:
-                        # A synced backward's failure cannot be agreed on: the others wait in its all-reduce.
-                        if not (auto and not synced and is_out_of_memory(exc)):
-                            raise
-                        loss, pending = None, True
-            if probe and self.out_of_memory.anyone(loss is None):
+                    self.scaler.scale(loss * (share / self.grad_accum)).backward()
+            except Exception as exc:
+                if not (probe and is_out_of_memory(exc)):
+                    raise
+                failed = True  # the traceback, and the pass's tensors with it, go at the end of this block
+            if probe and self.out_of_memory.anyone(failed):
                 return None
-            if loss is not None:
-                part = loss.detach().float() * share
-                loss_sum = part if loss_sum is None else loss_sum + part
+            part = loss.detach().float() * share
+            loss_sum = part if loss_sum is None else loss_sum + part
         return loss_sum
 
     def _out_of_memory_line(self, step: int) -> str:
         _, _, phase = self.position
-        size = (f"a micro-batch of {self.micro.size} samples (--batch-size {self.batch_size})" if self.micro
+        micro = self.micro
+        size = (f"a micro-batch of {micro.size} samples (--batch-size {self.batch_size})" if micro
                 else f"a batch of {self.batch_size} samples per rank")
-        advice = ("the model itself does not fit (see --max-memory)" if self.micro is not None and self.micro.auto
-                  else "use --micro-batch auto, or a smaller --batch-size" +
-                  (" or --micro-batch" if self.micro is not None else ""))
+        if micro is None or not micro.auto:
+            advice = "use --micro-batch auto, or a smaller --batch-size" + (" or --micro-batch" if micro else "")
+        elif micro.settled:  # it had trained a whole step at this size
+            advice = (f"the memory a step needs grew after --micro-batch auto settled on {micro.size} (shapes that "
+                      f"vary?); use --micro-batch {max(1, micro.size // 2)} or a smaller --batch-size")
+        else:  # outside the pieces: the gradients' all-reduce or the optimizer's state
+            advice = "the model, its gradients and its optimizer state do not fit (see --max-memory)"
         return f"out of memory in step {step + 1} ({PHASES[phase]}) with {size}: {advice}"
 
     def _unscale_and_clip(self) -> torch.Tensor:
