@@ -58,6 +58,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint_cost.py --repeats 3
 	$(BIN)/python benchmarks/resume_memory.py --keep 3 --repeats 3
 	$(BIN)/python benchmarks/gemm_limit.py --repeats 3 --profile
+	$(BIN)/python benchmarks/micro_batch_auto.py --repeats 7
+	$(BIN)/python benchmarks/micro_batch_auto.py --repeats 3 --task wide --batch-size 128 --steps 60
+	$(BIN)/ddp-amp bench --device cpu --amp off --max-batch --task tests/helper_tasks.py:activation_heavy \
+		--max-memory 1 --batch-size 512
 	$(BIN)/ddp-amp bench --device auto --repeats 3
 	$(BIN)/ddp-amp bench --device auto --amp off --compile both --repeats 3
 	@# Two hosts in network namespaces behind a tc-limited link: root only.

@@ -102,3 +102,41 @@ def test_each_ranks_own_bf16_answer_follows_its_gpus_capability():
 
     major, _ = torch.cuda.get_device_capability(0)
     assert bf16_is_fast_here(torch.device("cuda", 0)) is (major >= 8)
+
+
+HELPER = str(__import__("conftest").HELPER_TASKS)
+
+
+def test_micro_batch_auto_fits_under_max_memory_on_a_gpu(tmp_path):
+    """--max-memory 2 caps the caching allocator (set_per_process_memory_fraction): 65536 samples of the
+    64-16384-10 MLP need ~8 GB of activations, so auto halves until a size fits, and peak memory stays
+    under the cap."""
+    result = run_cli("spawn", "-n", "1", "--device", "cuda", "--task", f"{HELPER}:activation_heavy", "--amp", "off",
+                     "--batch-size", "65536", "--steps", "3", "--max-memory", "2", "--micro-batch", "auto",
+                     "--run-dir", str(tmp_path), timeout=300)
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["micro_batch_changes"] and summary["micro_batch_size"] < 65536
+    assert summary["peak_memory_mb"] <= 2 * 1024 and summary["peak_memory_allocated_mb"] <= summary["peak_memory_mb"]
+
+
+def test_out_of_memory_on_a_gpu_without_auto_is_one_line(tmp_path):
+    result = run_cli("spawn", "-n", "1", "--device", "cuda", "--task", f"{HELPER}:activation_heavy", "--amp", "off",
+                     "--batch-size", "65536", "--steps", "3", "--max-memory", "2", "--run-dir", str(tmp_path),
+                     timeout=300)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "failed: out of memory in step 1" in last and "--micro-batch auto" in last
+
+
+def test_bench_max_batch_on_a_gpu(tmp_path):
+    import json
+
+    out = tmp_path / "max.json"
+    result = run_cli("bench", "-n", "1", "--device", "cuda", "--task", f"{HELPER}:activation_heavy", "--max-batch",
+                     "--max-memory", "2", "--batch-size", "1024", "--run-dir", str(tmp_path / "runs"), "--json",
+                     str(out), timeout=600)
+    assert_ok(result)
+    report = json.loads(out.read_text())
+    assert report["max_batch"]["fp32"]["max_batch"] >= 1024
+    assert report["max_batch_ratio"]["ratio"] > 1  # half-precision activations: a larger batch fits
