@@ -476,3 +476,16 @@ def oom_on_rank1_at_call_3() -> Task:
 
     task.model = FailsOnce()
     return task
+
+
+def broadcast_instead_on_rank1() -> Task:
+    """Rank-dependent control flow, the common bug: at its third loss, rank 1 alone broadcasts 9 numbers while
+    rank 0 goes on to DDP's gradient all-reduce of 9 numbers: the same sizes, another collective."""
+    import torch.distributed as dist
+
+    def on_call(call, loss):
+        if call == 3 and os.environ.get("RANK") == "1":
+            dist.broadcast(torch.zeros(9), src=1)
+        return loss
+
+    return _regression_with(on_call)

@@ -507,6 +507,27 @@ def _check_plot_path(path: Path) -> None:
 
 
 @app.command()
+def diagnose(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory whose ranks wrote flight records.",
+                                            show_default=False)],
+    last: Annotated[int, typer.Option("--last", help="Collectives per rank in the timeline.")] = 8,
+) -> None:
+    """Where the ranks of a failed or hung run parted: its flight records merged, and each rank's last
+    collectives."""
+    from ddp_amp.diagnosis import DUMP_DIR, read_dumps, timeline, where_ranks_parted
+
+    if last < 1:
+        raise UsageError(f"--last must be >= 1, got {last}")
+    dumps = read_dumps(run_dir)
+    if not dumps:
+        raise UsageError(f"diagnose: {str(run_dir)!r} has no flight records ({DUMP_DIR}/rank<N>.json): the ranks "
+                         "write them when a run fails or stalls")
+    typer.echo(where_ranks_parted(dumps).line)
+    for line in timeline(dumps, last):
+        typer.echo(line)
+
+
+@app.command()
 def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON object, for bug reports.")] = False) -> None:
     """Show what ddp-amp sees: torch, backends, devices, CPU bf16 support, cores and threads."""
     from ddp_amp.bench import environment_report
@@ -560,7 +581,9 @@ def _launch(plan, nproc: int, output: dict, start) -> None:
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
         if exc.exit_code <= 128:
-            raise _explained_failure(exc, session, config) from None
+            # One node's records only under multinode (the others are on their hosts): no "left no record" there.
+            world = None if config.job_id else nproc
+            raise _explained_failure(exc, session, config, world) from None
         # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
         # finished before the stop took effect.
         _report_stop(Path(config.run_dir), config, signalled=str(exc), exit_code=exc.exit_code)
@@ -601,15 +624,26 @@ def _report_stop(run_dir: Path, config, *, signalled: str | None = None, exit_co
     raise RunFailed(f"stopped by {name} at step {step}; no checkpoint kept", exit_code=exit_code)
 
 
-def _explained_failure(exc: RunFailed, session, config) -> RunFailed:
+def _explained_failure(exc: RunFailed, session, config, world_size: int | None) -> RunFailed:
     """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
-    out waiting, and the cause is the one it waited for)."""
+    out waiting, and the cause is the one it waited for), and where the ranks' flight records say they parted."""
+    from ddp_amp.diagnosis import DUMP_DIR, read_dumps, where_ranks_parted
+
+    run_dir = Path(config.run_dir)
+    parting = where_ranks_parted(read_dumps(run_dir), world_size)
+    collectives = (f"; {parting.line} (flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose {run_dir})"
+                   if parting is not None else "")
+    if parting is not None and parting.mismatch:
+        return RunFailed(f"{parting.line} ({exc}; flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose "
+                         f"{run_dir})", exit_code=exc.exit_code, details=exc.details)
     if (stalled := session.stalled()) and exc.exit_code == 1:
         first = stalled[0]
         ranks = ", ".join(str(state.rank) for state in stalled)
         return RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "
-                         f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc})",
+                         f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc}){collectives}",
                          exit_code=exc.exit_code, details=exc.details)
+    if collectives and "Timed out" in str(exc):
+        return RunFailed(f"{exc}{collectives}", exit_code=exc.exit_code, details=exc.details)
     return exc
 
 

@@ -24,13 +24,14 @@ from ddp_amp.dist import DistEnv, process_group, settle_run_dir_writers
 from ddp_amp.errors import RankOutOfMemory, RankSetupError
 from ddp_amp.process import die_with_parent
 from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
-from ddp_amp.rank import setup
+from ddp_amp.rank import flight_recorder, setup
 from ddp_amp.rank.evaluation import evaluate_into
 from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
 from ddp_amp.rank.reporter import TensorBoardScalars, WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
 from ddp_amp.tasks import Task
 from ddp_amp.train.metrics import peak_memory
+from ddp_amp.train.step import PHASES
 from ddp_amp.train.trainer import Trainer, TrainResult
 
 
@@ -53,9 +54,12 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
         raise
     except RankOutOfMemory as exc:
         traceback.print_exc()  # the allocator's own error stays in the rank's log; the launcher shows one line
+        _dump_flight_record(config, reporter, f"failed: {exc}")
         reporter.error(str(exc))
         raise
-    except Exception:
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        _dump_flight_record(config, reporter, f"failed: {type(exc).__name__}: {first}")
         reporter.error(traceback.format_exc())
         raise
     finally:
@@ -65,10 +69,20 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
             sender.close()
 
 
+def _dump_flight_record(config: TrainConfig, reporter: WorkerReporter, reason: str) -> None:
+    position = None
+    if reporter.trainer is not None:  # where its loop was
+        step, micro, phase = reporter.trainer.position
+        position = (step + 1, micro, PHASES[phase])
+    flight_recorder.dump(Path(config.run_dir), reporter.env.rank, reason, position)
+
+
 def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float,
            restarts: int) -> dict[str, Any] | None:
     device, threads, flushing = setup.prepare_device(config, env.local_rank, env.local_world_size)
     run_dir = Path(config.run_dir)
+    flight_recorder.enable()  # before the process group is made
+    flight_recorder.forget(run_dir, env.rank)
     with process_group(env, device, timeout_s=config.timeout):
         env = reporter.env = settle_run_dir_writers(env, run_dir)
         if config.tensorboard and env.rank == 0:
@@ -77,13 +91,14 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         task = setup.build_checked_task(config, env)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter)
+        reporter.trainer = trainer
         trainer.stop_signal = lambda: STOP_REQUEST.signum
         checkpointer = trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
         resumed = checkpointer.load(trainer)
         reporter.state("running")
         if config.max_batch_search:
             return _search_max_batch(config, env, reporter, trainer, device, threads)
-        with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
+        with Heartbeat(reporter, trainer, stall_after_s(config.timeout), run_dir):
             result = trainer.train()
         memory = peak_memory(device)  # of training: before rank 0's evaluation
         numerics = trainer.probe_numerics() if config.record_step_times else {}  # bench

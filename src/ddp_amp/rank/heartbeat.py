@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ddp_amp.rank import flight_recorder
 from ddp_amp.train.step import PHASES
 
 if TYPE_CHECKING:
@@ -24,21 +27,33 @@ class Heartbeat:
 
     A loop that stands still while its heartbeat goes on is stuck: in a hung user function, or in a collective
     waiting for a rank that is. The launcher compares the ranks' positions to tell which (see ProgressModel).
+    A loop that has stood still for `stall_after` seconds also writes this rank's flight record (once per
+    stall): the stuck main thread cannot, and the run may end before it could.
     """
 
-    def __init__(self, reporter: WorkerReporter, trainer: Trainer, stall_after: float) -> None:
-        self.reporter, self.trainer, self.stall_after = reporter, trainer, stall_after
+    def __init__(self, reporter: WorkerReporter, trainer: Trainer, stall_after: float,
+                 run_dir: Path | None = None) -> None:
+        self.reporter, self.trainer, self.stall_after, self.run_dir = reporter, trainer, stall_after, run_dir
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="ddp-amp-heartbeat", daemon=True)
 
     def _beat(self) -> None:
+        last, since, dumped = None, time.monotonic(), False
         while not self._stop.wait(HEARTBEAT_S):
-            step, micro, phase = self.trainer.position
-            self.reporter.heartbeat(step=step, micro=micro, phase_index=phase, phase=PHASES[phase],
-                                    stall_after_s=self.stall_after)
+            position = self.trainer.position
+            step, micro, phase = position
+            if self.reporter.sender is not None:
+                self.reporter.heartbeat(step=step, micro=micro, phase_index=phase, phase=PHASES[phase],
+                                        stall_after_s=self.stall_after)
+            if position != last:
+                last, since, dumped = position, time.monotonic(), False
+            elif not dumped and self.run_dir is not None and time.monotonic() - since >= self.stall_after:
+                dumped = True
+                flight_recorder.dump(self.run_dir, self.reporter.env.rank, f"no progress for {self.stall_after:g}s",
+                                     (step + 1, micro, PHASES[phase]))
 
     def __enter__(self) -> Heartbeat:
-        if self.reporter.sender is not None:
+        if self.reporter.sender is not None or self.run_dir is not None:
             self._thread.start()
         return self
 

@@ -28,6 +28,8 @@ class WorkerReporter:
         self.last_loss: float | None = None
         self.scalars: TensorBoardScalars | None = None
         """Set on global rank 0 with --tensorboard."""
+        self.trainer: Any = None
+        """The rank's Trainer once built: where its loop is, for the flight record of a rank that fails."""
 
     def _send(self, event: dict[str, Any]) -> None:
         event = {"rank": self.env.rank, **event}

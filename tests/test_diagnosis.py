@@ -1,0 +1,52 @@
+"""Where the ranks parted, from torch's flight recorder on real 2-rank gloo runs: a hung rank and a collective
+mismatch named in the launcher's last line, the records kept, and `ddp-amp diagnose` reading them again."""
+
+import json
+import re
+
+import pytest
+
+from conftest import last_line, run_cli
+
+pytestmark = pytest.mark.slow
+
+HANG = ["--device", "cpu", "--steps", "50", "--log-every", "1", "--timeout", "6", "--log-format", "plain"]
+
+
+def test_a_hung_rank_is_named_with_the_collective_the_others_waited_in(tmp_path, helper_task):
+    result = run_cli("spawn", "-n", "2", "--task", helper_task("hang_on_rank1"), *HANG, "--run-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    verdict = last_line(result.stderr)
+    parted = re.search(r"rank 1 never entered collective #(\d+) \(all_reduce, 36 B\); rank 0 waited in it for "
+                       r"(\d+) s; rank 1 was last in step 5 \(forward\)", verdict)
+    assert parted, verdict
+    assert int(parted.group(2)) >= 6  # --timeout 6
+    assert verdict.startswith("ddp-amp: error: rank 1 stalled in step 5 (forward)")
+    records = {rank: json.loads((tmp_path / "flight_recorder" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    number = int(parted.group(1))
+    assert max(e["collective_seq_id"] for e in records[0]["entries"] if e["pg_id"] == 0) == number
+    assert records[1]["position"] == {"step": 5, "micro": 0, "phase": "forward"}
+    diagnosis = run_cli("diagnose", str(tmp_path))
+    assert diagnosis.returncode == 0, diagnosis.stderr
+    lines = diagnosis.stdout.splitlines()
+    assert lines[0] == parted.group(0)
+    assert f"  #{number} all_reduce, 36 B" in "\n".join(lines)  # rank 0's timeline ends in it
+    assert any(line.startswith("rank 1: no progress for") for line in lines)
+
+
+def test_a_collective_mismatch_is_named_with_both_sides(tmp_path, helper_task):
+    """Rank-dependent control flow: rank 1 broadcasts where rank 0 all-reduces, the same 36 bytes."""
+    result = run_cli("spawn", "-n", "2", "--task", helper_task("broadcast_instead_on_rank1"), *HANG,
+                     "--run-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    verdict = last_line(result.stderr)
+    assert re.match(r"ddp-amp: error: the ranks called different collectives at #\d+, a mismatch: rank 0 entered "
+                    r"all_reduce, 36 B; rank 1 entered broadcast, 36 B \(", verdict), verdict
+
+
+def test_diagnose_without_records_is_one_line_exit_2(tmp_path):
+    result = run_cli("diagnose", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"ddp-amp: error: diagnose: {str(tmp_path)!r} has no flight records (flight_recorder/rank<N>.json): the "
+        "ranks write them when a run fails or stalls"]
