@@ -507,6 +507,58 @@ def _check_plot_path(path: Path) -> None:
 
 
 @app.command()
+def doctor(
+    nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
+                                              "GPU with CUDA, 2 on CPU].")] = None,
+    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    amp: Annotated[Literal["auto", "on", "off"], typer.Option("--amp", help="The precision of the matmul rate, "
+                                                                "as for training.")] = "auto",
+    dtype: Annotated[Literal["auto", "bf16", "fp16"], typer.Option("--dtype", help="auto, bf16 or fp16.")] = "auto",
+    launcher: Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="spawn or run (torchrun).")] = "spawn",
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a rank is an outlier.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
+    run_dir: RunDir = None,
+) -> None:
+    """Measure the ranks and their links before a long job: rendezvous, all-reduce latency and bandwidth, each
+    rank's matmul rate; outliers are named."""
+    import dataclasses
+    import json
+
+    from ddp_amp.config import NOT_OPTIONS, TrainConfig
+
+    if json_path is not None and not json_path.resolve().parent.is_dir():
+        raise UsageError(f"--json {str(json_path)!r}: directory {str(json_path.parent)!r} does not exist")
+    import torch
+
+    if nproc is None:
+        nproc = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 2
+    options = {field.name: getattr(TrainConfig(), field.name) for field in dataclasses.fields(TrainConfig)
+               if field.name not in NOT_OPTIONS}
+    options.update(device=device, amp=amp, dtype=dtype, steps=1)
+    from ddp_amp.bench import _launch
+    from ddp_amp.checkup import judge
+    from ddp_amp.launch.preflight import RUNS_ROOT, default_run_dir
+    from ddp_amp.outputs import DOCTOR_FILE
+
+    root = Path(run_dir) if run_dir else RUNS_ROOT / f"doctor-{default_run_dir().name}"
+    _launch(options, root, nproc=nproc, launcher=launcher, extra={"doctor": True})
+    report = json.loads((root / DOCTOR_FILE).read_text())
+    report["judgement"] = judge(report)
+    from rich.console import Console
+
+    from ddp_amp.report import doctor_table
+
+    Console().print(doctor_table(report))
+    if json_path is not None:
+        from ddp_amp.outputs import write_json
+
+        write_json(json_path, report)
+        typer.echo(f"ddp-amp: wrote {json_path}", err=True)
+    if strict and report["judgement"]["warnings"]:
+        raise RunFailed("doctor --strict: " + "; ".join(report["judgement"]["warnings"]))
+
+
+@app.command()
 def diagnose(
     run_dir: Annotated[Path, typer.Argument(help="A run directory whose ranks wrote flight records.",
                                             show_default=False)],

@@ -29,7 +29,7 @@ CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCH
            "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
            "grad_compression": GRAD_COMPRESSIONS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
-NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "max_batch_search", "elastic", "job_id")
+NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "max_batch_search", "doctor", "elastic", "job_id")
 """Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
 
 
@@ -106,6 +106,8 @@ class TrainConfig:
     """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
     max_batch_search: bool = False
     """Instead of training, search the largest per-rank batch that trains: for `ddp-amp bench --max-batch`."""
+    doctor: bool = False
+    """Instead of training, measure the ranks and their links: for `ddp-amp doctor`."""
     tf32: str | None = None
     """CUDA only: on or off to allow TF32 for fp32 matmuls and convolutions (None leaves torch's default)."""
     flush_denormal: str = "auto"

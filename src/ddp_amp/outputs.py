@@ -17,6 +17,7 @@ MODEL_FILE = "model.pt"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 STEP_TIMES_FILE = "step_times.json"  # only with record_step_times (ddp-amp bench): every rank's step durations
+DOCTOR_FILE = "doctor.json"  # only with ddp-amp doctor: every rank's figures, written by rank 0
 
 
 def save_weights(run_dir: Path, model: Any) -> Path:

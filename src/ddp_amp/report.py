@@ -55,6 +55,34 @@ def bench_table(report: dict[str, Any]):
     return Group(table, *(Text(line) for line in lines))
 
 
+def doctor_table(report: dict[str, Any]):
+    """ddp-amp doctor: a row per rank, the all-reduce figures, the verdict and any warning."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    slow = set(report["judgement"]["slow_ranks"])
+    ranks = Table(title=f"ddp-amp doctor ({report['backend']}, {report['precision']})", title_justify="left")
+    for header in ("rank", "host", "device", "ready after", "matmul GFLOP/s", "host→device GB/s", "status"):
+        ranks.add_column(header, justify="left" if header in ("host", "device", "status") else "right")
+    for rank in report["ranks"]:
+        h2d = rank.get("host_to_device_gb_per_s")
+        ranks.add_row(str(rank["rank"]), rank["host"], rank["device"], f"{rank['rendezvous_s']:.1f}s",
+                      f"{rank['matmul_gflops']:.0f}", _num(h2d, ".1f"),
+                      Text("slow", style="bold yellow") if rank["rank"] in slow else Text("ok", style="green"))
+    links = Table(title="all-reduce (every rank at once)", title_justify="left")
+    for header in ("size", "time", "bus bandwidth"):
+        links.add_column(header, justify="right")
+    figures = report["ranks"][0]["all_reduce"]
+    links.add_row("4 B", f"{figures['latency_us']:.0f} us", "-")
+    for size in figures["sizes"]:
+        links.add_row(f"{size['mib']} MiB", f"{size['seconds'] * 1e3:.1f} ms", f"{size['bus_gb_per_s']:.2f} GB/s")
+    judgement = report["judgement"]
+    lines = [Text(f"warning: {w}", style="yellow") for w in judgement["warnings"]]
+    lines.append(Text(f"{judgement['verdict']} (doctor took {report['elapsed_s']:.1f}s)"))
+    return Group(ranks, links, *lines)
+
+
 def max_batch_table(report: dict[str, Any]):
     """bench --max-batch: per precision the largest per-rank batch, the throughput at it, the trials."""
     from rich.console import Group

@@ -88,6 +88,8 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         if config.tensorboard and env.rank == 0:
             reporter.scalars = TensorBoardScalars(run_dir)
         precision = setup.agreed_precision(config, device)
+        if config.doctor:
+            return _doctor(config, env, device, precision, ready_at=time.time())
         task = setup.build_checked_task(config, env)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter)
@@ -127,6 +129,19 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
             write_results(config, summary, result, task, rank_times, device)
         reporter.done(summary, memory)
         return summary if env.writes_run_dir else None
+
+
+def _doctor(config: TrainConfig, env: DistEnv, device: torch.device, precision, ready_at: float) -> None:
+    """ddp-amp doctor: the measurements instead of training; rank 0 writes them to RUN_DIR/doctor.json."""
+    from ddp_amp.rank.doctor import checkup
+
+    ranks = checkup(env, device, precision, ready_at, config.launch_time or ready_at)
+    if ranks is not None:
+        outputs.write_json(Path(config.run_dir) / outputs.DOCTOR_FILE,
+                           {"ranks": ranks, "world_size": env.world_size, "backend": dist.get_backend(),
+                            "precision": precision.name, "torch": torch.__version__,
+                            "elapsed_s": time.time() - (config.launch_time or ready_at)})
+    return None
 
 
 def _search_max_batch(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, trainer: Trainer,
