@@ -489,3 +489,17 @@ def broadcast_instead_on_rank1() -> Task:
         return loss
 
     return _regression_with(on_call)
+
+
+STRAGGLER_SLEEP_S = 0.02
+
+
+def rank1_sleeps_each_step() -> Task:
+    """Rank 1 sleeps STRAGGLER_SLEEP_S in every loss (its forward): the straggler of a 2-rank run."""
+
+    def on_call(call, loss):
+        if os.environ.get("RANK") == "1":
+            time.sleep(STRAGGLER_SLEEP_S)
+        return loss
+
+    return _regression_with(on_call)

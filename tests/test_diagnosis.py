@@ -50,3 +50,25 @@ def test_diagnose_without_records_is_one_line_exit_2(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"ddp-amp: error: diagnose: {str(tmp_path)!r} has no flight records (flight_recorder/rank<N>.json): the "
         "ranks write them when a run fails or stalls"]
+
+
+def test_a_rank_that_sleeps_each_step_is_marked_slow(tmp_path, helper_task):
+    """Rank 1 sleeps 20 ms in each forward: it is marked slow in the live view's lines, metrics.jsonl and
+    summary.json; rank 0, which waits for it in backward's all-reduce, is not."""
+    from conftest import read_metrics, read_summary
+
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", helper_task("rank1_sleeps_each_step"),
+                     "--steps", "40", "--log-every", "5", "--log-format", "plain", "--run-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[rank 1] step 40/40") and line.endswith("slow (holds the others back)")
+               for line in lines), result.stdout
+    assert not any(line.startswith("[rank 0]") and "slow" in line for line in lines)
+    summary = read_summary(tmp_path)
+    assert summary["slow_ranks"] == [1]
+    times = summary["time_per_rank_s"]
+    assert times["1"]["forward"] >= 40 * 0.02  # the sleeps
+    assert times["0"]["backward"] > times["1"]["backward"]  # rank 0 waited there for rank 1
+    records = read_metrics(tmp_path)
+    assert all(len(record["time_per_rank_s"]) == 2 and len(record["time_per_rank_s"][0]) == 5 for record in records)
+    assert records[-1]["slow_ranks"] == [1] and records[0]["slow_ranks"] == []  # a window of 3 intervals first

@@ -41,3 +41,4 @@ def test_doctor_measures_two_cpu_ranks(tmp_path):
         assert all(s["bus_gb_per_s"] > 0 for s in links["sizes"])
     assert report["elapsed_s"] > 0
     assert report["judgement"]["verdict"] in " ".join(result.stdout.split())
+

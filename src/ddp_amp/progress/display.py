@@ -81,7 +81,7 @@ class ProgressModel:
             state.pid = event.get("pid", state.pid)
             state.node = event.get("node", state.node)
         elif kind == "log":
-            state.status = "running"
+            state.status = "slow" if event.get("slow") else "running"
             for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "loss_scale",
                          "skipped_steps", "micro_batch_size"):
                 if name in event:
@@ -291,7 +291,7 @@ class RichDisplay:
         for header in headers:
             table.add_column(header, justify="left" if header in ("progress", "status") else "right")
         styles = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan",
-                  "stalled": "bold yellow", "stopped": "yellow"}
+                  "stalled": "bold yellow", "stopped": "yellow", "slow": "yellow"}
         for state in ranks:
             total = state.total_steps or 0
             row = [str(state.rank)]

@@ -6,7 +6,7 @@ Every event has "type" and "rank"; the rest depends on the type:
            restart (torchrun's restart count)
     log    step, total_steps, epoch, loss (this rank's, over the interval), global_loss (all ranks), lr,
            samples_per_s (this rank), global_samples_per_s, items_per_s / item_name, loss_scale, skipped_steps,
-           micro_batch_size (with --micro-batch)
+           micro_batch_size (with --micro-batch), slow (this rank holds the others back: train.stragglers)
     done   steps, samples_per_s (this rank's mean), peak_memory_mb (GPU: reserved; CPU: peak RSS), on a GPU
            peak_memory_allocated_mb, final_loss, stopped (by a stop signal,
            before the last step), plus the run summary on the
@@ -37,6 +37,8 @@ def plain_line(event: dict[str, Any]) -> str | None:
             line += f" scale {event['loss_scale']:.0f} skipped {event['skipped_steps']}"
         if "micro_batch_size" in event:
             line += f" micro-batch {event['micro_batch_size']}"
+        if event.get("slow"):
+            line += " slow (holds the others back)"
         return line
     if kind == "state" and event["status"] in ("starting", "restarting"):
         details = [f"restart {event['restart']}"] if event.get("restart") else []

@@ -60,6 +60,8 @@ class WorkerReporter:
             event["loss_scale"] = record["loss_scale"]
         if "micro_batch_size" in record:
             event["micro_batch_size"] = record["micro_batch_size"]
+        if self.env.rank in record.get("slow_ranks", ()):
+            event["slow"] = True
         if record.get("grad_norm") is not None and math.isfinite(record["grad_norm"]):
             event["grad_norm"] = record["grad_norm"]
         self._send(event)

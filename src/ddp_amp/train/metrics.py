@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,8 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv
 from ddp_amp.profiling import StepProfiler
 from ddp_amp.tasks import Task
-from ddp_amp.train.step import StepOutcome
+from ddp_amp.train.step import PHASES, StepOutcome
+from ddp_amp.train.stragglers import StragglerWatch
 
 
 class Reporter(Protocol):
@@ -109,6 +111,9 @@ class MetricsProcessor:
         self.scaler, self.profiler, self.reporter = scaler, profiler, reporter
         self.micro: Any = None
         """The run's train.microbatch.MicroBatches, whose size each log record carries (None without)."""
+        self.phase_times: Callable[[], list[float]] = lambda: [0.0] * len(PHASES)
+        """This rank's seconds per phase since the last log (AmpStep.take_phase_times)."""
+        self.stragglers = StragglerWatch(env.rank, env.world_size)
         self.total_steps, self.start_step = total_steps, start_step
         self.samples_per_step = config.batch_size * config.grad_accum  # per rank
         self.measure_from = steady_state_start(total_steps)
@@ -154,18 +159,23 @@ class MetricsProcessor:
         """The interval's record, all-reduced, to the reporter. `flags`: one-element device tensors that ride
         along in the same all-reduce (a stop request, a tripped divergence watch); returned summed over ranks."""
         count = torch.tensor([float(self.loss_count)], device=self.device)
-        local = torch.cat([self.loss_sum.reshape(1), count, *flags])
+        times = self.stragglers.pack(self.phase_times(), self.device)  # every rank's row, summed: a table
+        local = torch.cat([self.loss_sum.reshape(1), count, *flags, times])
         totals = local.clone()
         dist.all_reduce(totals)  # also a sync point: the interval's time below is real
         now = time.perf_counter()
         interval_s = now - self.interval_start
         norm = grad_norm if grad_norm is not None else torch.full((), math.nan, device=self.device)
         values = torch.cat([local[:2], totals, norm.reshape(1).float()]).tolist()  # one host read for all
-        local_loss, local_count, total_loss, total_count, *summed_flags, norm_value = values
+        local_loss, local_count, total_loss, total_count, *summed, norm_value = values
+        summed_flags, table = summed[:len(flags)], summed[len(flags):]
+        rank_times = self.stragglers.unpack(table)
         rank_samples_per_s = self.interval_steps * self.samples_per_step / interval_s
         record = {"step": number, "total_steps": self.total_steps, "epoch": epoch, "loss": total_loss / total_count,
                   "lr": lr, "samples_per_s": rank_samples_per_s * self.env.world_size, "skipped_steps": skipped_steps,
                   "grad_norm": norm_value, "elapsed_s": time.time() - self.start,
+                  "time_per_rank_s": [[round(seconds, 4) for seconds in row] for row in rank_times],
+                  "slow_ranks": self.stragglers.slow,
                   # This rank's own view, for the per-rank display (not written to metrics.jsonl).
                   "rank_loss": local_loss / local_count, "rank_samples_per_s": rank_samples_per_s}
         if self.task.item_name != "samples":
@@ -212,4 +222,5 @@ class MetricsProcessor:
             summary["compile_s"] = self.first_step_s
         if self.scaler.is_enabled():
             summary["loss_scale"] = self.scaler.get_scale()
+        summary.update(self.stragglers.summary())
         return summary

@@ -12,6 +12,7 @@ returned as device tensors, for the metrics to read at log intervals.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,14 +63,34 @@ class AmpStep:
         """The all-reduce of the accumulated gradients under --micro-batch auto (and `try_batch`), after the
         ranks agreed that every piece fitted: its backward passes all ran under no_sync."""
         self.out_of_memory = OutOfMemoryAgreement(device) if micro is not None and micro.auto else None
-        self.position: tuple[int, int, int] = (0, 0, DATA)
-        """(optimizer step, micro-step, phase): rebound, never mutated, so a watchdog thread reads it whole."""
+        self._position: tuple[int, int, int] = (0, 0, DATA)
+        self._since = time.perf_counter()
+        self.phase_s = [0.0] * len(PHASES)
+        """Host seconds spent in each phase since `take_phase_times`: where this rank's time went (stragglers)."""
         # Counts the optimizer steps actually taken. GradScaler calls optimizer.step() only when the gradients
         # are finite (it learns that with the one host sync it already makes), so a skipped step is seen here
         # without reading the scale back from the device. (A fused optimizer takes the scaler's found_inf itself
         # and would break this: never built under a GradScaler, see optim.optimizer_impl.)
         self.steps_taken = 0
         optimizer.register_step_post_hook(self._count_step)
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(optimizer step, micro-step, phase): rebound, never mutated, so a watchdog thread reads it whole.
+        Each change closes the time spent in the phase before (two clock reads; no device sync)."""
+        return self._position
+
+    @position.setter
+    def position(self, value: tuple[int, int, int]) -> None:
+        now = time.perf_counter()
+        self.phase_s[self._position[2]] += now - self._since
+        self._since, self._position = now, value
+
+    def take_phase_times(self) -> list[float]:
+        """The seconds per phase since the last call (the current phase's so far included), and start over."""
+        self.position = self._position
+        taken, self.phase_s = self.phase_s, [0.0] * len(PHASES)
+        return taken
 
     def __call__(self, batches: Iterator[Any], step: int, *, want_norm: bool) -> StepOutcome:
         try:

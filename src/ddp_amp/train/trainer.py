@@ -168,6 +168,7 @@ class Trainer:
         metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
                                    self.reporter, total_steps=self.total_steps, start_step=self.start_step)
         metrics.micro = self.micro
+        metrics.phase_times = self.step.take_phase_times
         divergence = DivergenceWatch(config.max_nonfinite, self.device)
         stop = StopAgreement(lambda: self.stop_signal())
         diverged: dict[str, Any] | None = None
