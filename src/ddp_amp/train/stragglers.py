@@ -6,10 +6,11 @@ rows that are zero but one's), so every rank learns every rank's figures without
 The log phase's figure is the wait at the previous log's all-reduce: this one is not over when it is sent.
 
 A rank is `slow` when its busy time over the last WINDOW intervals is SLOW_SHARE or more above the ranks'
-median, by at least COSTS_AT_LEAST of the wall time. Busy: data, forward and the optimizer step. Backward is left out: it holds DDP's gradient all-reduce,
-in which the fast ranks wait for the slow one, so every rank's backward lasts as long as the slowest rank's
-step. (On a GPU the host times are those of launching the kernels; a rank whose device is slow shows as a
-longer wait where the host meets the device: the loss read at the log.)
+median, by at least COSTS_AT_LEAST of the wall time. Busy: data, forward and the optimizer step. Backward is
+left out: it holds DDP's gradient all-reduce, in which the fast ranks wait for the slow one, so every rank's
+backward lasts as long as the slowest rank's step. (On a GPU the host times are those of launching the
+kernels; a rank whose device is slow shows as a longer wait where the host meets the device: the loss read at
+the log.)
 """
 
 from __future__ import annotations
