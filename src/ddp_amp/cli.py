@@ -519,8 +519,9 @@ def doctor(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
     run_dir: RunDir = None,
 ) -> None:
-    """Measure the ranks and their links before a long job: rendezvous, all-reduce latency and bandwidth, each
-    rank's matmul rate; outliers are named."""
+    """Measure the ranks and their links before a long job; outliers are named.
+
+    Rendezvous time, all-reduce latency and bus bandwidth, each rank's matmul rate, host-to-device copies."""
     import dataclasses
     import json
 
@@ -564,8 +565,9 @@ def diagnose(
                                             show_default=False)],
     last: Annotated[int, typer.Option("--last", help="Collectives per rank in the timeline.")] = 8,
 ) -> None:
-    """Where the ranks of a failed or hung run parted: its flight records merged, and each rank's last
-    collectives."""
+    """Where the ranks of a failed or hung run parted, from their flight records.
+
+    The collective a rank never entered (or a mismatch), then each rank's last collectives."""
     from ddp_amp.diagnosis import DUMP_DIR, read_dumps, timeline, where_ranks_parted
 
     if last < 1:
