@@ -13,15 +13,19 @@ pytestmark = pytest.mark.slow
 HANG = ["--device", "cpu", "--steps", "50", "--log-every", "1", "--timeout", "6", "--log-format", "plain"]
 
 
-def test_a_hung_rank_is_named_with_the_collective_the_others_waited_in(tmp_path, helper_task):
+def test_a_hung_rank_is_marked_stalled_and_named_with_the_collective_the_others_waited_in(tmp_path, helper_task):
     result = run_cli("spawn", "-n", "2", "--task", helper_task("hang_on_rank1"), *HANG, "--run-dir", str(tmp_path))
     assert result.returncode == 1, result.stderr
+    # The live output marked it while the run still waited, then the last line names it, not rank 0.
+    assert "[rank 1] stalled: no progress for" in result.stdout and "in step 5 (forward)" in result.stdout
+    assert "[rank 0] stalled" not in result.stdout
     verdict = last_line(result.stderr)
     parted = re.search(r"rank 1 never entered collective #(\d+) \(all_reduce, 36 B\); rank 0 waited in it for "
                        r"(\d+) s; rank 1 was last in step 5 \(forward\)", verdict)
     assert parted, verdict
     assert int(parted.group(2)) >= 6  # --timeout 6
-    assert verdict.startswith("ddp-amp: error: rank 1 stalled in step 5 (forward)")
+    assert verdict.startswith("ddp-amp: error: rank 1 stalled in step 5 (forward); the other ranks gave up "
+                              "waiting after --timeout 6s"), verdict
     records = {rank: json.loads((tmp_path / "flight_recorder" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
     number = int(parted.group(1))
     assert max(e["collective_seq_id"] for e in records[0]["entries"] if e["pg_id"] == 0) == number

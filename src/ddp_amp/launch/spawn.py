@@ -21,6 +21,11 @@ from ddp_amp.errors import RunFailed, failure_line
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.process import StopSignal, signal_processes
 
+FAILURE_GRACE_S = 3.0
+"""After a rank fails, how long the others get to exit, and then to obey SIGTERM, before SIGKILL (torch's join
+waits 30 s each). The run has failed: a rank still alive is waiting in a collective for the failed one, where
+no signal handler of ours can run."""
+
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     return {
@@ -59,7 +64,7 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
         deadline = None
         while True:
             try:
-                if context.join(timeout=None if stop is None else 0.5):
+                if context.join(timeout=None if stop is None else 0.5, grace_period=FAILURE_GRACE_S):
                     break
             except StopSignal as first:
                 # Ask every rank to stop at one step they agree on (and checkpoint); wait --stop-timeout. The
