@@ -59,6 +59,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/resume_memory.py --keep 3 --repeats 3
 	$(BIN)/python benchmarks/gemm_limit.py --repeats 3 --profile
 	$(BIN)/python benchmarks/micro_batch_auto.py --repeats 7
+	$(BIN)/python benchmarks/allreduce_latency.py --rounds 3
+	$(BIN)/python benchmarks/flight_recorder_cost.py --repeats 7
 	$(BIN)/python benchmarks/micro_batch_auto.py --repeats 3 --task wide --batch-size 128 --steps 60
 	$(BIN)/ddp-amp bench --device cpu --amp off --max-batch --task tests/helper_tasks.py:activation_heavy \
 		--max-memory 1 --batch-size 512
