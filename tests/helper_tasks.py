@@ -503,3 +503,16 @@ def rank1_sleeps_each_step() -> Task:
         return loss
 
     return _regression_with(on_call)
+
+
+def extra_all_reduce_on_rank1() -> Task:
+    """Rank-dependent control flow of another size: at its third loss rank 1 alone all-reduces 20 numbers
+    while rank 0 goes on to DDP's all-reduce of 9; gloo aborts the rank that receives the wrong size."""
+    import torch.distributed as dist
+
+    def on_call(call, loss):
+        if call == 3 and os.environ.get("RANK") == "1":
+            dist.all_reduce(torch.zeros(20))
+        return loss
+
+    return _regression_with(on_call)

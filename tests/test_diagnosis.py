@@ -76,3 +76,14 @@ def test_a_rank_that_sleeps_each_step_is_marked_slow(tmp_path, helper_task):
     records = read_metrics(tmp_path)
     assert all(len(record["time_per_rank_s"]) == 2 and len(record["time_per_rank_s"][0]) == 5 for record in records)
     assert records[-1]["slow_ranks"] == [1] and records[0]["slow_ranks"] == []  # a window of 3 intervals first
+
+
+def test_a_collective_of_another_size_is_named_from_the_aborted_ranks_log(tmp_path, helper_task):
+    """Gloo aborts the rank that receives a collective of another size (C++ terminate, SIGABRT): no record of
+    its own, but the last line carries what it printed as it died."""
+    result = run_cli("spawn", "-n", "2", "--task", helper_task("extra_all_reduce_on_rank1"), *HANG,
+                     "--run-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    verdict = last_line(result.stderr)
+    assert verdict.startswith("ddp-amp: error: rank 0 exited with signal SIGABRT: "), verdict
+    assert verdict.endswith("Is there a distributed collective mismatch in your code?"), verdict

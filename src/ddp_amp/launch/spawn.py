@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import time
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -82,7 +83,9 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
         last_line = failure_line(traceback_text.splitlines()[-1]) if traceback_text else "unknown error"
         raise RunFailed(f"rank {rank} failed: {last_line}", details=traceback_text) from None
     except mp.ProcessExitedException as exc:
-        raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}") from None
+        why = _abort_message(Path(config.run_dir), exc.error_index) if exc.signal_name == "SIGABRT" else None
+        raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}"
+                        + (f": {why}" if why else "")) from None
     except KeyboardInterrupt:
         _stop_ranks(context)
         raise RunFailed("interrupted", exit_code=130) from None
@@ -118,6 +121,21 @@ def _first_failure(context: mp.ProcessContext, exc: mp.ProcessRaisedException) -
         with open(path, "rb") as f:
             return rank, pickle.load(f).strip()
     return exc.error_index, str(exc).split("terminated with the following error:", 1)[-1].strip()
+
+
+def _abort_message(run_dir: Path, rank: int) -> str | None:
+    """What C++ printed as it aborted the rank (`terminate called ...`, then `  what():  ...`), from the end of
+    the rank's log: gloo aborts a rank that receives a collective of another size ("Is there a distributed
+    collective mismatch in your code?"), before any Python handler could say so."""
+    try:
+        with open(run_dir / "logs" / f"rank{rank}.log", "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - 8192))
+            tail = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = [line.split("what():", 1)[1].strip() for line in tail.splitlines() if "what():" in line]
+    return re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", found[-1]) if found else None
 
 
 def _describe_exit(exc: mp.ProcessExitedException) -> str:
