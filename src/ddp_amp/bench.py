@@ -294,36 +294,11 @@ class BenchOptions:
         return [(mode, flag) for mode in self.modes for flag in compiled]
 
 
-def _launch(run_options: dict[str, Any], run_dir: Path, *, nproc: int, launcher: str, extra: dict[str, Any]):
-    """One ordinary launch of the common core (spawn or torchrun's agent), quiet; its plan."""
-    import sys
-
-    from ddp_amp.dist import loopback_store
-    from ddp_amp.launch import torchrun
-    from ddp_amp.launch.agent import run_agent
-    from ddp_amp.launch.preflight import preflight
-    from ddp_amp.launch.spawn import spawn
-    from ddp_amp.progress.display import PlainDisplay
-    from ddp_amp.progress.session import ProgressSession
-
-    plan = preflight(run_options, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir), extra=extra)
-    session = ProgressSession(PlainDisplay(sys.stderr, quiet=True, final_summary=False), run_dir)
-    with session:
-        if launcher == "spawn":
-            spawn(plan.config, nproc, extra_env=session.environment())
-        else:
-            store = loopback_store()  # served as long as this launch runs
-            job = torchrun.standalone_job(nproc_per_node=nproc, max_restarts=0, monitor_interval=0.1,
-                                          device_type=plan.device_type, store_port=store.port)
-            run_agent(job, plan.config_path, session.environment(), run_dir / "logs" / "agent.log")
-            del store
-    return plan
-
-
 def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: int, run_root: Path,
               status=print) -> dict[str, Any]:
     """Launch every (repeat, precision) once, interleaved off, on, off, on..., and analyse the step times."""
     from ddp_amp.gpu_peaks import mfu
+    from ddp_amp.launch.quiet import launch_quietly
 
     measurements, notes, summary, plan = [], [], None, None
     total = options.repeats * len(options.variants)
@@ -334,8 +309,8 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
             if mode == "off":
                 run_options["dtype"] = "auto"
             run_dir = run_root / f"{mode}{'-compile' if compiled else ''}-{repeat}"
-            plan = _launch(run_options, run_dir, nproc=nproc, launcher=options.launcher,
-                           extra={"record_step_times": True})
+            plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher,
+                                  extra={"record_step_times": True})
             if plan.precision.warning and plan.precision.warning not in notes:
                 notes.append(plan.precision.warning)
             label = plan.precision.name + (COMPILED if compiled else "")
@@ -361,46 +336,4 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
                         "order": "interleaved " + ", ".join(f"{m}{COMPILED if c else ''}" for m, c in options.variants),
                         "launcher": options.launcher,
                         "nproc": nproc, "task": train_options["task"], "run_root": str(run_root)}
-    return report
-
-
-def host_memory_share_gib(nproc: int) -> float:
-    """A CPU rank's share of this host's memory, less a fifth for everything else: the cap bench --max-batch
-    puts on CPU ranks without --max-memory, so the allocator fails cleanly before the kernel's OOM killer
-    does."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8 / nproc / 2**30
-
-
-def run_max_batch(train_options: dict[str, Any], options: BenchOptions, *, nproc: int, run_root: Path,
-                  status=print) -> dict[str, Any]:
-    """bench --max-batch: per precision (fp32 and the AMP dtype) one launch that searches the largest per-rank
-    batch that trains (train.batch_search), and the throughput at it."""
-    from ddp_amp.train.batch_search import TRIAL_STEPS
-
-    results: dict[str, Any] = {}
-    plan = None
-    for mode in options.modes:
-        run_options = {**train_options, "amp": mode, "steps": 1, "log_every": 1}
-        if mode == "off":
-            run_options["dtype"] = "auto"
-        run_dir = run_root / f"max-batch-{mode}"
-        plan = _launch(run_options, run_dir, nproc=nproc, launcher=options.launcher,
-                       extra={"max_batch_search": True})
-        summary = json.loads((run_dir / "summary.json").read_text())
-        found = summary["max_batch_search"]
-        results[summary["precision"]] = {**found, "peak_memory_mb": summary["peak_memory_mb"]}
-        status(f"bench: largest batch per rank in {summary['precision']}: {found['max_batch']} "
-               f"({len(found['trials'])} trials)")
-    report: dict[str, Any] = {"max_batch": results, "notes": []}
-    amp = next((p for p in results if p != "fp32"), None)
-    if "fp32" in results and amp and results["fp32"]["max_batch"]:
-        report["max_batch_ratio"] = {"amp": amp, "ratio": results[amp]["max_batch"] / results["fp32"]["max_batch"]}
-    tf32 = train_options.get("tf32")
-    first = json.loads((run_root / f"max-batch-{options.modes[0]}" / "summary.json").read_text())
-    env = environment(plan.device_type, nproc, first, None if tf32 is None else tf32 == "on")
-    env["max_memory_gb"] = train_options.get("max_memory")
-    report["environment"] = env
-    report["method"] = {"search": "doubling from --batch-size, then bisecting to within 1/16",
-                        "trial_steps": TRIAL_STEPS, "launcher": options.launcher, "nproc": nproc,
-                        "task": train_options["task"], "run_root": str(run_root)}
     return report

@@ -446,7 +446,7 @@ def bench(
         raise UsageError(f"--run-dir {str(root)!r} is an existing file, not a directory")
     status = lambda line: typer.echo(line, err=True)  # noqa: E731
     if max_batch:
-        from ddp_amp.bench import host_memory_share_gib, run_max_batch
+        from ddp_amp.max_batch import host_memory_share_gib, run_max_batch
 
         if compile != "off":
             raise UsageError("--max-batch searches eager runs; drop --compile")
@@ -536,13 +536,13 @@ def doctor(
     options = {field.name: getattr(TrainConfig(), field.name) for field in dataclasses.fields(TrainConfig)
                if field.name not in NOT_OPTIONS}
     options.update(device=device, amp=amp, dtype=dtype, steps=1)
-    from ddp_amp.bench import _launch
     from ddp_amp.checkup import judge
     from ddp_amp.launch.preflight import RUNS_ROOT, default_run_dir
+    from ddp_amp.launch.quiet import launch_quietly
     from ddp_amp.outputs import DOCTOR_FILE
 
     root = Path(run_dir) if run_dir else RUNS_ROOT / f"doctor-{default_run_dir().name}"
-    _launch(options, root, nproc=nproc, launcher=launcher, extra={"doctor": True})
+    launch_quietly(options, root, nproc=nproc, launcher=launcher, extra={"doctor": True})
     report = json.loads((root / DOCTOR_FILE).read_text())
     report["judgement"] = judge(report)
     from rich.console import Console

@@ -214,20 +214,7 @@ class TrainConfig:
             problems.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         elif self.steps is not None and self.steps >= 1 and self.warmup_steps >= self.steps:
             problems.append(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
-        if self.micro_batch is not None and self.micro_batch != "auto":
-            try:
-                micro = int(self.micro_batch)
-            except ValueError:
-                problems.append(f"--micro-batch must be auto or a number of samples, got {self.micro_batch!r}")
-            else:
-                if not 1 <= micro <= self.batch_size:
-                    problems.append(f"--micro-batch must be between 1 and --batch-size ({self.batch_size}), "
-                                    f"got {micro}")
-        if self.micro_batch is not None and self.static_graph:
-            problems.append("--static-graph cannot be combined with --micro-batch in torch's DDP (its static "
-                            "graph fails under no_sync); drop one of them")
-        if self.max_memory is not None and not (math.isfinite(self.max_memory) and self.max_memory > 0):
-            problems.append(f"--max-memory must be a finite number of GB > 0, got {self.max_memory}")
+        problems += self._memory_problems()
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
@@ -248,6 +235,25 @@ class TrainConfig:
             raise UsageError(*problems)
         if self.steps is None and self.epochs is None:
             self.steps = DEFAULT_STEPS
+
+    def _memory_problems(self) -> list[str]:
+        """--micro-batch and --max-memory."""
+        problems = []
+        if self.micro_batch is not None and self.micro_batch != "auto":
+            try:
+                micro = int(self.micro_batch)
+            except ValueError:
+                problems.append(f"--micro-batch must be auto or a number of samples, got {self.micro_batch!r}")
+            else:
+                if not 1 <= micro <= self.batch_size:
+                    problems.append(f"--micro-batch must be between 1 and --batch-size ({self.batch_size}), "
+                                    f"got {micro}")
+        if self.micro_batch is not None and self.static_graph:
+            problems.append("--static-graph cannot be combined with --micro-batch in torch's DDP (its static "
+                            "graph fails under no_sync); drop one of them")
+        if self.max_memory is not None and not (math.isfinite(self.max_memory) and self.max_memory > 0):
+            problems.append(f"--max-memory must be a finite number of GB > 0, got {self.max_memory}")
+        return problems
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
