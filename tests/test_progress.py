@@ -183,6 +183,16 @@ def test_the_rank_furthest_behind_is_stalled_once_no_loop_moves():
     assert model.ranks[1].status == "running" and model.stalls() == []
 
 
+def test_a_rank_marked_slow_that_stops_is_the_one_stalled():
+    """The straggler mark must not hide a rank from the stall check: else the rank waiting for it is blamed."""
+    display, _, _, clock = scripted_display()
+    display.handle(log_event(1, 4, 0.5, slow=True))
+    display.handle(heartbeat(0, 4, 0, "backward"))
+    display.handle(heartbeat(1, 4, 0, "forward"))
+    clock.now += 6
+    assert [(e["rank"], e["phase"]) for e in display.model.stalls()] == [(1, "forward")]
+
+
 def test_no_stall_while_any_rank_moves():
     display, _, _, clock = scripted_display()
     display.handle(heartbeat(0, 41, 0, "backward"))

@@ -134,7 +134,9 @@ class ProgressModel:
         these ranks are the furthest behind. A rank waiting in a collective for a stuck peer has gone further
         (into its backward pass, whose all-reduce waits) than the peer it waits for."""
         now = self.clock()
-        beating = [s for s in self.ranks.values() if s.position is not None and s.status in ("running", "stalled")]
+        # A rank marked slow is training too: the rank that holds the others back is the likeliest to hang.
+        beating = [s for s in self.ranks.values()
+                   if s.position is not None and s.status in ("running", "slow", "stalled")]
         if not beating or any(now - s.moved_at < (s.stall_after_s or float("inf")) for s in beating):
             return []
         behind = min(s.position[:3] for s in beating)
