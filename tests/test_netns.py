@@ -131,3 +131,37 @@ def test_a_node_that_arrives_later_joins_an_elastic_job_at_a_restart(three_hosts
     assert weights[0] == weights[1] == weights[2]
     steps_logged = [json.loads(line)["step"] for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
     assert steps_logged == [5, 10, 15, 20]  # the steps before the change kept once, none logged twice
+
+
+def tc(ns: str, *args: str) -> None:
+    result = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_doctor_names_the_node_whose_link_is_slow(three_hosts, tmp_path):
+    """Three namespaces run `doctor --nnodes 3`; the third one's veth sends at most 400 Mbit/s (a real kernel
+    queueing discipline, tbf; the veths carry several Gbit/s otherwise). Each node's report names that node, by
+    its address, for its sends, and no other; --strict makes that exit 1 on every node."""
+    if shutil.which("tc") is None:
+        pytest.skip("iproute2's `tc` is not installed")
+    (_, host_addr), _, (slow_ns, slow_addr) = three_hosts
+    # Each namespace's end of its veth pair is named after it (see three_hosts).
+    tc(slow_ns, "qdisc", "add", "dev", f"v{slow_ns}", "root", "tbf", "rate", "400mbit", "burst", "64kb",
+       "latency", "50ms")
+    jobs = []
+    for index, (ns, _) in enumerate(three_hosts):
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "doctor", "--nnodes", "3",
+                   "--endpoint", f"{host_addr}:29400", "--device", "cpu", "--rdzv-timeout", "60", "--strict",
+                   "--run-dir", str(tmp_path / f"node{index}"), "--json", str(tmp_path / f"node{index}.json")]
+        jobs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [job.communicate(timeout=240) for job in jobs]
+    reports = [json.loads((tmp_path / f"node{index}.json").read_text()) for index in range(3)]
+    for job, (out, err), report in zip(jobs, outputs, reports):
+        assert job.returncode == 1, out + err  # --strict: an outlier fails the check
+        nodes = {figures["address"]: int(node) for node, figures in report["judgement"]["nodes"].items()}
+        assert sorted(nodes) == sorted(address for _, address in three_hosts)
+        assert report["judgement"]["slow_nodes"] == [nodes[slow_addr]], out
+        warning = next(w for w in report["judgement"]["warnings"] if w.startswith("slow link"))
+        assert f"node {nodes[slow_addr]} ({slow_addr}): sends at" in warning and warning.count("node ") == 1
+        assert "doctor --strict: " in err and "slow link" in err
+    print(outputs[0][0])

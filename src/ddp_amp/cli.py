@@ -232,6 +232,19 @@ NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--gpus", "-n",
 MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restart the job this many times on a failure.")]
 MonitorInterval = Annotated[float, typer.Option("--monitor-interval", help="Seconds between torchrun's checks.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command and environment; start nothing.")]
+# Where the nodes of a multi-node job meet: multinode's options, and doctor's with --nnodes.
+Endpoint = Annotated[str | None, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted); "
+                                       "the node owning that address hosts it.")]
+RdzvId = Annotated[str | None, typer.Option("--rdzv-id", help="Job id, the same on every node \\[default: "
+                                            "derived from the endpoint, nnodes, nproc and run options].")]
+RdzvTimeout = Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes (torchrun's "
+                                            "own join timeout: a slowly booting node must not fail the job).")]
+IsHost = Annotated[bool | None, typer.Option("--is-host/--no-is-host", help="Whether this node hosts the store "
+                                             "\\[default: detected from the endpoint address].")]
+LocalAddr = Annotated[str | None, typer.Option("--local-addr", help="Address this node advertises "
+                                               "\\[default: the one that routes to the endpoint].")]
+Ifname = Annotated[str | None, typer.Option("--ifname", help="Network interface for gloo/nccl "
+                                            "\\[default: the one holding --local-addr].")]
 
 
 @app.command()
@@ -277,25 +290,18 @@ def multinode(
     train: dict,
     output: dict,
     nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic range.")],
-    endpoint: Annotated[str, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted); "
-                                          "the node owning that address hosts it.")],
+    endpoint: Endpoint,
     nproc_per_node: NprocPerNode = "1",
     node_rank: Annotated[int | None, typer.Option("--node-rank", help="This node's rank (optional with c10d).")] = None,
-    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="Job id, the same on every node \\[default: "
-                                                "derived from the endpoint, nnodes, nproc and run options].")] = None,
+    rdzv_id: RdzvId = None,
     max_restarts: MaxRestarts = 0,
     monitor_interval: MonitorInterval = 0.1,
-    rdzv_timeout: Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes (torchrun's "
-                                                "own join timeout: a slowly booting node must not fail the job).")
-                            ] = 600.0,
+    rdzv_timeout: RdzvTimeout = 600.0,
     rdzv_last_call: Annotated[int, typer.Option("--rdzv-last-call", help="With --nnodes MIN:MAX: seconds to wait "
                                                 "for more nodes once MIN have joined (torchrun's default).")] = 30,
-    is_host: Annotated[bool | None, typer.Option("--is-host/--no-is-host", help="Whether this node hosts the store "
-                                                 "\\[default: detected from the endpoint address].")] = None,
-    local_addr: Annotated[str | None, typer.Option("--local-addr", help="Address this node advertises "
-                                                   "\\[default: the one that routes to the endpoint].")] = None,
-    ifname: Annotated[str | None, typer.Option("--ifname", help="Network interface for gloo/nccl "
-                                               "\\[default: the one holding --local-addr].")] = None,
+    is_host: IsHost = None,
+    local_addr: LocalAddr = None,
+    ifname: Ifname = None,
     requeue_signal: Annotated[str, typer.Option("--requeue-signal", help="With --emit-slurm: the signal Slurm sends "
                                                 "before the time limit (USR1, USR2 or TERM); the job stops at one "
                                                 "step, checkpoints and requeues itself.")] = "USR1",
@@ -333,11 +339,9 @@ def multinode(
                      run_dir=output["run_dir"], lock_run_dir=False,
                      world_size=nodes.min * nproc if nodes.min == nodes.max else None,
                      extra={"elastic": nodes.min != nodes.max, "job_id": job_id})
-    job = torchrun.multinode_job(
-        endpoint=where, nnodes=nodes, nproc_per_node=nproc, node_rank=node_rank, rdzv_id=job_id,
-        is_host=net.is_host, local_addr=net.local_addr, ifname_env=net.ifname_env, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, rdzv_timeout=rdzv_timeout, rdzv_last_call=rdzv_last_call,
-        device_type=plan.device_type)
+    job = _node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id, max_restarts=max_restarts,
+                    monitor_interval=monitor_interval, rdzv_timeout=rdzv_timeout,
+                    rdzv_last_call=rdzv_last_call)(plan.device_type)
     if net.note:
         typer.echo(f"ddp-amp: {net.note}", err=True)
     if dry_run:
@@ -346,6 +350,15 @@ def multinode(
                    f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
         return
     _launch_elastic(plan, nproc, output, job)
+
+
+def _node_job(where, nodes, nproc: int, net, **job):
+    """This node's torchrun job of a multi-node run, for a device type (known after the preflight)."""
+    from ddp_amp.launch import torchrun
+
+    return lambda device_type: torchrun.multinode_job(
+        endpoint=where, nnodes=nodes, nproc_per_node=nproc, is_host=net.is_host, local_addr=net.local_addr,
+        ifname_env=net.ifname_env, device_type=device_type, **job)
 
 
 def _emit_slurm(path: Path, train: dict, output: dict, nodes, where, *, nproc_per_node: str, rdzv_timeout: float,
@@ -508,20 +521,32 @@ def _check_plot_path(path: Path) -> None:
 
 @app.command()
 def doctor(
-    nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
-                                              "GPU with CUDA, 2 on CPU].")] = None,
+    nproc: Annotated[int | None, typer.Option("--nproc", "--nproc-per-node", "--gpus", "-n", help="Ranks (per node "
+                                              "with --nnodes) \\[default: every visible GPU with CUDA, 2 on CPU, "
+                                              "1 per node with --nnodes].")] = None,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     amp: Annotated[Literal["auto", "on", "off"], typer.Option("--amp", help="The precision of the matmul rate, "
                                                                 "as for training.")] = "auto",
     dtype: Annotated[Literal["auto", "bf16", "fp16"], typer.Option("--dtype", help="auto, bf16 or fp16.")] = "auto",
-    launcher: Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="spawn or run (torchrun).")] = "spawn",
-    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a rank is an outlier.")] = False,
+    launcher: Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="spawn or run (torchrun), on one "
+                                                                "node.")] = "spawn",
+    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Check a multi-node job: run the same doctor "
+                                               "command on every node (as multinode); each node's links are "
+                                               "measured too.")] = None,
+    endpoint: Endpoint = None,
+    rdzv_id: RdzvId = None,
+    rdzv_timeout: RdzvTimeout = 600.0,
+    is_host: IsHost = None,
+    local_addr: LocalAddr = None,
+    ifname: Ifname = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a rank or a node is an outlier.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
     run_dir: RunDir = None,
 ) -> None:
     """Measure the ranks and their links before a long job; outliers are named.
 
-    Rendezvous time, all-reduce latency and bus bandwidth, each rank's matmul rate, host-to-device copies."""
+    Rendezvous time, all-reduce latency and bus bandwidth, each rank's matmul rate, host-to-device copies,
+    and with --nnodes each node's link to the others."""
     import dataclasses
     import json
 
@@ -529,6 +554,11 @@ def doctor(
 
     if json_path is not None and not json_path.resolve().parent.is_dir():
         raise UsageError(f"--json {str(json_path)!r}: directory {str(json_path.parent)!r} does not exist")
+    multinode = None
+    if nnodes is not None or endpoint is not None:
+        multinode = _doctor_job(nnodes, endpoint, nproc, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, is_host=is_host,
+                                local_addr=local_addr, ifname=ifname)
+        nproc = nproc or 1
     import torch
 
     if nproc is None:
@@ -542,7 +572,7 @@ def doctor(
     from ddp_amp.outputs import DOCTOR_FILE
 
     root = Path(run_dir) if run_dir else RUNS_ROOT / f"doctor-{default_run_dir().name}"
-    launch_quietly(options, root, nproc=nproc, launcher=launcher, extra={"doctor": True})
+    launch_quietly(options, root, nproc=nproc, launcher=launcher, extra={"doctor": True}, multinode=multinode)
     report = json.loads((root / DOCTOR_FILE).read_text())
     report["judgement"] = judge(report)
     from rich.console import Console
@@ -557,6 +587,29 @@ def doctor(
         typer.echo(f"ddp-amp: wrote {json_path}", err=True)
     if strict and report["judgement"]["warnings"]:
         raise RunFailed("doctor --strict: " + "; ".join(report["judgement"]["warnings"]))
+
+
+def _doctor_job(nnodes: int | None, endpoint: str | None, nproc: int | None, *, rdzv_id: str | None,
+                rdzv_timeout: float, **network_options):
+    """doctor --nnodes: (world size, job id, this node's torchrun job for a device type), as multinode runs it."""
+    from ddp_amp.launch import network, torchrun
+
+    if nnodes is None or endpoint is None:
+        raise UsageError("doctor: --nnodes and --endpoint go together (the nodes meet at the endpoint)")
+    if nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {nnodes}")
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
+    if rdzv_timeout <= 0:
+        raise UsageError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout:g}")
+    where = network.parse_endpoint(endpoint)
+    nodes, per_node = torchrun.Nnodes(nnodes, nnodes), nproc or 1
+    net = torchrun.detect_node_network(where, rdzv_timeout=rdzv_timeout, check_reachable=True, **network_options)
+    if net.note:
+        typer.echo(f"ddp-amp: {net.note}", err=True)
+    job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, per_node, "doctor")
+    return nnodes * per_node, job_id, _node_job(where, nodes, per_node, net, node_rank=None, rdzv_id=job_id,
+                                                max_restarts=0, monitor_interval=0.1, rdzv_timeout=rdzv_timeout)
 
 
 @app.command()

@@ -63,11 +63,12 @@ def doctor_table(report: dict[str, Any]):
 
     slow = set(report["judgement"]["slow_ranks"])
     ranks = Table(title=f"ddp-amp doctor ({report['backend']}, {report['precision']})", title_justify="left")
-    for header in ("rank", "host", "device", "ready after", "matmul GFLOP/s", "host→device GB/s", "status"):
+    for header in ("rank", "node", "host", "device", "ready after", "matmul GFLOP/s", "host→device GB/s", "status"):
         ranks.add_column(header, justify="left" if header in ("host", "device", "status") else "right")
     for rank in report["ranks"]:
         h2d = rank.get("host_to_device_gb_per_s")
-        ranks.add_row(str(rank["rank"]), rank["host"], rank["device"], f"{rank['rendezvous_s']:.1f}s",
+        ranks.add_row(str(rank["rank"]), str(rank.get("node", 0)), rank["host"], rank["device"],
+                      f"{rank['rendezvous_s']:.1f}s",
                       f"{rank['matmul_gflops']:.0f}", _num(h2d, ".1f"),
                       Text("slow", style="bold yellow") if rank["rank"] in slow else Text("ok", style="green"))
     links = Table(title="all-reduce (every rank at once)", title_justify="left")
@@ -78,9 +79,23 @@ def doctor_table(report: dict[str, Any]):
     for size in figures["sizes"]:
         links.add_row(f"{size['mib']} MiB", f"{size['seconds'] * 1e3:.1f} ms", f"{size['bus_gb_per_s']:.2f} GB/s")
     judgement = report["judgement"]
+    tables = [ranks, links]
+    nodes = {node: figures for node, figures in judgement["nodes"].items() if "round_trip_us" in figures}
+    if nodes:
+        slow_nodes = {str(node) for node in judgement["slow_nodes"]}
+        table = Table(title="nodes (each with its best peer, one pair at a time)", title_justify="left")
+        for header in ("node", "address", "ranks", "round trip", "sends GB/s", "receives GB/s", "status"):
+            table.add_column(header, justify="left" if header in ("address", "status") else "right",
+                             min_width=max(len(f["address"]) for f in nodes.values()) if header == "address" else None)
+        for node, figures in nodes.items():
+            table.add_row(str(node), figures["address"], str(figures["ranks"]), f"{figures['round_trip_us']:.0f} us",
+                          f"{figures['send_gb_per_s']:.2f}", f"{figures['receive_gb_per_s']:.2f}",
+                          Text("slow link", style="bold yellow") if str(node) in slow_nodes
+                          else Text("ok", style="green"))
+        tables.append(table)
     lines = [Text(f"warning: {w}", style="yellow") for w in judgement["warnings"]]
     lines.append(Text(f"{judgement['verdict']} (doctor took {report['elapsed_s']:.1f}s)"))
-    return Group(ranks, links, *lines)
+    return Group(*tables, *lines)
 
 
 def max_batch_table(report: dict[str, Any]):

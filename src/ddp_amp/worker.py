@@ -132,13 +132,13 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
 
 
 def _doctor(config: TrainConfig, env: DistEnv, device: torch.device, precision, ready_at: float) -> None:
-    """ddp-amp doctor: the measurements instead of training; rank 0 writes them to RUN_DIR/doctor.json."""
+    """ddp-amp doctor: the measurements instead of training, in RUN_DIR/doctor.json on every node."""
     from ddp_amp.rank.doctor import checkup
 
-    ranks = checkup(env, device, precision, ready_at, config.launch_time or ready_at)
-    if ranks is not None:
+    figures = checkup(env, device, precision, ready_at, config.launch_time or ready_at)
+    if env.writes_run_dir:  # every node's run directory gets the whole job's figures
         outputs.write_json(Path(config.run_dir) / outputs.DOCTOR_FILE,
-                           {"ranks": ranks, "world_size": env.world_size, "backend": dist.get_backend(),
+                           {**figures, "world_size": env.world_size, "backend": dist.get_backend(),
                             "precision": precision.name, "torch": torch.__version__,
                             "elapsed_s": time.time() - (config.launch_time or ready_at)})
     return None

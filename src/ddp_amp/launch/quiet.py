@@ -3,13 +3,16 @@ core to measure something (bench, bench --max-batch, doctor) and read its files 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 def launch_quietly(run_options: dict[str, Any], run_dir: Path, *, nproc: int, launcher: str,
-                   extra: dict[str, Any]):
-    """One ordinary launch of the common core (spawn or torchrun's agent), quiet; its plan."""
+                   extra: dict[str, Any], multinode: tuple[int, str, Callable[[str], Any]] | None = None):
+    """One ordinary launch of the common core (spawn or torchrun's agent), quiet; its plan. `multinode`:
+    (world size, job id, this node's torchrun job for a device type) to run this node's ranks of a
+    multi-node job instead (every node runs the same command; each keeps its own run directory)."""
     import sys
 
     from ddp_amp.dist import loopback_store
@@ -20,10 +23,18 @@ def launch_quietly(run_options: dict[str, Any], run_dir: Path, *, nproc: int, la
     from ddp_amp.progress.display import PlainDisplay
     from ddp_amp.progress.session import ProgressSession
 
-    plan = preflight(run_options, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir), extra=extra)
+    if multinode is not None:
+        world_size, job_id, node_job = multinode
+        plan = preflight(run_options, nproc_per_node=nproc, flag="--nproc-per-node", run_dir=str(run_dir),
+                         extra={**extra, "job_id": job_id}, lock_run_dir=False, world_size=world_size)
+    else:
+        plan = preflight(run_options, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir), extra=extra)
     session = ProgressSession(PlainDisplay(sys.stderr, quiet=True, final_summary=False), run_dir)
     with session:
-        if launcher == "spawn":
+        if multinode is not None:
+            run_agent(node_job(plan.device_type), plan.config_path, session.environment(),
+                      run_dir / "logs" / "agent.log")
+        elif launcher == "spawn":
             spawn(plan.config, nproc, extra_env=session.environment())
         else:
             store = loopback_store()  # served as long as this launch runs

@@ -4,11 +4,15 @@ backend before a long job, gathered on rank 0 into RUN_DIR/doctor.json (read by 
 - all-reduce latency (one number) and bus bandwidth at a few sizes, every rank at once, as training does;
 - this rank's matmul rate at the run's precision, one rank at a time so that ranks sharing cores do not
   measure each other;
-- on a GPU, the host-to-device copy rate from pinned memory.
+- on a GPU, the host-to-device copy rate from pinned memory;
+- with several nodes, each node's own link: its first rank and every other node's first rank, one pair at a
+  time, measure their round trip and the bandwidth each way. An all-reduce over all ranks only shows the
+  slowest link; the pairs tell which node it belongs to (see ddp_amp.checkup.slow_nodes).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -22,8 +26,14 @@ from ddp_amp.precision import Precision
 
 SIZES_MIB = (1, 16, 256)
 LATENCY_REPEATS = 50
+SIZE_BUDGET_S = 5.0
+"""A larger all-reduce size is measured only if it would take less than this: doctor takes seconds."""
 MATMUL_SIDE = {"cpu": 1024, "cuda": 8192}
 MATMUL_SECONDS = 0.5
+PAIR_MIB = 16
+"""One transfer of the per-node link probe: big enough to reach a link's rate, small enough for a slow link."""
+PAIR_ROUND_TRIPS = 20
+PAIR_TRANSFERS = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -39,22 +49,33 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+def _repeats(mib: int) -> int:
+    return 3 if mib <= 16 else 2
+
+
 def all_reduce_figures(world_size: int, device: torch.device) -> dict[str, Any]:
     one = torch.zeros(1, device=device)
     for _ in range(5):
         dist.all_reduce(one)
     latency = statistics.median(_timed(lambda: dist.all_reduce(one), device) for _ in range(LATENCY_REPEATS))
     sizes = []
-    for mib in SIZES_MIB:
+    for index, mib in enumerate(SIZES_MIB):
         tensor = torch.zeros(mib * 2**20 // 4, device=device)
         dist.all_reduce(tensor)  # the first one sets up the buffers
-        repeats = 3 if mib <= 16 else 2
-        seconds = statistics.median(_timed(lambda t=tensor: dist.all_reduce(t), device) for _ in range(repeats))
+        seconds = statistics.median(_timed(lambda t=tensor: dist.all_reduce(t), device)
+                                    for _ in range(_repeats(mib)))
+        # The slowest rank's time, so that every rank makes the same choice below (a collective follows).
+        agreed = torch.tensor([seconds], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        seconds = agreed.item()
         algorithm_bandwidth = mib * 2**20 / seconds
         # What each link carries in a ring all-reduce: 2(n-1)/n of the data (nccl-tests' "bus bandwidth").
         bus = algorithm_bandwidth * 2 * (world_size - 1) / world_size if world_size > 1 else algorithm_bandwidth
         sizes.append({"mib": mib, "seconds": seconds, "bus_gb_per_s": bus / 1e9})
         del tensor
+        following = SIZES_MIB[index + 1] if index + 1 < len(SIZES_MIB) else None
+        if following is not None and seconds * following / mib * (1 + _repeats(following)) > SIZE_BUDGET_S:
+            break  # a slow link: the larger sizes would take minutes, and the smaller ones have shown it
     return {"latency_us": latency * 1e6, "sizes": sizes}
 
 
@@ -84,17 +105,91 @@ def host_to_device_gb_per_s(device: torch.device) -> float | None:
     return host.numel() / seconds / 1e9
 
 
+def node_address(env: DistEnv) -> str:
+    """The address this node reaches the job's store from: what tells nodes apart where host names repeat
+    (containers, network namespaces)."""
+    from ddp_amp.launch.network import route_source_address
+
+    try:
+        return route_source_address(env.master_addr, env.master_port)
+    except OSError:
+        return socket.gethostname()
+
+
+def _round_trip_s(peer: int, first: bool, token: torch.Tensor) -> float:
+    started = time.perf_counter()
+    if first:
+        dist.send(token, peer)
+        dist.recv(token, peer)
+    else:
+        dist.recv(token, peer)
+        dist.send(token, peer)
+    return time.perf_counter() - started
+
+
+def _transfer_s(peer: int, sending: bool, payload: torch.Tensor, token: torch.Tensor) -> float:
+    """One transfer from the sender to `peer`, timed by the sender until the receiver's token is back."""
+    started = time.perf_counter()
+    if sending:
+        dist.send(payload, peer)
+        dist.recv(token, peer)
+    else:
+        dist.recv(payload, peer)
+        dist.send(token, peer)
+    return time.perf_counter() - started
+
+
+def pair_figures(peer: int, first: bool, device: torch.device) -> dict[str, float]:
+    """Round trip and bandwidth each way between this rank and `peer` (both call it; `first` on one of them).
+    The sender's time for a transfer holds one small message back: half a round trip, taken off."""
+    token = torch.zeros(1, device=device)
+    for _ in range(3):
+        _round_trip_s(peer, first, token)
+    round_trip = statistics.median(_round_trip_s(peer, first, token) for _ in range(PAIR_ROUND_TRIPS))
+    payload = torch.zeros(PAIR_MIB * 2**20 // 4, device=device)
+    figures = {"round_trip_us": round_trip * 1e6}
+    for direction, sender_is_first in (("first_to_second", True), ("second_to_first", False)):
+        sending = first == sender_is_first
+        times = [_transfer_s(peer, sending, payload, token) for _ in range(PAIR_TRANSFERS + 1)][1:]
+        seconds = max(statistics.median(times) - round_trip / 2, 1e-9)
+        figures[direction + "_gb_per_s"] = PAIR_MIB * 2**20 / seconds / 1e9
+    return figures
+
+
+def node_links(env: DistEnv, nodes: list[int], device: torch.device) -> list[dict[str, Any]]:
+    """Every pair of nodes measured by their first ranks, one pair at a time (a barrier after each, so no two
+    pairs share the network while measured); the same list on every rank. `nodes`: each rank's node."""
+    leaders = {node: nodes.index(node) for node in sorted(set(nodes))}
+    pairs = [(a, b) for a in leaders for b in leaders if a < b]
+    mine = []
+    for a, b in pairs:
+        if env.rank in (leaders[a], leaders[b]):
+            first = env.rank == leaders[a]
+            figures = pair_figures(leaders[b] if first else leaders[a], first, device)
+            if first:
+                mine.append({"nodes": [a, b], "round_trip_us": figures["round_trip_us"],
+                             "gb_per_s": {f"{a}->{b}": figures["first_to_second_gb_per_s"],
+                                          f"{b}->{a}": figures["second_to_first_gb_per_s"]}})
+        dist.barrier()
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, mine)
+    return sorted((pair for rank_pairs in gathered for pair in rank_pairs), key=lambda pair: pair["nodes"])
+
+
 def checkup(env: DistEnv, device: torch.device, precision: Precision, ready_at: float,
-            launch_time: float) -> list[dict[str, Any]] | None:
-    """Every rank's figures, on rank 0 (None elsewhere). `ready_at`: when this rank's process group was made."""
+            launch_time: float) -> dict[str, Any]:
+    """Every rank's figures and the links between nodes, the same on every rank. `ready_at`: when this
+    rank's process group was made."""
     links = all_reduce_figures(env.world_size, device)
-    mine: dict[str, Any] = {"rank": env.rank, "host": socket.gethostname(), "local_rank": env.local_rank,
+    node = int(os.environ.get("GROUP_RANK", "0"))  # torchrun's node rank (spawn sets 0)
+    mine: dict[str, Any] = {"rank": env.rank, "node": node, "host": socket.gethostname(),
+                            "address": node_address(env), "local_rank": env.local_rank,
                             "rendezvous_s": ready_at - launch_time, "device": str(device)}
     for turn in range(env.world_size):  # one rank at a time: ranks sharing cores must not slow each other
         if turn == env.rank:
             mine["matmul_gflops"] = matmul_gflops(device, precision)
         dist.barrier()
     mine["host_to_device_gb_per_s"] = host_to_device_gb_per_s(device)
-    gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, {**mine, "all_reduce": links})
-    return gathered if env.rank == 0 else None
+    ranks: list[Any] = [None] * env.world_size
+    dist.all_gather_object(ranks, {**mine, "all_reduce": links})
+    return {"ranks": ranks, "node_links": node_links(env, [r["node"] for r in ranks], device)}
