@@ -138,13 +138,38 @@ def tc(ns: str, *args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_doctor_names_the_node_whose_link_is_slow(three_hosts, tmp_path):
-    """Three namespaces run `doctor --nnodes 3`; the third one's veth sends at most 400 Mbit/s (a real kernel
-    queueing discipline, tbf; the veths carry several Gbit/s otherwise). Each node's report names that node, by
-    its address, for its sends, and no other; --strict makes that exit 1 on every node."""
+@pytest.fixture
+def cpu_quota():
+    """`prefix(share)`: a command prefix that runs a command under a cgroup (v1 cpu controller) capped at `share`
+    of one CPU, as a node whose cores another job uses; the groups are removed after the test."""
+    root = "/sys/fs/cgroup/cpu"
+    if not os.access(root, os.W_OK):
+        pytest.skip("no writable cgroup cpu controller")
+    made = []
+
+    def prefix(share: float) -> list[str]:
+        group = f"{root}/ddpa{os.getpid()}-{len(made)}"
+        os.mkdir(group)
+        made.append(group)
+        with open(f"{group}/cpu.cfs_period_us", "w") as period:
+            period.write("100000")
+        with open(f"{group}/cpu.cfs_quota_us", "w") as quota:
+            quota.write(str(int(share * 100000)))
+        return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+
+    yield prefix
+    for group in made:
+        os.rmdir(group)  # its processes have exited
+
+
+def test_doctor_names_the_slow_node_link_and_the_slow_rank(three_hosts, cpu_quota, tmp_path):
+    """Three namespaces run `doctor --nnodes 3`. The third one's veth sends at most 400 Mbit/s (a real kernel
+    queueing discipline, tbf; the veths carry several Gbit/s otherwise); the second one runs under a CPU quota of
+    half a core (a cgroup). Each node's report names the third node, by its address, for its sends and no other
+    node's link, and the second node's rank for its compute; --strict makes that exit 1 on every node."""
     if shutil.which("tc") is None:
         pytest.skip("iproute2's `tc` is not installed")
-    (_, host_addr), _, (slow_ns, slow_addr) = three_hosts
+    (_, host_addr), (busy_ns, busy_addr), (slow_ns, slow_addr) = three_hosts
     # Each namespace's end of its veth pair is named after it (see three_hosts).
     tc(slow_ns, "qdisc", "add", "dev", f"v{slow_ns}", "root", "tbf", "rate", "400mbit", "burst", "64kb",
        "latency", "50ms")
@@ -153,15 +178,19 @@ def test_doctor_names_the_node_whose_link_is_slow(three_hosts, tmp_path):
         command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "doctor", "--nnodes", "3",
                    "--endpoint", f"{host_addr}:29400", "--device", "cpu", "--rdzv-timeout", "60", "--strict",
                    "--run-dir", str(tmp_path / f"node{index}"), "--json", str(tmp_path / f"node{index}.json")]
+        if ns == busy_ns:  # joined outside the namespace: `ip netns exec` mounts a /sys of its own
+            command = cpu_quota(0.5) + command
         jobs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [job.communicate(timeout=240) for job in jobs]
     reports = [json.loads((tmp_path / f"node{index}.json").read_text()) for index in range(3)]
     for job, (out, err), report in zip(jobs, outputs, reports):
         assert job.returncode == 1, out + err  # --strict: an outlier fails the check
-        nodes = {figures["address"]: int(node) for node, figures in report["judgement"]["nodes"].items()}
+        judgement = report["judgement"]
+        nodes = {figures["address"]: int(node) for node, figures in judgement["nodes"].items()}
         assert sorted(nodes) == sorted(address for _, address in three_hosts)
-        assert report["judgement"]["slow_nodes"] == [nodes[slow_addr]], out
-        warning = next(w for w in report["judgement"]["warnings"] if w.startswith("slow link"))
+        assert judgement["slow_nodes"] == [nodes[slow_addr]], out
+        warning = next(w for w in judgement["warnings"] if w.startswith("slow link"))
         assert f"node {nodes[slow_addr]} ({slow_addr}): sends at" in warning and warning.count("node ") == 1
-        assert "doctor --strict: " in err and "slow link" in err
+        assert judgement["slow_ranks"] == [r["rank"] for r in report["ranks"] if r["address"] == busy_addr], out
+        assert "doctor --strict: " in err and "slow link" in err and "slow compute" in err
     print(outputs[0][0])

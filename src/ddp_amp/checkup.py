@@ -83,7 +83,9 @@ def judge(report: dict[str, Any]) -> dict[str, Any]:
     median = statistics.median(r["matmul_gflops"] for r in ranks)
     warnings = []
     if slow:
-        detail = ", ".join(f"rank {r['rank']} ({r['host']}) {r['matmul_gflops']:.0f}" for r in ranks
+        # Where host names repeat (containers, namespaces), the node's address tells the nodes apart.
+        where = "address" if len(nodes) > 1 else "host"
+        detail = ", ".join(f"rank {r['rank']} ({r.get(where, r['host'])}) {r['matmul_gflops']:.0f}" for r in ranks
                            if r["rank"] in slow)
         warnings.append(f"slow compute, {SLOW_SHARE:.0%} or more below the median {median:.0f} GFLOP/s: {detail}")
     if links:

@@ -84,11 +84,11 @@ def doctor_table(report: dict[str, Any]):
     if nodes:
         slow_nodes = {str(node) for node in judgement["slow_nodes"]}
         table = Table(title="nodes (each with its best peer, one pair at a time)", title_justify="left")
-        for header in ("node", "address", "ranks", "round trip", "sends GB/s", "receives GB/s", "status"):
+        for header in ("node", "address", "round trip", "send GB/s", "receive GB/s", "status"):
             table.add_column(header, justify="left" if header in ("address", "status") else "right",
-                             min_width=max(len(f["address"]) for f in nodes.values()) if header == "address" else None)
+                             no_wrap=header == "address")
         for node, figures in nodes.items():
-            table.add_row(str(node), figures["address"], str(figures["ranks"]), f"{figures['round_trip_us']:.0f} us",
+            table.add_row(str(node), figures["address"], f"{figures['round_trip_us']:.0f} us",
                           f"{figures['send_gb_per_s']:.2f}", f"{figures['receive_gb_per_s']:.2f}",
                           Text("slow link", style="bold yellow") if str(node) in slow_nodes
                           else Text("ok", style="green"))
