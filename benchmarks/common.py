@@ -24,9 +24,11 @@ def spread(values: list[float], fmt: str = ".2f") -> str:
 
 
 def interleaved(base: list[str], modes: dict[str, list[str]], repeats: int, figure: str = "samples_per_s",
-                after=None) -> dict[str, list[float]]:
+                after=None, envs: dict[str, dict[str, str]] | None = None) -> dict[str, list[float]]:
     """`repeats` rounds of one `base + extra` launch per mode, in turn (drift on a shared machine hits every mode
-    alike); each launch's summary `figure`, per mode. `after(mode, run_dir)` may look at a run before it goes."""
+    alike); each launch's summary `figure`, per mode. `after(mode, run_dir)` may look at a run before it goes;
+    `envs[mode]`: environment variables that mode's launches add."""
+    import os
     import tempfile
 
     results: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -34,7 +36,8 @@ def interleaved(base: list[str], modes: dict[str, list[str]], repeats: int, figu
         for repeat in range(repeats):
             for mode, extra in modes.items():
                 run_dir = Path(tmp) / f"{mode}{repeat}"
-                results[mode].append(run_ddp_amp(base + extra, run_dir)[figure])
+                env = {**os.environ, **envs[mode]} if envs and mode in envs else None
+                results[mode].append(run_ddp_amp(base + extra, run_dir, env=env)[figure])
                 if after is not None:
                     after(mode, run_dir)
     return results

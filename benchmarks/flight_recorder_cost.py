@@ -8,12 +8,9 @@ ddp-amp spawn, 2 ranks, fp32, gloo; `--task wide` is the 1024-4096-1024-1024 reg
 """
 
 import argparse
-import os
-import statistics
-import tempfile
 from pathlib import Path
 
-from common import run_ddp_amp, spread
+from common import interleaved, print_ratio
 
 HERE = Path(__file__).parent
 TASKS = {"mlp": ("mlp", "32"), "wide": (f"{HERE / 'tasks.py'}:wide_regression", "128")}
@@ -28,17 +25,9 @@ def main() -> None:
     task, batch = TASKS[args.task]
     base = ["spawn", "-n", "2", "--device", "cpu", "--amp", "off", "--task", task, "--batch-size", batch,
             "--steps", str(args.steps), "--log-every", str(args.steps), "--quiet", "--overwrite"]
-    results: dict[str, list[float]] = {"recorder": [], "off": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for mode, size in (("recorder", "200"), ("off", "0")):
-                env = {**os.environ, "TORCH_FR_BUFFER_SIZE": size}
-                summary = run_ddp_amp(base, Path(tmp) / f"{mode}{repeat}", env=env)
-                results[mode].append(summary["samples_per_s"])
-    for mode, values in results.items():
-        print(f"{mode:<9} {spread(values, '.0f')} samples/s")
-    ratios = [a / b for a, b in zip(results["recorder"], results["off"])]
-    print(f"recorder/off: {spread(ratios, '.3f')} per interleaved pair (median {statistics.median(ratios):.3f})")
+    results = interleaved(base, {"recorder": [], "off": []}, args.repeats,
+                          envs={"recorder": {"TORCH_FR_BUFFER_SIZE": "200"}, "off": {"TORCH_FR_BUFFER_SIZE": "0"}})
+    print_ratio(results, "recorder", "off")
 
 
 if __name__ == "__main__":
