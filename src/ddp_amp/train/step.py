@@ -52,8 +52,8 @@ class AmpStep:
 
     def __init__(self, model: DDP, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision, device: torch.device, *,
-                 grad_accum: int, clip_grad: float | None, batch_size: int = 0, micro: MicroBatches | None = None,
-                 gradient_reduction: Callable[[], None] | None = None) -> None:
+                 grad_accum: int, clip_grad: float | None, gradient_reduction: Callable[[], None],
+                 batch_size: int = 0, micro: MicroBatches | None = None) -> None:
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
         self.scheduler, self.precision, self.device = scheduler, precision, device
         self.grad_accum, self.clip_grad, self.batch_size = grad_accum, clip_grad, batch_size
