@@ -89,3 +89,16 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
         assert f"{run.summary['final_loss']:.4f}" in text
     result = show(*two_runs, columns=width)  # the command itself, at that width
     assert result.returncode == 0 and "…" not in result.stdout, result.stdout
+
+
+def test_an_option_an_older_run_lacks_is_shown_as_not_recorded():
+    from pathlib import Path
+
+    from ddp_amp.runs import Run, config_differences
+
+    older = Run(Path("older"), {"lr": 0.003, "run_dir": "older"}, {}, [], "finished")
+    newer = Run(Path("newer"), {"lr": 0.003, "flush_denormal": "auto", "max_memory": None, "run_dir": "newer"}, {},
+                [], "finished")
+    assert config_differences([older, newer]) == {"flush_denormal": ["(not recorded)", "auto"],
+                                                  "max_memory": ["(not recorded)", None]}
+    assert config_differences([newer, newer]) == {}

@@ -61,11 +61,15 @@ def load_run(path: Path) -> Run:
 IGNORED_DIFFERENCES = {"run_dir", "launch_time", "resume", "record_step_times"}
 
 
+NOT_RECORDED = "(not recorded)"
+"""The value of an option that a run's config lacks: it was made by a version without that option."""
+
+
 def config_differences(runs: list[Run]) -> dict[str, list[Any]]:
     """The options whose values are not the same in every run (run_dir and the like excepted), in order."""
     keys = sorted({key for run in runs for key in run.config} - IGNORED_DIFFERENCES)
-    return {key: [run.config.get(key) for run in runs] for key in keys
-            if len({json.dumps(run.config.get(key)) for run in runs}) > 1}
+    values = {key: [run.config.get(key, NOT_RECORDED) for run in runs] for key in keys}
+    return {key: row for key, row in values.items() if len({json.dumps(value) for value in row}) > 1}
 
 
 def curve(run: Run, key: str) -> list[tuple[int, float]]:
