@@ -375,6 +375,23 @@ def waits_for_world() -> Task:
     return _regression_with(on_call)
 
 
+SLOW_STEP_S = 0.05
+
+
+def slow_until_world() -> Task:
+    """With DDP_AMP_TEST_WORLD=N: every rank sleeps SLOW_STEP_S in each loss while the world has fewer than N
+    ranks, so a job goes on training (no hold: the ranks reach a step boundary, as real training does) until
+    an elastic restart with more nodes makes it fast."""
+    wanted = int(os.environ.get("DDP_AMP_TEST_WORLD", "0"))
+
+    def on_call(call, loss):
+        if int(os.environ["WORLD_SIZE"]) < wanted:
+            time.sleep(SLOW_STEP_S)
+        return loss
+
+    return _regression_with(on_call)
+
+
 def inf_every_other_call() -> Task:
     """Every second loss is inf: under fp16 every second step is skipped, never two in a row."""
     return _regression_with(lambda call, loss: loss * float("inf") if call % 2 == 0 else loss)

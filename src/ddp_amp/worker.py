@@ -28,11 +28,15 @@ from ddp_amp.rank import flight_recorder, setup
 from ddp_amp.rank.evaluation import evaluate_into
 from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
 from ddp_amp.rank.reporter import TensorBoardScalars, WorkerReporter
-from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
+from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals, wait_for_own_stop_signal
 from ddp_amp.tasks import Task
 from ddp_amp.train.metrics import peak_memory
 from ddp_amp.train.step import PHASES
 from ddp_amp.train.trainer import Trainer, TrainResult
+
+ELASTIC_STOP_WAIT_S = 20.0
+"""How long a rank of an elastic job that stopped for another rank's signal waits for its own agent's: more
+than an agent's monitor interval (--monitor-interval, 0.1 s by default) and its rendezvous state's 1 s cache."""
 
 
 def run_worker(config: TrainConfig) -> dict[str, Any] | None:
@@ -128,6 +132,14 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
             reporter.state("checkpointing")
             write_results(config, summary, result, task, rank_times, device)
         reporter.done(summary, memory)
+        if config.elastic and trainer.stopped_at is not None and STOP_REQUEST.signum is None:
+            # Stopped for another rank's signal. In an elastic job that is nearly always a membership change:
+            # each node's agent stops its workers (SIGTERM) when it notices a newcomer, at its own monitor
+            # interval, and the ranks of the first one agreed with every rank on a stop step. This rank's agent
+            # has not noticed yet: a clean exit now would be, to it, the end of the job, and its node would
+            # leave the job. Its SIGTERM comes within a monitor interval; a stop of another node alone never
+            # sends one, and the node ends as stopped after the wait.
+            wait_for_own_stop_signal(ELASTIC_STOP_WAIT_S)
         return summary if env.writes_run_dir else None
 
 

@@ -45,6 +45,32 @@ def worker_entry(config_path: str, env: dict[str, str]) -> None:
         raise
 
 
+def _let_stopped_workers_leave() -> None:
+    """Make torch's function-entry worker context let its workers leave once it has sent them its death signal.
+
+    A worker run as a function hands its return value to the agent and then waits until the agent says it has
+    read it (MultiprocessContext's finished-reading event). At a membership change the agent sends SIGTERM and
+    joins its workers without ever reading: our ranks take the SIGTERM as a stop, finish gracefully (one step, a
+    checkpoint), return, and wait on that event until the agent SIGKILLs them 30 s later. Every resize would
+    cost 30 s (torchrun's own subprocess workers exit when they are done). Setting the event before the signal
+    lets them exit as soon as they are done; no return value is read after a close anyway. Where a torch
+    version lacks the event, nothing changes."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    close = MultiprocessContext._close
+    if getattr(close, "lets_workers_leave", False):
+        return
+
+    def _close(self, death_sig, timeout: int = 30) -> None:
+        finished_reading = getattr(self, "_worker_finished_event", None)
+        if finished_reading is not None:
+            finished_reading.set()
+        close(self, death_sig, timeout)
+
+    _close.lets_workers_leave = True
+    MultiprocessContext._close = _close
+
+
 def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log_path: Path, *,
               rank_pids=lambda: [], stop_timeout: float = 60.0) -> None:
     """Run this node's share of the job to completion; a failure becomes RunFailed naming the rank that
@@ -54,6 +80,7 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     start_forkserver()  # usually running already: the CLI starts it before importing torch
+    _let_stopped_workers_leave()
     # The agent reads some of these itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE); the workers get them all.
     os.environ.update(job.env)
     config = LaunchConfig(

@@ -4,6 +4,7 @@ by all ranks at the same step (train.stop.StopAgreement)."""
 from __future__ import annotations
 
 import signal
+import time
 
 from ddp_amp.process import STOP_SIGNALS
 
@@ -27,3 +28,12 @@ def stop_on_signals() -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
+
+
+def wait_for_own_stop_signal(timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Wait until this rank has received a stop signal itself (not only agreed to another rank's), up to
+    `timeout_s`; whether it has."""
+    deadline = time.monotonic() + timeout_s
+    while STOP_REQUEST.signum is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return STOP_REQUEST.signum is not None
