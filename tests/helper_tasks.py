@@ -254,14 +254,22 @@ class Planted:
 HOLD_AT_CALL = 12  # waits_for_a_third_node holds here while the world has fewer than three ranks
 
 
+def _hold_while_world_below(wanted: int) -> None:
+    """Waits while the world has fewer than `wanted` ranks, until this rank is asked to stop: the SIGTERM of
+    its agent at the membership change, which the rank then takes as a stop at one step, as it does in training."""
+    from ddp_amp.rank.signals import STOP_REQUEST
+
+    while int(os.environ["WORLD_SIZE"]) < wanted and STOP_REQUEST.signum is None:
+        time.sleep(0.1)
+
+
 def waits_for_a_third_node() -> Task:
     """Trains to HOLD_AT_CALL, then, while the world has fewer than 3 ranks, waits there (every rank alike, so no
     collective times out): only an elastic restart with a third node lets the job go on."""
 
     def on_call(call, loss):
         if call == HOLD_AT_CALL:
-            while int(os.environ["WORLD_SIZE"]) < 3:
-                time.sleep(0.1)
+            _hold_while_world_below(3)
         return loss
 
     return _regression_with(on_call)
@@ -368,8 +376,7 @@ def waits_for_world() -> Task:
 
     def on_call(call, loss):
         if call == HOLD_AT_CALL:
-            while int(os.environ["WORLD_SIZE"]) < wanted:
-                time.sleep(0.1)
+            _hold_while_world_below(wanted)
         return loss
 
     return _regression_with(on_call)
