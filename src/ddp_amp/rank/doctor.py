@@ -116,44 +116,35 @@ def node_address(env: DistEnv) -> str:
         return socket.gethostname()
 
 
-def _round_trip_s(peer: int, first: bool, token: torch.Tensor) -> float:
+def _exchange_s(peer: int, leading: bool, there: torch.Tensor, back: torch.Tensor) -> float:
+    """The leading side sends `there` to `peer` and receives `back`; the other side the reverse. Its time."""
     started = time.perf_counter()
-    if first:
-        dist.send(token, peer)
-        dist.recv(token, peer)
+    if leading:
+        dist.send(there, peer)
+        dist.recv(back, peer)
     else:
-        dist.recv(token, peer)
-        dist.send(token, peer)
+        dist.recv(there, peer)
+        dist.send(back, peer)
     return time.perf_counter() - started
 
 
-def _transfer_s(peer: int, sending: bool, payload: torch.Tensor, token: torch.Tensor) -> float:
-    """One transfer from the sender to `peer`, timed by the sender until the receiver's token is back."""
-    started = time.perf_counter()
-    if sending:
-        dist.send(payload, peer)
-        dist.recv(token, peer)
-    else:
-        dist.recv(payload, peer)
-        dist.send(token, peer)
-    return time.perf_counter() - started
-
-
-def pair_figures(peer: int, first: bool, device: torch.device) -> dict[str, float]:
-    """Round trip and bandwidth each way between this rank and `peer` (both call it; `first` on one of them).
-    The sender's time for a transfer holds one small message back: half a round trip, taken off."""
+def pair_figures(peer: int, first: bool, device: torch.device) -> tuple[float, float]:
+    """(round trip, bandwidth of what this rank sends) between this rank and `peer`: both call it, `first` on
+    one of them. Each direction is timed by its sender, until the receiver's token is back: that holds one
+    small message, half a round trip, which is taken off."""
     token = torch.zeros(1, device=device)
     for _ in range(3):
-        _round_trip_s(peer, first, token)
-    round_trip = statistics.median(_round_trip_s(peer, first, token) for _ in range(PAIR_ROUND_TRIPS))
+        _exchange_s(peer, first, token, token)
+    round_trip = statistics.median(_exchange_s(peer, first, token, token) for _ in range(PAIR_ROUND_TRIPS))
     payload = torch.zeros(PAIR_MIB * 2**20 // 4, device=device)
-    figures = {"round_trip_us": round_trip * 1e6}
-    for direction, sender_is_first in (("first_to_second", True), ("second_to_first", False)):
+    sent_s = []
+    for sender_is_first in (True, False):
         sending = first == sender_is_first
-        times = [_transfer_s(peer, sending, payload, token) for _ in range(PAIR_TRANSFERS + 1)][1:]
-        seconds = max(statistics.median(times) - round_trip / 2, 1e-9)
-        figures[direction + "_gb_per_s"] = PAIR_MIB * 2**20 / seconds / 1e9
-    return figures
+        times = [_exchange_s(peer, sending, payload, token) for _ in range(PAIR_TRANSFERS + 1)][1:]
+        if sending:
+            sent_s = times
+    seconds = max(statistics.median(sent_s) - round_trip / 2, 1e-9)
+    return round_trip, PAIR_MIB * 2**20 / seconds / 1e9
 
 
 def node_links(env: DistEnv, nodes: list[int], device: torch.device) -> list[dict[str, Any]]:
@@ -161,19 +152,22 @@ def node_links(env: DistEnv, nodes: list[int], device: torch.device) -> list[dic
     pairs share the network while measured); the same list on every rank. `nodes`: each rank's node."""
     leaders = {node: nodes.index(node) for node in sorted(set(nodes))}
     pairs = [(a, b) for a in leaders for b in leaders if a < b]
-    mine = []
+    mine = []  # (pair, this leader's node, round trip, what it sent at)
     for a, b in pairs:
         if env.rank in (leaders[a], leaders[b]):
             first = env.rank == leaders[a]
-            figures = pair_figures(leaders[b] if first else leaders[a], first, device)
-            if first:
-                mine.append({"nodes": [a, b], "round_trip_us": figures["round_trip_us"],
-                             "gb_per_s": {f"{a}->{b}": figures["first_to_second_gb_per_s"],
-                                          f"{b}->{a}": figures["second_to_first_gb_per_s"]}})
+            round_trip, sent = pair_figures(leaders[b] if first else leaders[a], first, device)
+            mine.append(((a, b), a if first else b, round_trip, sent))
         dist.barrier()
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, mine)
-    return sorted((pair for rank_pairs in gathered for pair in rank_pairs), key=lambda pair: pair["nodes"])
+    links: dict[tuple[int, int], dict[str, Any]] = {}
+    for (a, b), sender, round_trip, sent in (entry for rank_entries in gathered for entry in rank_entries):
+        link = links.setdefault((a, b), {"nodes": [a, b], "gb_per_s": {}})
+        if sender == a:
+            link["round_trip_us"] = round_trip * 1e6  # the first's figure: both sides measured the same trips
+        link["gb_per_s"][f"{sender}->{b if sender == a else a}"] = sent
+    return [links[pair] for pair in sorted(links)]
 
 
 def checkup(env: DistEnv, device: torch.device, precision: Precision, ready_at: float,
