@@ -1,5 +1,6 @@
 """`ddp-amp doctor`, a rank's side: what this rank and its links can do, measured in seconds on the job's own
-backend before a long job, gathered on rank 0 into RUN_DIR/doctor.json (read by ddp_amp.checkup).
+backend before a long job, gathered on every rank and written to each node's RUN_DIR/doctor.json (read by
+ddp_amp.checkup).
 
 - all-reduce latency (one number) and bus bandwidth at a few sizes, every rank at once, as training does;
 - this rank's matmul rate at the run's precision, one rank at a time so that ranks sharing cores do not
@@ -7,7 +8,7 @@ backend before a long job, gathered on rank 0 into RUN_DIR/doctor.json (read by 
 - on a GPU, the host-to-device copy rate from pinned memory;
 - with several nodes, each node's own link: its first rank and every other node's first rank, one pair at a
   time, measure their round trip and the bandwidth each way. An all-reduce over all ranks only shows the
-  slowest link; the pairs tell which node it belongs to (see ddp_amp.checkup.slow_nodes).
+  slowest link; the pairs tell which node it belongs to (see ddp_amp.checkup.slow_links).
 """
 
 from __future__ import annotations

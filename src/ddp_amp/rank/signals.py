@@ -30,10 +30,9 @@ def stop_on_signals() -> None:
         signal.signal(sig, handler)
 
 
-def wait_for_own_stop_signal(timeout_s: float, poll_s: float = 0.05) -> bool:
+def wait_for_own_stop_signal(timeout_s: float, poll_s: float = 0.05) -> None:
     """Wait until this rank has received a stop signal itself (not only agreed to another rank's), up to
-    `timeout_s`; whether it has."""
+    `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while STOP_REQUEST.signum is None and time.monotonic() < deadline:
         time.sleep(poll_s)
-    return STOP_REQUEST.signum is not None
