@@ -108,7 +108,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, command):
 
 
 def test_compiled_variants_are_compared_within_their_precision():
-    from ddp_amp.bench import Measurement, analyse
+    from ddp_amp.measure.bench import Measurement, analyse
 
     def measured(label, repeat, step_s, compile_s=None):
         summary = {"global_batch_size": 64, "final_loss": 0.5, "samples_per_s": 1.0}
@@ -125,7 +125,7 @@ def test_compiled_variants_are_compared_within_their_precision():
 
 
 def test_mfu_is_per_gpu():
-    from ddp_amp.gpu_peaks import mfu
+    from ddp_amp.measure.gpu_peaks import mfu
 
     # 8 GPUs together process 8x the tokens of one: the utilisation of each is that of one alone.
     one = mfu("NVIDIA H100 80GB HBM3", "bf16", tokens_per_s=1e5, flops_per_token=1e6, gpus=1)
@@ -153,7 +153,7 @@ def test_mfu_is_per_gpu():
     ("Tesla T4", "T4", 8.1, None, None, 65.0),
 ])
 def test_each_gpu_gets_its_own_peaks(name, model, fp32, tf32, bf16, fp16):
-    from ddp_amp.gpu_peaks import gpu_model, peak_tflops
+    from ddp_amp.measure.gpu_peaks import gpu_model, peak_tflops
 
     assert gpu_model(name)[0] == model
     assert [peak_tflops(name, p) for p in ("fp32", "tf32", "bf16", "fp16")] == [fp32, tf32, bf16, fp16]
@@ -162,14 +162,14 @@ def test_each_gpu_gets_its_own_peaks(name, model, fp32, tf32, bf16, fp16):
 @pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GeForce RTX 4090", "NVIDIA L40G", "NVIDIA H100",
                                   "NVIDIA H800", "AMD Instinct MI300X", ""])
 def test_a_gpu_without_a_known_peak_gets_no_mfu(name):
-    from ddp_amp.gpu_peaks import gpu_model, mfu
+    from ddp_amp.measure.gpu_peaks import gpu_model, mfu
 
     assert gpu_model(name) is None
     assert mfu(name, "bf16", 1e5, 1e6, gpus=1) is None
 
 
 def test_fp32_rows_are_held_to_the_fp32_or_tf32_peak():
-    from ddp_amp.bench import peak_precision
+    from ddp_amp.measure.bench import peak_precision
 
     assert peak_precision("fp32", {"tf32_matmul": False}) == "fp32"
     assert peak_precision("fp32+compile", {"tf32_matmul": True}) == "tf32"
@@ -185,7 +185,7 @@ def test_the_precisions_are_interleaved(bench_both):
 
 
 def test_subnormals_and_collapsed_gradients_are_named_under_the_table():
-    from ddp_amp.bench import numerics_notes
+    from ddp_amp.measure.bench import numerics_notes
 
     clean = {"subnormal_fraction": {"activations": 0.0, "gradients": 1e-6, "weights": 0.0, "optimizer_state": 0.0},
              "gradient_to_weight_norm": 0.03}

@@ -205,9 +205,8 @@ def test_the_shell_completes_the_choices_of_an_option(words, expected):
 def test_every_training_option_is_a_field_of_train_config_with_its_docstring_as_help():
     import dataclasses
 
-    from ddp_amp.cli import TRAINING_OPTIONS
+    from ddp_amp.commands.options import TRAINING_OPTIONS, field_docs
     from ddp_amp.config import NOT_OPTIONS, TrainConfig
-    from ddp_amp.options import field_docs
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     assert set(TRAINING_OPTIONS) == set(fields) - set(NOT_OPTIONS)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ddp_amp.checkup import judge, per_node, slow_links, slow_ranks
+from ddp_amp.measure.doctor import judge, per_node, slow_links, slow_ranks
 
 from conftest import assert_ok, run_cli
 

@@ -49,7 +49,7 @@ def test_the_precision_a_cpu_rank_picks_from_its_own_flags(monkeypatch, flags, e
     from ddp_amp.config import TrainConfig
     from ddp_amp.rank.setup import bf16_is_fast_here, precision_for
 
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags))
     fast = bf16_is_fast_here(torch.device("cpu"))
     assert precision_for(TrainConfig(amp="auto"), "cpu", fast).name == expected
 

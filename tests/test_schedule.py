@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from ddp_amp.schedule import build_scheduler, closed_form_lr
+from ddp_amp.train.schedule import build_scheduler, closed_form_lr
 
 LR, TOTAL = 0.1, 40
 

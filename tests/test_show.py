@@ -75,8 +75,8 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
     and nothing is cut short with an ellipsis."""
     from rich.console import Console
 
-    from ddp_amp.report import runs_table
-    from ddp_amp.runs import load_run
+    from ddp_amp.results.report import runs_table
+    from ddp_amp.results.runs import load_run
 
     runs = [load_run(path) for path in two_runs]
     console = Console(width=width, record=True, file=open(os.devnull, "w"))
@@ -94,7 +94,7 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
 def test_an_option_an_older_run_lacks_is_shown_as_not_recorded():
     from pathlib import Path
 
-    from ddp_amp.runs import Run, config_differences
+    from ddp_amp.results.runs import Run, config_differences
 
     older = Run(Path("older"), {"lr": 0.003, "run_dir": "older"}, {}, [], "finished")
     newer = Run(Path("newer"), {"lr": 0.003, "flush_denormal": "auto", "max_memory": None, "run_dir": "newer"}, {},

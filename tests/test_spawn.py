@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from ddp_amp.schedule import closed_form_lr
+from ddp_amp.train.schedule import closed_form_lr
 
 from conftest import assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
 from helper_tasks import DRAWS_DIR_VAR, EVALUATION_BYTES, RECORDED_DRAWS

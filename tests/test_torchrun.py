@@ -374,3 +374,57 @@ def test_a_bad_requeue_signal_is_one_line_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == ("ddp-amp: error: --requeue-signal must be one of USR1, USR2, TERM, "
                                                "got 'KILL'")
     assert not script.exists()
+
+
+def test_torch_still_has_what_the_worker_context_patch_wraps():
+    """The one patch of a private torch API applies to the installed torch: if torch renames
+    MultiprocessContext._close, changes its parameters or drops its finished-reading event, this fails (and
+    the guard leaves torch alone, so resizes cost torch's 30 s again)."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    from ddp_amp.launch.agent import let_stopped_workers_leave
+
+    assert let_stopped_workers_leave() is True
+    assert MultiprocessContext._close.lets_workers_leave
+
+
+class _ContextAsTorchHasIt:
+    def __init__(self):
+        import threading
+
+        self._worker_finished_event = threading.Event()
+        self.closed_with = None
+
+    def _close(self, death_sig, timeout: int = 30) -> None:
+        self.closed_with = (death_sig, timeout, self._worker_finished_event.is_set())
+
+
+class _ContextWithoutTheEvent:
+    def _close(self, death_sig, timeout: int = 30) -> None:
+        pass
+
+
+class _ContextWithOtherParameters:
+    def __init__(self):
+        self._worker_finished_event = None
+
+    def _close(self, signal_to_send) -> None:
+        pass
+
+
+def test_the_patch_sets_the_finished_reading_event_before_torchs_close():
+    from ddp_amp.launch.agent import let_stopped_workers_leave
+
+    assert let_stopped_workers_leave(_ContextAsTorchHasIt) is True
+    context = _ContextAsTorchHasIt()
+    context._close(15, 5)
+    assert context.closed_with == (15, 5, True)
+
+
+@pytest.mark.parametrize("context_class", [_ContextWithoutTheEvent, _ContextWithOtherParameters, object])
+def test_the_patch_leaves_a_changed_torch_alone(context_class):
+    from ddp_amp.launch.agent import let_stopped_workers_leave
+
+    before = getattr(context_class, "_close", None)
+    assert let_stopped_workers_leave(context_class) is False
+    assert getattr(context_class, "_close", None) is before

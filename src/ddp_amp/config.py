@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ddp_amp.errors import UsageError
 from ddp_amp.files import DirectoryInUse, DirectoryLock, remove_partial_writes
@@ -29,7 +30,12 @@ CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCH
            "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
            "grad_compression": GRAD_COMPRESSIONS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
-NOT_OPTIONS = ("run_dir", "launch_time", "record_step_times", "max_batch_search", "doctor", "elastic", "job_id")
+JobKind = Literal["train", "bench", "max-batch", "doctor"]
+"""What the ranks of a launch do with the config: train (spawn, run, multinode); train timing every step on
+every rank, the device synchronised each step (bench); search the largest per-rank batch that trains (bench
+--max-batch); or measure the ranks and their links (doctor). Passed to the rank entry beside the config."""
+JOB_KINDS: tuple[str, ...] = JobKind.__args__
+NOT_OPTIONS = ("run_dir", "launch_time", "elastic", "job_id")
 """Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
 
 
@@ -102,12 +108,6 @@ class TrainConfig:
     job_id: str | None = None
     """multinode: the rendezvous id, the same on every node of one job; a node that joins an elastic job later
     recognises the job's run dir by it (a shared file system) and joins instead of refusing it."""
-    record_step_times: bool = False
-    """Time every optimizer step on every rank (synchronising the device each step): for `ddp-amp bench`."""
-    max_batch_search: bool = False
-    """Instead of training, search the largest per-rank batch that trains: for `ddp-amp bench --max-batch`."""
-    doctor: bool = False
-    """Instead of training, measure the ranks and their links: for `ddp-amp doctor`."""
     tf32: str | None = None
     """CUDA only: on or off to allow TF32 for fp32 matmuls and convolutions (None leaves torch's default)."""
     flush_denormal: str = "auto"
@@ -156,20 +156,21 @@ class TrainConfig:
     RUN_DIR/tensorboard with torch.utils.tensorboard (needs the tensorboard package)."""
 
     def __post_init__(self) -> None:
-        problems: list[str] = []
+        problems = [*self._choice_problems(), *self._optimization_problems(), *self._length_problems(),
+                    *self._memory_problems(), *self._run_problems()]
+        if problems:
+            raise UsageError(*problems)
+        if self.steps is None and self.epochs is None:
+            self.steps = DEFAULT_STEPS
 
-        def choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
-            if value not in allowed:
-                problems.append(f"{flag} {value!r} is not one of {', '.join(allowed)}")
-
-        choice("--device", self.device, DEVICES)
-        choice("--amp", self.amp, AMP_MODES)
-        choice("--dtype", self.dtype, DTYPES)
-        choice("--schedule", self.schedule, SCHEDULES)
-        choice("--optimizer", self.optimizer, OPTIMIZERS)
-        choice("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS)
-        choice("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS)
-        choice("--flush-denormal", self.flush_denormal, FLUSH_DENORMAL_MODES)
+    def _choice_problems(self) -> list[str]:
+        """The options whose value is one of a few names, and the combinations of them torch refuses."""
+        problems = [f"{flag} {value!r} is not one of {', '.join(allowed)}" for flag, value, allowed in (
+            ("--device", self.device, DEVICES), ("--amp", self.amp, AMP_MODES), ("--dtype", self.dtype, DTYPES),
+            ("--schedule", self.schedule, SCHEDULES), ("--optimizer", self.optimizer, OPTIMIZERS),
+            ("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS),
+            ("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS),
+            ("--flush-denormal", self.flush_denormal, FLUSH_DENORMAL_MODES)) if value not in allowed]
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             problems.append(f"--bucket-mb must be a finite number > 0, got {self.bucket_mb}")
         if self.static_graph and self.grad_accum > 1:
@@ -186,10 +187,15 @@ class TrainConfig:
                 steps = self.steps if self.steps is not None else (DEFAULT_STEPS if self.epochs is None else None)
                 if steps is not None and end > steps:
                     problems.append(f"--profile {self.profile}: the run has only {steps} steps")
-        if self.tf32 is not None:
-            choice("--tf32", self.tf32, TF32_MODES)
+        if self.tf32 is not None and self.tf32 not in TF32_MODES:
+            problems.append(f"--tf32 {self.tf32!r} is not one of {', '.join(TF32_MODES)}")
         if self.amp == "off" and self.dtype != "auto":
             problems.append(f"--dtype {self.dtype} conflicts with --amp off (fp32); drop one of them")
+        return problems
+
+    def _optimization_problems(self) -> list[str]:
+        """The optimizer's and the schedule's numbers."""
+        problems = []
         if not (math.isfinite(self.lr) and self.lr > 0):
             problems.append(f"--lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
@@ -200,10 +206,15 @@ class TrainConfig:
             problems.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         elif self.schedule == "exponential" and self.min_lr_ratio == 0:
             problems.append("--min-lr-ratio must be > 0 for --schedule exponential (it decays towards it)")
-        for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum),
-                            ("--log-every", self.log_every)):
-            if value < 1:
-                problems.append(f"{flag} must be >= 1, got {value}")
+        if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
+            problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
+        return problems
+
+    def _length_problems(self) -> list[str]:
+        """How long the run is and how its steps are made up."""
+        problems = [f"{flag} must be >= 1, got {value}" for flag, value in (
+            ("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum), ("--log-every", self.log_every))
+            if value < 1]
         if self.steps is not None and self.epochs is not None:
             problems.append("--steps and --epochs are alternatives; give one of them")
         if self.steps is not None and self.steps < 1:
@@ -214,9 +225,11 @@ class TrainConfig:
             problems.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         elif self.steps is not None and self.steps >= 1 and self.warmup_steps >= self.steps:
             problems.append(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
-        problems += self._memory_problems()
-        if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
-            problems.append(f"--clip-grad must be a finite number > 0, got {self.clip_grad}")
+        return problems
+
+    def _run_problems(self) -> list[str]:
+        """Timeouts, checkpoints, the divergence limit, data workers and the seed."""
+        problems = []
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             problems.append(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
         if self.checkpoint_every < 0:
@@ -231,10 +244,7 @@ class TrainConfig:
             problems.append(f"--num-workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
             problems.append(f"--seed must be >= 0, got {self.seed}")
-        if problems:
-            raise UsageError(*problems)
-        if self.steps is None and self.epochs is None:
-            self.steps = DEFAULT_STEPS
+        return problems
 
     def _memory_problems(self) -> list[str]:
         """--micro-batch and --max-memory."""
@@ -330,7 +340,7 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
         raise UsageError(f"{flag} is an existing file, not a directory")
     if joining is not None and path.is_dir() and running_job(path) == joining:
         return PreparedRunDir(path, None)
-    if (path / "model.pt").exists() and not overwrite:
+    if (path / MODEL_FILE).exists() and not overwrite:
         raise UsageError(f"{flag} already holds a finished run (model.pt); choose another or pass --overwrite")
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -345,7 +355,7 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                              "or choose another directory") from None
         except OSError as exc:
             raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
-    if not overwrite and not resuming and any((path / name).exists() for name in ("metrics.jsonl", "summary.json")):
+    if not overwrite and not resuming and any((path / name).exists() for name in (METRICS_FILE, SUMMARY_FILE)):
         if held:
             held.release()
         raise UsageError(f"{flag} holds an unfinished earlier run (metrics, no model.pt); pass --overwrite to "
@@ -357,7 +367,7 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
         if overwrite:
             clear_earlier_run(path)
         elif resuming:
-            (path / "summary.json").unlink(missing_ok=True)  # the stopped attempt's; this run writes its own
+            (path / SUMMARY_FILE).unlink(missing_ok=True)  # the stopped attempt's; this run writes its own
     except OSError as exc:
         raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
     return PreparedRunDir(path, held)

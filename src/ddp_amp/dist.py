@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import ipaddress
 import os
 import socket
 import uuid
@@ -19,6 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ddp_amp.network import is_loopback
+from ddp_amp.process import usable_cores
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -51,13 +53,6 @@ class DistEnv:
         directory is not the same one (each node holds the weights without a shared file system, and no two
         processes ever write one file)."""
         return self.rank == 0 or (self.local_rank == 0 and not self.shares_run_dir_with_rank0)
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
@@ -103,13 +98,6 @@ def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: f
     return store
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
 @contextlib.contextmanager
 def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) -> Iterator[None]:
     """init_process_group from the environment contract, torn down on every path, error path included.
@@ -121,7 +109,7 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
     timeout = datetime.timedelta(seconds=timeout_s)
     common = {"backend": backend, "rank": env.rank, "world_size": env.world_size, "timeout": timeout,
               "device_id": device if device.type == "cuda" else None}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and _is_loopback(env.master_addr):
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and is_loopback(env.master_addr):
         if env.rank == 0:
             store = loopback_store(env.master_port, world_size=env.world_size, timeout_s=timeout_s)
         else:

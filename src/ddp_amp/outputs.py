@@ -16,8 +16,9 @@ from ddp_amp.files import atomic_write
 MODEL_FILE = "model.pt"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
-STEP_TIMES_FILE = "step_times.json"  # only with record_step_times (ddp-amp bench): every rank's step durations
-DOCTOR_FILE = "doctor.json"  # only with ddp-amp doctor: every rank's figures, written by rank 0
+STEP_TIMES_FILE = "step_times.json"  # only from the bench job (ddp-amp bench): every rank's step durations
+DOCTOR_FILE = "doctor.json"  # only from the doctor job (ddp-amp doctor): every rank's figures, written by rank 0
+DUMP_DIR = "flight_recorder"  # a failed or stalled rank's flight record: DUMP_DIR/rank<N>.json
 
 
 def save_weights(run_dir: Path, model: Any) -> Path:

@@ -38,7 +38,8 @@ class Precision:
 
 
 @lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, as /proc/cpuinfo lists them (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -51,19 +52,19 @@ def _cpu_flags() -> frozenset[str]:
 
 def cpu_has_native_bf16() -> bool:
     """True on CPUs with bf16 instructions (AVX512-BF16 or AMX); elsewhere bf16 matmuls are emulated and slow."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_has_fast_bf16() -> bool:
     """True where bf16 trains faster than fp32: CPUs with AMX tiles (amx_bf16). With avx512_bf16 alone the
     bf16 matmuls are native but slower than fp32's (0.81x on the bench's task, an AVX-512 Xeon without AMX),
     so --amp auto keeps fp32 there."""
-    return "amx_bf16" in _cpu_flags()
+    return "amx_bf16" in cpu_flags()
 
 
 def cpu_has_native_fp16() -> bool:
     """True on CPUs with fp16 arithmetic (AVX512-FP16 or AMX-FP16); elsewhere fp16 autocast is emulated."""
-    return bool(_cpu_flags() & {"avx512_fp16", "amx_fp16"})
+    return bool(cpu_flags() & {"avx512_fp16", "amx_fp16"})
 
 
 NATIVE_BF16_CAPABILITY = (8, 0)

@@ -14,6 +14,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, si
 see --requeue-signal)."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as under taskset or a cgroup cpuset); GNU `nproc`
+    would honour OMP_NUM_THREADS instead."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 @contextlib.contextmanager
 def stop_signals_ignored() -> Iterator[None]:
     """Within the block, the STOP_SIGNALS are ignored. A process exec'd here inherits SIG_IGN (an exec resets

@@ -1,6 +1,8 @@
-"""The per-rank entry of every launcher: standard environment + run config in, trained model and files out.
+"""The per-rank entry of every launcher: standard environment + run config + job kind in, trained model and files
+out.
 
-spawn calls `run_worker(config)` in each child; torchrun runs `python -m ddp_amp.worker RUN_DIR/config.json`.
+spawn calls `run_worker(config, job)` in each child; torchrun runs `python -m ddp_amp.worker RUN_DIR/config.json
+JOB`.
 It only sets up and runs: each concern lives in ddp_amp.rank (setup, signals, heartbeat, evaluation, reporter),
 ddp_amp.checkpoint and ddp_amp.train.
 """
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from ddp_amp import outputs
 from ddp_amp.checkpoint.manager import CheckpointManager
-from ddp_amp.config import TrainConfig
+from ddp_amp.config import JOB_KINDS, JobKind, TrainConfig
 from ddp_amp.dist import DistEnv, process_group, settle_run_dir_writers
 from ddp_amp.errors import RankOutOfMemory, RankSetupError
 from ddp_amp.process import die_with_parent
@@ -39,8 +41,9 @@ ELASTIC_STOP_WAIT_S = 20.0
 than an agent's monitor interval (--monitor-interval, 0.1 s by default) and its rendezvous state's 1 s cache."""
 
 
-def run_worker(config: TrainConfig) -> dict[str, Any] | None:
-    """Train on this rank. Local rank 0 writes the run directory and returns the summary; others return None."""
+def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | None:
+    """Run `job` (config.JobKind) on this rank. Local rank 0 writes the run directory and returns the summary;
+    others return None."""
     started = time.time()
     die_with_parent()
     env = DistEnv.from_environ()
@@ -52,7 +55,7 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     # The pid lets the launcher ask this rank to stop gracefully (SIGUSR1), under torchrun too.
     reporter.state("restarting" if restart else "starting", restart=restart, pid=os.getpid())
     try:
-        return _train(config, env, reporter, started, restart)
+        return _run_job(config, job, env, reporter, started, restart)
     except RankSetupError as exc:
         reporter.error(str(exc))
         raise
@@ -81,8 +84,10 @@ def _dump_flight_record(config: TrainConfig, reporter: WorkerReporter, reason: s
     flight_recorder.dump(Path(config.run_dir), reporter.env.rank, reason, position)
 
 
-def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started: float,
-           restarts: int) -> dict[str, Any] | None:
+def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerReporter, started: float,
+             restarts: int) -> dict[str, Any] | None:
+    """The process group, the precision all ranks agree on, then the job: doctor's measurements, or a trainer
+    (resumed where a checkpoint says) that searches the largest batch or trains."""
     device, threads, flushing = setup.prepare_device(config, env.local_rank, env.local_world_size)
     run_dir = Path(config.run_dir)
     flight_recorder.enable()  # before the process group is made
@@ -92,62 +97,72 @@ def _train(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, started:
         if config.tensorboard and env.rank == 0:
             reporter.scalars = TensorBoardScalars(run_dir)
         precision = setup.agreed_precision(config, device)
-        if config.doctor:
+        if job == "doctor":
             return _doctor(config, env, device, precision, ready_at=time.time())
         task = setup.build_checked_task(config, env)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
-        trainer = Trainer(config, env, device, precision, task, reporter)
+        trainer = Trainer(config, env, device, precision, task, reporter, time_steps=job == "bench")
         reporter.trainer = trainer
         trainer.stop_signal = lambda: STOP_REQUEST.signum
-        checkpointer = trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
-        resumed = checkpointer.load(trainer)
+        trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
+        resumed = trainer.checkpointer.load(trainer)
         reporter.state("running")
-        if config.max_batch_search:
+        if job == "max-batch":
             return _search_max_batch(config, env, reporter, trainer, device, threads)
         with Heartbeat(reporter, trainer, stall_after_s(config.timeout), run_dir):
             result = trainer.train()
         memory = peak_memory(device)  # of training: before rank 0's evaluation
-        numerics = trainer.probe_numerics() if config.record_step_times else {}  # bench
-        checkpointer.save_at_stop(trainer)
-        checkpointer.close()  # waits for the write in flight
-        trainer.close()  # on success only: after a failure the launcher stops every rank anyway
-        summary = result.summary
-        summary.update(memory, restarts=restarts, threads_per_rank=threads, tf32=config.tf32, flush_denormal=flushing,
+        summary = _finish_training(trainer, result, memory, bench=job == "bench")
+        summary.update(restarts=restarts, threads_per_rank=threads, tf32=config.tf32, flush_denormal=flushing,
                        worker_start_s=started - (config.launch_time or started))
-        if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
-            summary["slurm_restart_count"] = int(os.environ["SLURM_RESTART_COUNT"])
-        if checkpointer.last_path is not None:
-            summary["checkpoint"] = str(checkpointer.last_path)
-        if checkpointer.nonfinite_steps:
-            summary["nonfinite_checkpoints_skipped"] = checkpointer.nonfinite_steps
         if resumed is not None:
             summary["resumed_from"] = resumed  # the checkpoint's path; its step is resumed_from_step
         rank_times = None
-        if config.record_step_times:  # bench
-            summary.update(numerics)
+        if job == "bench":  # every rank's step times, for the launcher's analysis
             rank_times = [None] * env.world_size
-            dist.all_gather_object(rank_times, {"rank": env.rank, "step_s": result.step_s,
-                                                **memory})
+            dist.all_gather_object(rank_times, {"rank": env.rank, "step_s": result.step_s, **memory})
         if env.writes_run_dir:
             reporter.state("checkpointing")
             write_results(config, summary, result, task, rank_times, device)
         reporter.done(summary, memory)
-        if config.elastic and trainer.stopped_at is not None and STOP_REQUEST.signum is None:
-            # Stopped for another rank's signal. In an elastic job that is nearly always a membership change:
-            # each node's agent stops its workers (SIGTERM) when it notices a newcomer, at its own monitor
-            # interval, and the ranks of the first one agreed with every rank on a stop step. This rank's agent
-            # has not noticed yet: a clean exit now would be, to it, the end of the job, and its node would
-            # leave the job. Its SIGTERM comes within a monitor interval; a stop of another node alone never
-            # sends one, and the node ends as stopped after the wait.
-            wait_for_own_stop_signal(ELASTIC_STOP_WAIT_S)
+        _wait_for_own_agent(config, trainer)
         return summary if env.writes_run_dir else None
+
+
+def _wait_for_own_agent(config: TrainConfig, trainer: Trainer) -> None:
+    if config.elastic and trainer.stopped_at is not None and STOP_REQUEST.signum is None:
+        # Stopped for another rank's signal. In an elastic job that is nearly always a membership change:
+        # each node's agent stops its workers (SIGTERM) when it notices a newcomer, at its own monitor
+        # interval, and the ranks of the first one agreed with every rank on a stop step. This rank's agent
+        # has not noticed yet: a clean exit now would be, to it, the end of the job, and its node would
+        # leave the job. Its SIGTERM comes within a monitor interval; a stop of another node alone never
+        # sends one, and the node ends as stopped after the wait.
+        wait_for_own_stop_signal(ELASTIC_STOP_WAIT_S)
+
+
+def _finish_training(trainer: Trainer, result: TrainResult, memory: dict[str, float], *,
+                     bench: bool) -> dict[str, Any]:
+    """After the loop: the stop checkpoint, the writes in flight waited for, the trainer closed; the summary."""
+    numerics = trainer.probe_numerics() if bench else {}
+    checkpointer = trainer.checkpointer
+    checkpointer.save_at_stop(trainer)
+    checkpointer.close()  # waits for the write in flight
+    trainer.close()  # on success only: after a failure the launcher stops every rank anyway
+    summary = {**result.summary, **memory, **numerics}
+    if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
+        summary["slurm_restart_count"] = int(os.environ["SLURM_RESTART_COUNT"])
+    if checkpointer.last_path is not None:
+        summary["checkpoint"] = str(checkpointer.last_path)
+    if checkpointer.nonfinite_steps:
+        summary["nonfinite_checkpoints_skipped"] = checkpointer.nonfinite_steps
+    return summary
 
 
 def _doctor(config: TrainConfig, env: DistEnv, device: torch.device, precision, ready_at: float) -> None:
     """ddp-amp doctor: the measurements instead of training, in RUN_DIR/doctor.json on every node."""
-    from ddp_amp.rank.doctor import checkup
+    from ddp_amp.rank.doctor import measure
 
-    figures = checkup(env, device, precision, ready_at, config.launch_time or ready_at)
+    figures = measure(env, device, precision, ready_at, config.launch_time or ready_at)
     if env.writes_run_dir:  # every node's run directory gets the whole job's figures
         outputs.write_json(Path(config.run_dir) / outputs.DOCTOR_FILE,
                            {**figures, "world_size": env.world_size, "backend": dist.get_backend(),
@@ -191,12 +206,13 @@ def write_results(config: TrainConfig, summary: dict[str, Any], result: TrainRes
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m ddp_amp.worker CONFIG_JSON`: the entry torchrun starts on every rank."""
+    """`python -m ddp_amp.worker CONFIG_JSON [JOB]`: the entry torchrun starts on every rank (JOB: train by
+    default, or bench, max-batch, doctor)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        sys.exit("usage: python -m ddp_amp.worker RUN_DIR/config.json")
+    if len(args) not in (1, 2) or (len(args) == 2 and args[1] not in JOB_KINDS):
+        sys.exit(f"usage: python -m ddp_amp.worker RUN_DIR/config.json [{'|'.join(JOB_KINDS)}]")
     config = TrainConfig.from_json(Path(args[0]).read_text())
-    summary = run_worker(config)
+    summary = run_worker(config, *args[1:])
     failure = summary and outputs.failure_of(summary, config.run_dir)
     if failure and not os.environ.get(ADDRESS_VAR):
         # Started by a hand-written torchrun: no ddp-amp launcher reads the summary, so say it and fail here.

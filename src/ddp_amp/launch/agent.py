@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ddp_amp.config import JobKind
 from ddp_amp.errors import RunFailed, failure_line
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.torchrun import ElasticJob
@@ -30,14 +31,14 @@ AGENT_LOGGERS = "torch.distributed.elastic"
 FAILURE_LINGER_S = 1.0
 
 
-def worker_entry(config_path: str, env: dict[str, str]) -> None:
+def worker_entry(config_path: str, env: dict[str, str], kind: JobKind) -> None:
     """A rank, forked from the fork server (whose environment predates this launch: the launch's own
     variables come as an argument)."""
     os.environ.update(env)
     from ddp_amp.worker import main
 
     try:
-        main([config_path])  # the agent's wrapper records a failure's traceback in its error file
+        main([config_path, kind])  # the agent's wrapper records a failure's traceback in its error file
     except BaseException:
         # The agent reports the first rank it sees exit. A rank killed by a signal exits at once, and its peers
         # fail ("connection closed") milliseconds later: lingering here lets the agent see the cause first.
@@ -45,21 +46,27 @@ def worker_entry(config_path: str, env: dict[str, str]) -> None:
         raise
 
 
-def _let_stopped_workers_leave() -> None:
-    """Make torch's function-entry worker context let its workers leave once it has sent them its death signal.
+def let_stopped_workers_leave(context_class: type | None = None) -> bool:
+    """Make torch's function-entry worker context let its workers leave once it has sent them its death signal;
+    whether it now does.
 
     A worker run as a function hands its return value to the agent and then waits until the agent says it has
     read it (MultiprocessContext's finished-reading event). At a membership change the agent sends SIGTERM and
     joins its workers without ever reading: our ranks take the SIGTERM as a stop, finish gracefully (one step, a
     checkpoint), return, and wait on that event until the agent SIGKILLs them 30 s later. Every resize would
     cost 30 s (torchrun's own subprocess workers exit when they are done). Setting the event before the signal
-    lets them exit as soon as they are done; no return value is read after a close anyway. Where a torch
-    version lacks the event, nothing changes."""
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+    lets them exit as soon as they are done; no return value is read after a close anyway.
 
-    close = MultiprocessContext._close
+    The one patch of a private torch API, so it is guarded: where the class no longer has `_close(self,
+    death_sig, timeout)`, or no longer makes `_worker_finished_event`, torch's behaviour is left as it is (the
+    resize then costs torch's 30 s again, and nothing breaks)."""
+    if context_class is None:
+        from torch.distributed.elastic.multiprocessing.api import MultiprocessContext as context_class
+    close = getattr(context_class, "_close", None)
     if getattr(close, "lets_workers_leave", False):
-        return
+        return True
+    if not _close_is_as_patched(context_class, close):
+        return False
 
     def _close(self, death_sig, timeout: int = 30) -> None:
         finished_reading = getattr(self, "_worker_finished_event", None)
@@ -68,19 +75,38 @@ def _let_stopped_workers_leave() -> None:
         close(self, death_sig, timeout)
 
     _close.lets_workers_leave = True
-    MultiprocessContext._close = _close
+    context_class._close = _close
+    return True
+
+
+PATCHED_CLOSE_PARAMETERS = ["self", "death_sig", "timeout"]
+
+
+def _close_is_as_patched(context_class: type, close) -> bool:
+    """torch's worker context still has what the patch wraps: `_close(self, death_sig, timeout)`, and the
+    finished-reading event it sets."""
+    import inspect
+
+    if not callable(close):
+        return False
+    try:
+        parameters = list(inspect.signature(close).parameters)
+        source = inspect.getsource(context_class)
+    except (TypeError, ValueError, OSError):
+        return False
+    return parameters == PATCHED_CLOSE_PARAMETERS and "self._worker_finished_event =" in source
 
 
 def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log_path: Path, *,
-              rank_pids=lambda: [], stop_timeout: float = 60.0) -> None:
-    """Run this node's share of the job to completion; a failure becomes RunFailed naming the rank that
-    failed first. The agent's log goes to `log_path`."""
+              rank_pids=lambda: [], stop_timeout: float = 60.0, kind: JobKind = "train") -> None:
+    """Run this node's share of the job (its ranks doing `kind`) to completion; a failure becomes RunFailed
+    naming the rank that failed first. The agent's log goes to `log_path`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     start_forkserver()  # usually running already: the CLI starts it before importing torch
-    _let_stopped_workers_leave()
+    let_stopped_workers_leave()
     # The agent reads some of these itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE); the workers get them all.
     os.environ.update(job.env)
     config = LaunchConfig(
@@ -98,7 +124,7 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
 
     def agent() -> None:
         try:
-            launch_agent(config, worker_entry, [str(config_path), {**job.env, **extra_env}])
+            launch_agent(config, worker_entry, [str(config_path), {**job.env, **extra_env}, kind])
         except BaseException as exc:  # reported by the launcher's thread
             outcome["error"] = exc
         finally:

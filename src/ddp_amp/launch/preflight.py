@@ -108,16 +108,15 @@ def check_ddp_options(config: TrainConfig, device_type: str, precision: Precisio
                          "picks) or --dtype bf16")
 
 
-def preflight(train_options: dict, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
+def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
               run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True,
               world_size: int | None = -1) -> LaunchPlan:
-    """Validate and prepare one launch. `flag` names the process-count option in messages; `extra` sets
-    TrainConfig fields that are not command-line options."""
+    """Validate and prepare one launch of the warm-started `config` (launch.session.warm_start). `flag` names
+    the process-count option in messages; `extra` sets TrainConfig fields that are not command-line options."""
     launch_time = time.time()
-    if overwrite and train_options.get("resume") is not None:
+    if overwrite and config.resume is not None:
         raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
-    config = TrainConfig(**train_options, **(extra or {}), run_dir=str(run_dir or default_run_dir()),
-                         launch_time=launch_time)
+    config = config.replace(**(extra or {}), run_dir=str(run_dir or default_run_dir()), launch_time=launch_time)
     if nproc_per_node < 1:
         raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
     if world_size == -1:  # one node (spawn, run)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from ddp_amp.config import TrainConfig
+from ddp_amp.config import JobKind, TrainConfig
 from ddp_amp.dist import LOOPBACK, loopback_store
 from ddp_amp.errors import RunFailed, failure_line
 from ddp_amp.launch.forkserver import start_forkserver
@@ -42,21 +42,22 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int, extra_env: dict[str, str]) -> None:
+def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int, extra_env: dict[str, str],
+               kind: JobKind) -> None:
     os.environ.update({**extra_env, **rank_environment(rank, world_size, port)})
     from ddp_amp.worker import run_worker
 
-    run_worker(config)
+    run_worker(config, kind)
 
 
-def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = None) -> None:
-    """Run `nproc` ranks to completion (`extra_env` added to each rank's environment).
+def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = None, kind: JobKind = "train") -> None:
+    """Run `nproc` ranks of job `kind` to completion (`extra_env` added to each rank's environment).
     Raises RunFailed naming the first rank that failed."""
     store = loopback_store(world_size=nproc, timeout_s=config.timeout)
     start_forkserver()  # usually already running: the CLI starts it before importing torch
     # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}), nprocs=nproc,
+    context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}, kind), nprocs=nproc,
                                  join=False, start_method="forkserver")
     stop: StopSignal | None = None
     try:

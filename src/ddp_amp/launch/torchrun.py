@@ -8,7 +8,6 @@ command that does the same job by hand.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import math
 import os
 import re
@@ -19,8 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_amp import network
 from ddp_amp.errors import RunFailed, UsageError
-from ddp_amp.launch.network import Endpoint
+from ddp_amp.network import Endpoint
+from ddp_amp.process import usable_cores
 
 WORKER_MODULE = "ddp_amp.worker"
 
@@ -84,7 +85,7 @@ def cpu_threads_env(nproc_per_node: int, device_type: str) -> dict[str, str]:
     as spawn does, so both launchers train at the same speed. A user's own OMP_NUM_THREADS wins."""
     if device_type != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return {"OMP_NUM_THREADS": str(max(1, cores // nproc_per_node))}
 
 
@@ -114,7 +115,7 @@ class ElasticJob:
     """Variables set for the agent and the workers on top of the inherited environment."""
     node_rank: int | None = None
 
-    def torchrun_command(self, config_path: Path) -> TorchrunCommand:
+    def torchrun_command(self, config_path: Path, kind: str = "train") -> TorchrunCommand:
         argv = [sys.executable, "-m", "torch.distributed.run"]
         if self.rdzv_endpoint is None:
             argv += ["--standalone", "--nnodes", str(self.nnodes)]
@@ -129,7 +130,7 @@ class ElasticJob:
             argv += ["--node-rank", str(self.node_rank)]
         if self.local_addr:
             argv += ["--local-addr", self.local_addr]
-        argv += ["-m", WORKER_MODULE, str(config_path)]
+        argv += ["-m", WORKER_MODULE, str(config_path), *([kind] if kind != "train" else [])]
         return TorchrunCommand(argv, dict(self.env))
 
 
@@ -167,12 +168,19 @@ def multinode_job(*, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, no
     if nnodes.min != nnodes.max:
         configs["last_call_timeout"] = str(rdzv_last_call)
     # A loopback endpoint puts every node on this machine: their ranks share its cores.
-    ranks_here = nproc_per_node * (nnodes.max if _is_loopback(endpoint.host) else 1)
+    ranks_here = nproc_per_node * (nnodes.max if network.is_loopback(endpoint.host, resolve=True) else 1)
     env = {**cpu_threads_env(ranks_here, device_type), **restart_env(max_restarts, nnodes.min != nnodes.max),
            **(ifname_env or {})}
     return ElasticJob(nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=str(endpoint), rdzv_id=rdzv_id,
                       rdzv_configs=configs, local_addr=local_addr, max_restarts=max_restarts,
                       monitor_interval=monitor_interval, env=env, node_rank=node_rank)
+
+
+def node_job(endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, net: NodeNetwork, **job):
+    """This node's job of a multi-node run, for a device type (known only after the preflight)."""
+    return lambda device_type: multinode_job(
+        endpoint=endpoint, nnodes=nnodes, nproc_per_node=nproc_per_node, is_host=net.is_host,
+        local_addr=net.local_addr, ifname_env=net.ifname_env, device_type=device_type, **job)
 
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -230,7 +238,7 @@ def detect_node_network(endpoint: Endpoint, *, is_host: bool | None, local_addr:
                         environ: dict[str, str] | None = None) -> NodeNetwork:
     """Resolve the endpoint, decide whether this node hosts the c10d store, find the address and interface
     that route to it, and (on other nodes) wait until the store answers. Problems are one-line errors."""
-    from ddp_amp.launch import network
+    from ddp_amp import network
 
     environ = dict(os.environ) if environ is None else environ
     addresses = network.resolve(endpoint)
@@ -241,7 +249,7 @@ def detect_node_network(endpoint: Endpoint, *, is_host: bool | None, local_addr:
             socket.if_nametoindex(ifname)
         except OSError:
             raise UsageError(f"--ifname {ifname!r}: no such network interface on this machine") from None
-    loopback = all(_is_loopback(address) for address in addresses)
+    loopback = all(network.is_loopback(address, resolve=True) for address in addresses)
     if is_host is None and not loopback:
         # A loopback endpoint is "local" to every node on this machine; there torchrun's own try-to-host,
         # else-join fallback is right, and forcing is_host=1 would make every node try to host.
@@ -252,14 +260,14 @@ def detect_node_network(endpoint: Endpoint, *, is_host: bool | None, local_addr:
             local_addr = network.route_source_address(addresses[0], endpoint.port)
         except OSError:
             local_addr = None
-    if not loopback and (local_addr is None or _is_loopback(local_addr)):
+    if not loopback and (local_addr is None or network.is_loopback(local_addr, resolve=True)):
         # Advertised, a loopback address (or the hostname torchrun falls back to, which Debian-style hosts map
         # to 127.0.1.1) sends every other node to itself.
         problem = (f"--local-addr {local_addr} is a loopback address" if given_local_addr
                    else f"no non-loopback address of this machine routes to --endpoint {endpoint}")
         raise UsageError(f"{problem}; pass --local-addr with this node's address that the other nodes reach")
     detected_ifname = ifname
-    if detected_ifname is None and local_addr and not _is_loopback(local_addr):
+    if detected_ifname is None and local_addr and not network.is_loopback(local_addr, resolve=True):
         detected_ifname = network.interface_of(local_addr)
     ifname_env, note = ifname_environment(detected_ifname, given=ifname is not None, environ=environ)
     if check_reachable and is_host is False and not network.wait_until_reachable(addresses[0], endpoint.port,
@@ -268,16 +276,6 @@ def detect_node_network(endpoint: Endpoint, *, is_host: bool | None, local_addr:
                         "host node (the one owning that address) is running ddp-amp multinode and that the port "
                         "is open between the nodes")
     return NodeNetwork(endpoint, is_host, local_addr, ifname_env, note if not loopback else None)
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:  # a host name (as --local-addr may be): what it resolves to here
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
-        except OSError:
-            return False
 
 
 SLURM_STOP_WARNING_S = 120
@@ -296,7 +294,7 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
     the script requeues the job, which resumes from the checkpoint. A finished run exits 0: never requeued.
     """
     args = shlex.join(multinode_args)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     stop_code = 128 + REQUEUE_SIGNALS[requeue_signal]
     header = [
         "#SBATCH --job-name=ddp-amp",

@@ -1,6 +1,6 @@
 """`ddp-amp doctor`, a rank's side: what this rank and its links can do, measured in seconds on the job's own
 backend before a long job, gathered on every rank and written to each node's RUN_DIR/doctor.json (read by
-ddp_amp.checkup).
+ddp_amp.measure.doctor).
 
 - all-reduce latency (one number) and bus bandwidth at a few sizes, every rank at once, as training does;
 - this rank's matmul rate at the run's precision, one rank at a time so that ranks sharing cores do not
@@ -8,7 +8,7 @@ ddp_amp.checkup).
 - on a GPU, the host-to-device copy rate from pinned memory;
 - with several nodes, each node's own link: its first rank and every other node's first rank, one pair at a
   time, measure their round trip and the bandwidth each way. An all-reduce over all ranks only shows the
-  slowest link; the pairs tell which node it belongs to (see ddp_amp.checkup.slow_links).
+  slowest link; the pairs tell which node it belongs to (see ddp_amp.measure.doctor.slow_links).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def host_to_device_gb_per_s(device: torch.device) -> float | None:
 def node_address(env: DistEnv) -> str:
     """The address this node reaches the job's store from: what tells nodes apart where host names repeat
     (containers, network namespaces)."""
-    from ddp_amp.launch.network import route_source_address
+    from ddp_amp.network import route_source_address
 
     try:
         return route_source_address(env.master_addr, env.master_port)
@@ -171,7 +171,7 @@ def node_links(env: DistEnv, nodes: list[int], device: torch.device) -> list[dic
     return [links[pair] for pair in sorted(links)]
 
 
-def checkup(env: DistEnv, device: torch.device, precision: Precision, ready_at: float,
+def measure(env: DistEnv, device: torch.device, precision: Precision, ready_at: float,
             launch_time: float) -> dict[str, Any]:
     """Every rank's figures and the links between nodes, the same on every rank. `ready_at`: when this
     rank's process group was made."""

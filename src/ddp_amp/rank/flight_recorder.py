@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.diagnosis import DUMP_DIR
+from ddp_amp.outputs import DUMP_DIR
 
 BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
 BUFFER_SIZE = 200

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ddp_amp.dist import DistEnv, usable_cores
+from ddp_amp.dist import DistEnv
+from ddp_amp.process import usable_cores
 
 MAX_DEFAULT_WORKERS = 4
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv
-from ddp_amp.profiling import StepProfiler
 from ddp_amp.tasks import Task
+from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.step import PHASES, StepOutcome
 from ddp_amp.train.stragglers import StragglerWatch
 
@@ -106,8 +106,10 @@ class MetricsProcessor:
 
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, task: Task,
                  scaler: torch.amp.GradScaler, profiler: StepProfiler, reporter: Reporter, *, total_steps: int,
-                 start_step: int) -> None:
+                 start_step: int, time_steps: bool = False) -> None:
         self.config, self.env, self.device, self.task = config, env, device, task
+        self.time_steps = time_steps
+        """Time each optimizer step, the device synchronised first (the bench job)."""
         self.scaler, self.profiler, self.reporter = scaler, profiler, reporter
         self.micro: Any = None
         """The run's train.microbatch.MicroBatches, whose size each log record carries (None without)."""
@@ -125,7 +127,7 @@ class MetricsProcessor:
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         self.record: dict[str, Any] = {}
         self.step_s: list[float] = []
-        """Each optimizer step's duration on this rank, when config.record_step_times (bench)."""
+        """Each optimizer step's duration on this rank, with time_steps (bench)."""
         self.step_started = self.step_clock = time.perf_counter()
         self.first_step_at: float | None = None
         self.first_step_s: float | None = None
@@ -140,7 +142,7 @@ class MetricsProcessor:
         self.loss_sum += outcome.loss
         self.loss_count += outcome.micro_steps
         self.interval_steps += 1
-        if self.config.record_step_times:
+        if self.time_steps:
             self._sync()  # benchmark mode: wait for the device so each step's time is its own
             now = time.perf_counter()
             self.step_s.append(now - self.step_started)

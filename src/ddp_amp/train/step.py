@@ -125,24 +125,35 @@ class AmpStep:
 
     def _accumulate(self, batches: Iterator[Any], step: int) -> torch.Tensor:
         """Forward and backward of each of the step's batches; the sum of their losses, on the device."""
-        on_gpu, last = self.device.type != "cpu", self.grad_accum - 1
+        last = self.grad_accum - 1
         loss_sum: torch.Tensor | None = None
         for micro in range(self.grad_accum):
             self.position = (step, micro, DATA)
-            inputs, target = next(batches)
-            if on_gpu:
-                inputs, target = to_device((inputs, target), self.device)
             # Gradients are all-reduced only on the last micro-step; the others accumulate locally.
-            with contextlib.nullcontext() if micro == last else self.model.no_sync():
-                self.position = (step, micro, FORWARD)
-                with autocast(self.precision, self.device.type):
-                    loss = self.loss_fn(self.model(inputs), target)
-                self.position = (step, micro, BACKWARD)  # DDP's all-reduce runs inside the last backward
-                # Each micro-step contributes 1/K of the mean; no extra kernel when there is one micro-step.
-                self.scaler.scale(loss if self.grad_accum == 1 else loss / self.grad_accum).backward()
-            part = loss.detach().float()
+            part = self.forward_backward(next(batches), step, micro, sync=micro == last)
             loss_sum = part if loss_sum is None else loss_sum + part
         return loss_sum
+
+    def forward_backward(self, batch: Any, step: int, index: int, *, sync: bool,
+                         share: float | None = None) -> torch.Tensor:
+        """One micro-step, the body both paths share (torchtitan's forward_backward_step): the batch to the
+        device, the autocast forward and loss, the scaled backward, which all-reduces only when `sync` (else
+        under no_sync). The loss counts 1/K of the step's K batches, times `share` for a piece of a batch
+        (--micro-batch). Returns the loss, detached, fp32, on the device, unweighted."""
+        inputs, target = batch
+        if self.device.type != "cpu":
+            inputs, target = to_device((inputs, target), self.device)
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            self.position = (step, index, FORWARD)
+            with autocast(self.precision, self.device.type):
+                loss = self.loss_fn(self.model(inputs), target)
+            self.position = (step, index, BACKWARD)  # DDP's all-reduce runs inside the last backward
+            if share is not None:
+                weighted = loss * (share / self.grad_accum)
+            else:  # no extra kernel when there is one micro-step
+                weighted = loss if self.grad_accum == 1 else loss / self.grad_accum
+            self.scaler.scale(weighted).backward()
+        return loss.detach().float()
 
     def _accumulate_pieces(self, batches: list[Any], step: int) -> torch.Tensor:
         """--micro-batch: the step's batches in pieces. Under auto, a piece that does not fit on any rank
@@ -168,27 +179,20 @@ class AmpStep:
         agree after each piece. No collective runs inside any pass, so a rank that fails anywhere leaves
         nobody waiting; the caller all-reduces the gradients after. Otherwise the last backward all-reduces,
         as DDP does, and nothing is agreed on: a settled size's step costs what a step without auto does."""
-        on_gpu, last = self.device.type != "cpu", len(pieces) - 1
+        last = len(pieces) - 1
         loss_sum: torch.Tensor | None = None
-        for index, ((inputs, target), share) in enumerate(pieces):
+        for index, (batch, share) in enumerate(pieces):
             self.position = (step, index, DATA)
             failed = False
             try:
-                if on_gpu:
-                    inputs, target = to_device((inputs, target), self.device)
-                with contextlib.nullcontext() if index == last and not probe else self.model.no_sync():
-                    self.position = (step, index, FORWARD)
-                    with autocast(self.precision, self.device.type):
-                        loss = self.loss_fn(self.model(inputs), target)
-                    self.position = (step, index, BACKWARD)
-                    self.scaler.scale(loss * (share / self.grad_accum)).backward()
+                loss = self.forward_backward(batch, step, index, sync=index == last and not probe, share=share)
             except Exception as exc:
                 if not (probe and is_out_of_memory(exc)):
                     raise
                 failed = True  # the traceback, and the pass's tensors with it, go at the end of this block
             if probe and self.out_of_memory.anyone(failed):
                 return None
-            part = loss.detach().float() * share
+            part = loss * share
             loss_sum = part if loss_sum is None else loss_sum + part
         return loss_sum
 

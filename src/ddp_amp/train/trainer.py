@@ -22,8 +22,6 @@ from torch.utils.data import default_collate
 from ddp_amp.config import TrainConfig, parse_window
 from ddp_amp.dist import DistEnv
 from ddp_amp.precision import Precision, grad_scaler
-from ddp_amp.profiling import StepProfiler
-from ddp_amp.schedule import build_scheduler
 from ddp_amp.tasks import Task
 from ddp_amp.train.batch_search import largest_batch
 from ddp_amp.train.data import RankData, loader_workers
@@ -31,6 +29,8 @@ from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, wrap_ddp
+from ddp_amp.train.profiling import StepProfiler
+from ddp_amp.train.schedule import build_scheduler
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
 
@@ -41,7 +41,7 @@ class TrainResult:
     model: torch.nn.Module
     """The trained model without its DDP wrapper."""
     step_s: list[float]
-    """Each optimizer step's duration on this rank, when config.record_step_times (else empty)."""
+    """Each optimizer step's duration on this rank, with time_steps (else empty)."""
 
 
 class Checkpointer(Protocol):
@@ -62,8 +62,10 @@ def micro_batches(config: TrainConfig) -> MicroBatches | None:
 
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
-                 reporter: Reporter) -> None:
+                 reporter: Reporter, *, time_steps: bool = False) -> None:
         self.config, self.env, self.device, self.precision = config, env, device, precision
+        self.time_steps = time_steps
+        """Time every optimizer step, synchronising the device each step: the bench job."""
         self.task, self.reporter = task, reporter
         self.module = task.model.to(device)
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
@@ -166,7 +168,8 @@ class Trainer:
     def train(self) -> TrainResult:
         config = self.config
         metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
-                                   self.reporter, total_steps=self.total_steps, start_step=self.start_step)
+                                   self.reporter, total_steps=self.total_steps, start_step=self.start_step,
+                                   time_steps=self.time_steps)
         metrics.micro = self.micro
         metrics.phase_times = self.step.take_phase_times
         divergence = DivergenceWatch(config.max_nonfinite, self.device)

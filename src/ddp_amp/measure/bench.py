@@ -1,7 +1,7 @@
 """`ddp-amp bench`: the same training with AMP off and on, interleaved, per-step times from every rank.
 
 Launcher side only: each measurement is an ordinary launch (spawn or torchrun) of the common core with
-`record_step_times`, which makes every rank time each optimizer step (synchronising the device first) and
+the bench job (config.JobKind), which makes every rank time each optimizer step (synchronising the device first) and
 rank 0 write all ranks' times to step_times.json. This module turns those files into honest figures.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_amp.outputs import STEP_TIMES_FILE
+from ddp_amp.process import usable_cores
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -52,40 +53,43 @@ class Measurement:
         return statistics.median(t for times in self.step_s.values() for t in times)
 
 
+def _precision_entry(runs: list[Measurement]) -> dict[str, Any]:
+    """One precision's figures over its interleaved repeats."""
+    pooled = [t for m in runs for times in m.step_s.values() for t in times]
+    per_rank = {rank: statistics.median(t for m in runs for t in m.step_s[rank]) for rank in runs[0].step_s}
+    first = runs[0].summary
+    median = statistics.median(pooled)
+    samples_per_s = first["global_batch_size"] / median
+    entry = {
+        "step_s_median": median,
+        "step_s_p90": percentile(pooled, 90),
+        "slowest_rank_step_s_median": max(per_rank.values()),
+        "per_rank_step_s_median": {str(rank): value for rank, value in per_rank.items()},
+        "samples_per_s": samples_per_s,
+        "peak_memory_mb": max(max(m.peak_memory_mb.values()) for m in runs),  # reserved, on a GPU
+        "final_loss": statistics.median(m.summary["final_loss"] for m in runs),
+        "repeats": [{"repeat": m.repeat, "step_s_median": m.median_step_s, "final_loss": m.summary["final_loss"],
+                     "step_s": {str(rank): times for rank, times in m.step_s.items()}} for m in runs],
+    }
+    if first.get("compile_s") is not None:
+        entry["compile_s"] = statistics.median(m.summary["compile_s"] for m in runs)
+    if "subnormal_fraction" in first:  # the worst of the repeats
+        entry["subnormal_fraction"] = {part: max(m.summary["subnormal_fraction"][part] for m in runs)
+                                       for part in first["subnormal_fraction"]}
+        entry["gradient_to_weight_norm"] = min(m.summary["gradient_to_weight_norm"] for m in runs)
+        entry["flush_denormal"] = first.get("flush_denormal")
+    if first.get("tokens_per_s") is not None:
+        entry["tokens_per_s"] = samples_per_s * first["tokens_per_s"] / first["samples_per_s"]
+    return entry
+
+
 def analyse(measurements: list[Measurement]) -> dict[str, Any]:
     """Per precision: step-time median/p90 over all ranks' steps, the slowest rank's median, throughput, peak
     memory, final loss; then the speedup of the AMP precision over fp32 per interleaved repeat."""
     by_precision: dict[str, list[Measurement]] = {}
     for m in measurements:
         by_precision.setdefault(m.precision, []).append(m)
-    results: dict[str, Any] = {}
-    for precision, runs in by_precision.items():
-        pooled = [t for m in runs for times in m.step_s.values() for t in times]
-        per_rank = {rank: statistics.median(t for m in runs for t in m.step_s[rank]) for rank in runs[0].step_s}
-        first = runs[0].summary
-        median = statistics.median(pooled)
-        samples_per_s = first["global_batch_size"] / median
-        entry = {
-            "step_s_median": median,
-            "step_s_p90": percentile(pooled, 90),
-            "slowest_rank_step_s_median": max(per_rank.values()),
-            "per_rank_step_s_median": {str(rank): value for rank, value in per_rank.items()},
-            "samples_per_s": samples_per_s,
-            "peak_memory_mb": max(max(m.peak_memory_mb.values()) for m in runs),  # reserved, on a GPU
-            "final_loss": statistics.median(m.summary["final_loss"] for m in runs),
-            "repeats": [{"repeat": m.repeat, "step_s_median": m.median_step_s, "final_loss": m.summary["final_loss"],
-                         "step_s": {str(rank): times for rank, times in m.step_s.items()}} for m in runs],
-        }
-        if first.get("compile_s") is not None:
-            entry["compile_s"] = statistics.median(m.summary["compile_s"] for m in runs)
-        if "subnormal_fraction" in first:  # the worst of the repeats
-            entry["subnormal_fraction"] = {part: max(m.summary["subnormal_fraction"][part] for m in runs)
-                                           for part in first["subnormal_fraction"]}
-            entry["gradient_to_weight_norm"] = min(m.summary["gradient_to_weight_norm"] for m in runs)
-            entry["flush_denormal"] = first.get("flush_denormal")
-        if first.get("tokens_per_s") is not None:
-            entry["tokens_per_s"] = samples_per_s * first["tokens_per_s"] / first["samples_per_s"]
-        results[precision] = entry
+    results = {precision: _precision_entry(runs) for precision, runs in by_precision.items()}
     report: dict[str, Any] = {"precisions": results}
     # Variants are "fp32", "bf16"... and, with --compile, "fp32+compile"...: AMP is compared within eager runs
     # (or within compiled ones when there are no eager runs), compilation within each precision.
@@ -146,17 +150,12 @@ def numerics_notes(report: dict[str, Any]) -> list[str]:
 CPU_FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
-def cpu_flags() -> list[str]:
-    """The CPU features that decide bf16/fp16 matmul speed, as /proc/cpuinfo lists them."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    present = set(line.split(":", 1)[1].split())
-                    return [flag for flag in CPU_FLAGS_THAT_MATTER if flag in present]
-    except OSError:
-        pass
-    return []
+def flags_that_matter() -> list[str]:
+    """The CPU features that decide bf16/fp16 matmul speed, of those this CPU has."""
+    from ddp_amp.precision import cpu_flags
+
+    present = cpu_flags()
+    return [flag for flag in CPU_FLAGS_THAT_MATTER if flag in present]
 
 
 def cpu_name() -> str:
@@ -182,8 +181,8 @@ def environment(device_type: str, nproc: int, summary: dict[str, Any], tf32: boo
         "threads_per_rank": summary.get("threads_per_rank"),
         "cpu": cpu_name(),
         "cpu_native_bf16": cpu_has_native_bf16(),
-        "cpu_flags": cpu_flags(),
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_flags": flags_that_matter(),
+        "cores": usable_cores(),
     }
     if device_type == "cuda":
         env["device"] = torch.cuda.get_device_name(0)
@@ -201,7 +200,6 @@ def environment_report() -> dict[str, Any]:
     import torch.distributed as dist
 
     from ddp_amp import __version__
-    from ddp_amp.dist import usable_cores
     from ddp_amp.precision import cpu_has_fast_bf16, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -297,8 +295,8 @@ class BenchOptions:
 def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: int, run_root: Path,
               status=print) -> dict[str, Any]:
     """Launch every (repeat, precision) once, interleaved off, on, off, on..., and analyse the step times."""
-    from ddp_amp.gpu_peaks import mfu
-    from ddp_amp.launch.quiet import launch_quietly
+    from ddp_amp.launch.session import launch_quietly
+    from ddp_amp.measure.gpu_peaks import mfu
 
     measurements, notes, summary, plan = [], [], None, None
     total = options.repeats * len(options.variants)
@@ -309,8 +307,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
             if mode == "off":
                 run_options["dtype"] = "auto"
             run_dir = run_root / f"{mode}{'-compile' if compiled else ''}-{repeat}"
-            plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher,
-                                  extra={"record_step_times": True})
+            plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher, kind="bench")
             if plan.precision.warning and plan.precision.warning not in notes:
                 notes.append(plan.precision.warning)
             label = plan.precision.name + (COMPILED if compiled else "")

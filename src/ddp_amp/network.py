@@ -1,4 +1,5 @@
-"""Addresses for multi-node launches: endpoint parsing, "is this endpoint me?", the route to it, reachability.
+"""Addresses, for the launchers and the ranks alike (a leaf, torch-free): endpoint parsing, loopback or not,
+"is this endpoint me?", the route to it, reachability.
 
 In two network namespaces (10.x addresses over a veth pair) torchrun's own guesses failed: the endpoint's node
 did not recognise the address as its own, and workers advertised a hostname the other node could not reach.
@@ -73,6 +74,22 @@ def resolve(endpoint: Endpoint, flag: str = "--endpoint") -> list[str]:
 
 def _family(address: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
+def is_loopback(address: str, *, resolve: bool = False) -> bool:
+    """Whether `address` is this machine's loopback: an IP literal (an IPv6 zone ignored) or "localhost". With
+    `resolve`, a host name counts by what it resolves to here (as --local-addr may be one); without, any other
+    name is not loopback (a rank deciding where to serve its store resolves nothing)."""
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    if not resolve:
+        return address == "localhost"
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except OSError:
+        return False
 
 
 def is_local_address(address: str) -> bool:

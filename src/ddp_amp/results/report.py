@@ -201,7 +201,7 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
     """The runs table's headers, and one row of cells per run (rich Text or str)."""
     from rich.text import Text
 
-    from ddp_amp.runs import curve
+    from ddp_amp.results.runs import curve
 
     compare = len(runs) > 1
     headers = ["run", "state", "precision", "world", "steps", "samples/s", *(("vs first",) if compare else ()),
@@ -241,7 +241,7 @@ def runs_table(runs: list, width: int | None = None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from ddp_amp.runs import config_differences
+    from ddp_amp.results.runs import config_differences
 
     headers, rows = _run_rows(runs)
     table = Table(title="ddp-amp runs", title_justify="left")
@@ -288,7 +288,7 @@ def runs_plot(runs: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ddp_amp.runs import curve
+    from ddp_amp.results.runs import curve
 
     panels = (("loss", "loss", True), ("lr", "learning rate", False), ("samples_per_s", "samples/s (global)", False))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.bench import BenchOptions, environment
+from ddp_amp.measure.bench import BenchOptions, environment
 
 
 def host_memory_share_gib(nproc: int) -> float:
@@ -22,7 +22,7 @@ def run_max_batch(train_options: dict[str, Any], options: BenchOptions, *, nproc
                   status=print) -> dict[str, Any]:
     """bench --max-batch: per precision (fp32 and the AMP dtype) one launch that searches the largest per-rank
     batch that trains (train.batch_search), and the throughput at it."""
-    from ddp_amp.launch.quiet import launch_quietly
+    from ddp_amp.launch.session import launch_quietly
     from ddp_amp.train.batch_search import TRIAL_STEPS
 
     results: dict[str, Any] = {}
@@ -32,8 +32,7 @@ def run_max_batch(train_options: dict[str, Any], options: BenchOptions, *, nproc
         if mode == "off":
             run_options["dtype"] = "auto"
         run_dir = run_root / f"max-batch-{mode}"
-        plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher,
-                              extra={"max_batch_search": True})
+        plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher, kind="max-batch")
         summary = json.loads((run_dir / "summary.json").read_text())
         found = summary["max_batch_search"]
         results[summary["precision"]] = {**found, "peak_memory_mb": summary["peak_memory_mb"]}

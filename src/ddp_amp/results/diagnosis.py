@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DUMP_DIR = "flight_recorder"  # rank.flight_recorder.DUMP_DIR, without importing torch
+from ddp_amp.outputs import DUMP_DIR
+
 DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                "Byte": 1, "Bool": 1}
 TRAINING_GROUP = "default_pg"

@@ -1,0 +1,86 @@
+"""bench: what mixed precision (or torch.compile) buys, or with --max-batch how far the batch grows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from ddp_amp.commands.options import Launcher, RunDir, check_json_path, check_plot_path, with_training_options
+from ddp_amp.errors import UsageError
+
+
+@with_training_options(task="mlp-wide")
+def bench(
+    train: dict,
+    amp: Annotated[Literal["both", "on", "off"],
+                   typer.Option("--amp", help="both (off and on, interleaved), on or off.")] = "both",
+    compile: Annotated[Literal["off", "on", "both"], typer.Option(
+        "--compile", help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps before the timed --steps.")] = 10,
+    repeats: Annotated[int, typer.Option("--repeats", help="Interleaved repeats of each precision.")] = 2,
+    nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
+                                              "GPU with CUDA, 2 on CPU].")] = None,
+    launcher: Launcher = "spawn",
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw figure to this file.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
+    max_batch: Annotated[bool, typer.Option("--max-batch", help="Instead of timing: per precision, the largest "
+                                            "per-rank batch that trains (under --max-memory, or the device's "
+                                            "memory) and the throughput at it.")] = False,
+    run_dir: RunDir = None,
+) -> None:
+    """Measure what mixed precision (or torch.compile) buys: the same training off and on, interleaved."""
+    from ddp_amp.measure.bench import DEFAULT_STEPS, BenchOptions
+
+    steps = train.pop("steps")
+    options = BenchOptions(amp=amp, steps=DEFAULT_STEPS if steps is None else steps, warmup=warmup,
+                           repeats=repeats, launcher=launcher, compile=compile)
+    if train["epochs"] is not None:
+        raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
+    check_json_path(json_path)
+    check_plot_path(plot)
+    if max_batch and compile != "off":
+        raise UsageError("--max-batch searches eager runs; drop --compile")
+    report = _measure(train, options, nproc=nproc, run_dir=run_dir, max_batch=max_batch)
+    from rich.console import Console
+
+    from ddp_amp.results.report import bench_plot, bench_table, max_batch_plot, max_batch_table
+
+    Console().print(max_batch_table(report) if max_batch else bench_table(report))
+    if json_path is not None:
+        from ddp_amp.outputs import write_json
+
+        write_json(json_path, report)
+        typer.echo(f"ddp-amp: wrote {json_path}", err=True)
+    if plot is not None:
+        (max_batch_plot if max_batch else bench_plot)(report, plot)
+        typer.echo(f"ddp-amp: wrote {plot}", err=True)
+
+
+def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, max_batch: bool) -> dict:
+    """Every flag checked before anything is created; then the interleaved launches (measure.bench) or the
+    batch search (measure.max_batch)."""
+    import torch
+
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.launch.preflight import RUNS_ROOT, default_run_dir
+
+    cuda = train["device"] != "cpu" and torch.cuda.is_available()
+    if nproc is None:
+        nproc = torch.cuda.device_count() if cuda else 2
+    TrainConfig(**train, steps=options.warmup + options.steps)
+    root = Path(run_dir) if run_dir else RUNS_ROOT / f"bench-{default_run_dir().name}"
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--run-dir {str(root)!r} is an existing file, not a directory")
+    status = lambda line: typer.echo(line, err=True)  # noqa: E731
+    if not max_batch:
+        from ddp_amp.measure.bench import run_bench
+
+        return run_bench(train, options, nproc=nproc, run_root=root, status=status)
+    from ddp_amp.measure.max_batch import host_memory_share_gib, run_max_batch
+
+    if train["max_memory"] is None and train["device"] != "cuda" and not cuda:
+        # CPU ranks: a cap the allocator fails at cleanly, before the kernel's OOM killer would
+        train["max_memory"] = round(host_memory_share_gib(nproc), 2)
+    return run_max_batch(train, options, nproc=nproc, run_root=root, status=status)

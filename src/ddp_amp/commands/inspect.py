@@ -1,0 +1,83 @@
+"""show, diagnose and env: what a run left behind, where its ranks parted, and what this machine offers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ddp_amp.commands.options import check_plot_path
+from ddp_amp.errors import UsageError
+
+
+def show(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to show and compare.", show_default=False)],
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw loss, LR and throughput against step for every "
+                                              "run to this PNG (needs matplotlib).")] = None,
+) -> None:
+    """Show runs side by side: summary, loss curve, and what differs between them."""
+    from ddp_amp.results.runs import load_run
+
+    runs = [load_run(path) for path in run_dirs]  # every path checked before anything is shown
+    check_plot_path(plot)
+    from rich.console import Console
+
+    from ddp_amp.results.report import runs_table
+
+    console = Console()
+    console.print(runs_table(runs, width=console.width))
+    if plot is not None:
+        from ddp_amp.results.report import runs_plot
+
+        runs_plot(runs, plot)
+        typer.echo(f"ddp-amp: wrote {plot}", err=True)
+
+
+def diagnose(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory whose ranks wrote flight records.",
+                                            show_default=False)],
+    last: Annotated[int, typer.Option("--last", help="Collectives per rank in the timeline.")] = 8,
+) -> None:
+    """Where the ranks of a failed or hung run parted, from their flight records.
+
+    The collective a rank never entered (or a mismatch), then each rank's last collectives."""
+    from ddp_amp.results.diagnosis import DUMP_DIR, read_dumps, timeline, where_ranks_parted
+
+    if last < 1:
+        raise UsageError(f"--last must be >= 1, got {last}")
+    dumps = read_dumps(run_dir)
+    if not dumps:
+        raise UsageError(f"diagnose: {str(run_dir)!r} has no flight records ({DUMP_DIR}/rank<N>.json): the ranks "
+                         "write them when a run fails or stalls")
+    typer.echo(where_ranks_parted(dumps).line)
+    for line in timeline(dumps, last):
+        typer.echo(line)
+
+
+def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON object, for bug reports.")] = False) -> None:
+    """Show what ddp-amp sees: torch, backends, devices, CPU bf16 support, cores and threads."""
+    from ddp_amp.measure.bench import environment_report
+
+    report = environment_report()
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(report, indent=2))
+        return
+    typer.echo(f"ddp-amp {report['ddp_amp']}, torch {report['torch']} (CUDA {report['cuda'] or 'none'}, "
+               f"NCCL {report['nccl'] or 'none'}), Python {report['python']}")
+    backends = ", ".join(name for name, available in report["backends"].items() if available)
+    typer.echo(f"backends: {backends or 'none'}")
+    threads = report["threads"]
+    typer.echo(f"cores {report['cores']}, torch threads {threads['torch']} (OMP_NUM_THREADS "
+               f"{threads['OMP_NUM_THREADS'] or 'unset'}), CPU native bf16: "
+               f"{'yes' if report['cpu_native_bf16'] else 'no (emulated)'}, AMX: "
+               f"{'yes' if report['cpu_fast_bf16'] else 'no'}")
+    for device, choice in report["amp_auto"].items():
+        typer.echo(f"--amp auto on {device}: {choice['precision']} ({choice['reason']})")
+    typer.echo(f"CUDA devices: {len(report['gpus'])}")
+    for gpu in report["gpus"]:
+        native = "native" if gpu["native_bf16"] else "no (emulated; --amp auto uses fp16)"
+        typer.echo(f"  cuda:{gpu['index']} {gpu['name']} (compute capability {gpu['compute_capability']}, "
+                   f"{gpu['memory_gib']:.1f} GiB) bf16: {native}")

@@ -1,0 +1,231 @@
+"""spawn, run and multinode (and multinode --emit-slurm): parse, build the launch, run it with progress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ddp_amp.commands.options import (
+    TRAINING_OPTIONS,
+    DryRun,
+    Endpoint,
+    Ifname,
+    IsHost,
+    LocalAddr,
+    MaxRestarts,
+    MonitorInterval,
+    NprocPerNode,
+    RdzvId,
+    RdzvTimeout,
+    check_rendezvous_timeout,
+    config_toml,
+    with_config_file,
+    with_output_options,
+    with_training_options,
+)
+from ddp_amp.errors import UsageError
+
+
+@with_config_file
+@with_training_options
+@with_output_options
+def spawn(
+    train: dict,
+    output: dict,
+    resolved: dict,
+    nproc: Annotated[int, typer.Option("--gpus", "--nproc", "-n",
+                                       help="Ranks to start: one per GPU with CUDA, CPU processes otherwise.")] = 1,
+) -> None:
+    """Launch N ranks on this machine with torch.multiprocessing."""
+    from ddp_amp.launch.preflight import preflight
+    from ddp_amp.launch.session import Launch, warm_start
+
+    config = warm_start(train, start_ranks_soon=nproc >= 1)
+    plan = preflight(config, nproc_per_node=nproc, flag="--gpus", overwrite=output["overwrite"],
+                     run_dir=output["run_dir"])
+    launch_training(Launch(plan, nproc), output, resolved)
+
+
+@with_config_file
+@with_training_options
+@with_output_options
+def run(
+    train: dict,
+    output: dict,
+    resolved: dict,
+    nproc_per_node: NprocPerNode = "1",
+    max_restarts: MaxRestarts = 0,
+    monitor_interval: MonitorInterval = 0.1,
+    dry_run: DryRun = False,
+) -> None:
+    """Launch N ranks on this machine through torchrun (standalone rendezvous on loopback)."""
+    from ddp_amp.launch import torchrun
+    from ddp_amp.launch.preflight import preflight
+    from ddp_amp.launch.session import Launch, warm_start
+
+    check_torchrun_numbers(max_restarts, monitor_interval)
+    config = warm_start(train, start_ranks_soon=not dry_run)
+    nproc = torchrun.parse_nproc(nproc_per_node)
+    plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
+                     run_dir=output["run_dir"])
+    if dry_run:
+        job = torchrun.standalone_job(nproc_per_node=nproc, max_restarts=max_restarts,
+                                      monitor_interval=monitor_interval, device_type=plan.device_type)
+        typer.echo(job.torchrun_command(plan.config_path).shell())
+        return
+    launch_training(Launch.standalone(plan, nproc, max_restarts=max_restarts, monitor_interval=monitor_interval),
+                    output, resolved)
+
+
+@with_config_file
+@with_training_options
+@with_output_options
+def multinode(
+    train: dict,
+    output: dict,
+    resolved: dict,
+    nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic range.")],
+    endpoint: Endpoint,
+    nproc_per_node: NprocPerNode = "1",
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This node's rank (optional with c10d).")] = None,
+    rdzv_id: RdzvId = None,
+    max_restarts: MaxRestarts = 0,
+    monitor_interval: MonitorInterval = 0.1,
+    rdzv_timeout: RdzvTimeout = 600.0,
+    rdzv_last_call: Annotated[int, typer.Option("--rdzv-last-call", help="With --nnodes MIN:MAX: seconds to wait "
+                                                "for more nodes once MIN have joined (torchrun's default).")] = 30,
+    is_host: IsHost = None,
+    local_addr: LocalAddr = None,
+    ifname: Ifname = None,
+    requeue_signal: Annotated[str, typer.Option("--requeue-signal", help="With --emit-slurm: the signal Slurm sends "
+                                                "before the time limit (USR1, USR2 or TERM); the job stops at one "
+                                                "step, checkpoints and requeues itself.")] = "USR1",
+    emit_slurm: Annotated[Path | None, typer.Option("--emit-slurm", help="Write an sbatch script running this "
+                                                    "on every node of an allocation, and exit.")] = None,
+    dry_run: DryRun = False,
+) -> None:
+    """Launch this node's ranks through torchrun with c10d rendezvous across machines."""
+    from ddp_amp import network
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.launch import torchrun
+
+    check_torchrun_numbers(max_restarts, monitor_interval)
+    nodes = torchrun.parse_nnodes(nnodes)
+    if node_rank is not None and not 0 <= node_rank < nodes.max:
+        raise UsageError(f"--node-rank must be in 0..{nodes.max - 1} for --nnodes {nodes}, got {node_rank}")
+    check_rendezvous_timeout(rdzv_timeout)
+    if rdzv_last_call < 1:
+        raise UsageError(f"--rdzv-last-call must be >= 1 second, got {rdzv_last_call}")
+    where = network.parse_endpoint(endpoint)
+    TrainConfig(**train)  # every cheap check before the network ones, which can wait up to --rdzv-timeout
+    rendezvous = {"rdzv_timeout": rdzv_timeout, "rdzv_last_call": rdzv_last_call,
+                  "monitor_interval": monitor_interval, "max_restarts": max_restarts}
+    if emit_slurm is not None:
+        emit_slurm_script(emit_slurm, train, output, nodes, where, nproc_per_node=nproc_per_node, ifname=ifname,
+                          requeue_signal=requeue_signal, **rendezvous)
+        return
+    _launch_node(train, output, resolved, nodes, where, nproc_per_node, dry_run=dry_run, rdzv_id=rdzv_id,
+                 node_rank=node_rank, network_options={"is_host": is_host, "local_addr": local_addr,
+                                                       "ifname": ifname}, **rendezvous)
+
+
+def _launch_node(train: dict, output: dict, resolved: dict, nodes, where, nproc_per_node: str, *, dry_run: bool,
+                 rdzv_id: str | None, node_rank: int | None, network_options: dict[str, Any],
+                 **rendezvous: Any) -> None:
+    """multinode: this node's network found, its ranks' plan, and its share of the job launched."""
+    from ddp_amp.launch import torchrun
+    from ddp_amp.launch.preflight import preflight
+    from ddp_amp.launch.session import Launch, warm_start
+
+    config = warm_start(train, start_ranks_soon=not dry_run)
+    nproc = torchrun.parse_nproc(nproc_per_node)
+    net = torchrun.detect_node_network(where, rdzv_timeout=rendezvous["rdzv_timeout"], check_reachable=not dry_run,
+                                       **network_options)
+    job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, training_args(train))
+    plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
+                     run_dir=output["run_dir"], lock_run_dir=False,
+                     world_size=nodes.min * nproc if nodes.min == nodes.max else None,
+                     extra={"elastic": nodes.min != nodes.max, "job_id": job_id})
+    job = torchrun.node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id,
+                            **rendezvous)(plan.device_type)
+    if net.note:
+        typer.echo(f"ddp-amp: {net.note}", err=True)
+    if dry_run:
+        typer.echo(job.torchrun_command(plan.config_path).shell())
+        typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
+                   f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
+        return
+    launch_training(Launch(plan, nproc, job=job), output, resolved)
+
+
+def launch_training(launch, output: dict, resolved: dict) -> None:
+    """A training launch with its progress shown; config.toml first (the options as given and resolved:
+    `--config RUN_DIR/config.toml` repeats the run), the profile's top operators last."""
+    from ddp_amp.files import atomic_write
+    from ddp_amp.launch.session import run_launch
+    from ddp_amp.outputs import read_summary
+    from ddp_amp.progress.display import make_display
+
+    config = launch.plan.config
+    atomic_write(launch.plan.config_path.parent / "config.toml", config_toml(resolved).encode())
+    run_launch(launch, make_display(output["log_format"], quiet=output["quiet"]))
+    if config.profile and not output["quiet"]:
+        if profile := read_summary(Path(config.run_dir)).get("profile"):
+            from rich.console import Console
+
+            from ddp_amp.results.report import profile_table
+
+            Console(stderr=output["log_format"] == "json").print(profile_table(profile))
+
+
+def emit_slurm_script(path: Path, train: dict, output: dict, nodes, where, *, nproc_per_node: str,
+                      rdzv_timeout: float, rdzv_last_call: int, monitor_interval: float, max_restarts: int,
+                      ifname: str | None, requeue_signal: str) -> None:
+    """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation."""
+    from ddp_amp.launch import torchrun
+
+    if requeue_signal not in torchrun.REQUEUE_SIGNALS:
+        raise UsageError(f"--requeue-signal must be one of {', '.join(torchrun.REQUEUE_SIGNALS)}, got "
+                         f"{requeue_signal!r}")
+    if nproc_per_node not in ("gpu", "cpu", "auto"):
+        torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
+    # What every node shares; per-node values (--local-addr, --is-host, --node-rank) are found on each node.
+    args = ["--nproc-per-node", nproc_per_node, *training_args(train), "--rdzv-timeout", f"{rdzv_timeout:g}",
+            *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max else []),
+            "--monitor-interval", f"{monitor_interval:g}", "--log-format", output["log_format"]]
+    if max_restarts:
+        args += ["--max-restarts", str(max_restarts)]
+    if ifname:
+        args += ["--ifname", ifname]
+    gpus = int(nproc_per_node) if nproc_per_node.isdigit() and train["device"] != "cpu" else None
+    script = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"],
+                                   requeue_signal=requeue_signal)
+    write_new_file(path, script, "--emit-slurm")
+    typer.echo(f"ddp-amp: wrote {path}; submit it with sbatch {path}")
+
+
+def check_torchrun_numbers(max_restarts: int, monitor_interval: float) -> None:
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if not monitor_interval > 0:
+        raise UsageError(f"--monitor-interval must be > 0 seconds, got {monitor_interval:g}")
+
+
+def training_args(train: dict) -> list[str]:
+    """The training options that differ from their defaults, as flags: the same on every node."""
+    args = []
+    for name, value in train.items():
+        if value != TRAINING_OPTIONS[name][0]:
+            flag = name.replace("_", "-")
+            args += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    return args
+
+
+def write_new_file(path: Path, text: str, flag: str) -> None:
+    if path.exists():
+        raise UsageError(f"{flag} {str(path)!r} already exists; remove it or choose another name")
+    from ddp_amp.files import atomic_write
+
+    atomic_write(path, text.encode())

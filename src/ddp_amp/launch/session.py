@@ -1,0 +1,229 @@
+"""One launch, from warm start to verdict, the same for every command that starts ranks.
+
+    warm_start(train)  the cheap checks (nothing started if a flag is wrong), then the fork server
+    preflight(...)     the expensive checks, the run directory, config.json (launch.preflight)
+    Launch.spawn / Launch.standalone / Launch.node    how the ranks start: spawn, or torchrun's agent
+    run_launch(launch, display)    the ranks under a progress session, then the verdict: the outcome, the
+                       stop report, the failure explained (stalls, flight records), the recovery line
+
+Training (spawn, run, multinode) shows its progress; the commands that measure (bench, bench --max-batch,
+doctor) run the same launch quietly and read the run directory afterwards. Status lines go to stderr: stdout
+carries the progress itself (JSON lines with --log-format json). No typer, no rich here.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.config import JobKind, TrainConfig
+from ddp_amp.errors import RunFailed
+from ddp_amp.launch.preflight import LaunchPlan
+from ddp_amp.launch.torchrun import ElasticJob
+from ddp_amp.outputs import failure_of, read_summary
+from ddp_amp.process import stop_signals_raise
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def warm_start(train: dict[str, Any], *, start_ranks_soon: bool = True) -> TrainConfig:
+    """The cheap checks first, so a bad flag starts nothing; then the fork server, which imports torch for the
+    ranks while this process imports it for the checks that follow (the two imports overlap)."""
+    from ddp_amp.tasks import precheck_task
+
+    config = TrainConfig(**train)
+    precheck_task(config.task)
+    if start_ranks_soon:
+        from ddp_amp.launch.forkserver import start_forkserver
+
+        start_forkserver()
+    return config
+
+
+@dataclass
+class Launch:
+    """A prepared launch: its plan (the config in its run directory), its ranks on this node, what they do, and
+    how they start: spawn (no `job`) or torchrun's agent running `job`."""
+
+    plan: LaunchPlan
+    nproc: int
+    kind: JobKind = "train"
+    job: ElasticJob | None = None
+    store: Any = field(default=None, repr=False)
+    """The rendezvous store this launcher serves on loopback for a standalone job, alive as long as the launch."""
+
+    @property
+    def agent_log(self) -> Path:
+        return self.plan.config_path.parent / "logs" / "agent.log"
+
+    @classmethod
+    def standalone(cls, plan: LaunchPlan, nproc: int, *, max_restarts: int = 0, monitor_interval: float = 0.1,
+                   kind: JobKind = "train") -> Launch:
+        """torchrun's agent on one node, its rendezvous store served by this launcher on loopback only."""
+        from ddp_amp.dist import loopback_store
+        from ddp_amp.launch import torchrun
+
+        store = loopback_store(timeout_s=plan.config.timeout)
+        job = torchrun.standalone_job(nproc_per_node=nproc, max_restarts=max_restarts,
+                                      monitor_interval=monitor_interval, device_type=plan.device_type,
+                                      store_port=store.port)
+        return cls(plan, nproc, kind, job, store)
+
+    def start(self, session) -> None:
+        """The ranks, to completion, under `session` (a progress.session.ProgressSession)."""
+        config = self.plan.config
+        if self.job is None:
+            from ddp_amp.launch.spawn import spawn
+
+            spawn(config, self.nproc, extra_env=session.environment(), kind=self.kind)
+            return
+        from ddp_amp.launch.agent import run_agent
+
+        run_agent(self.job, self.plan.config_path, session.environment(), self.agent_log,
+                  rank_pids=session.rank_pids, stop_timeout=config.stop_timeout, kind=self.kind)
+
+
+def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
+    """Start the ranks while a progress session renders their events to `display`; then the verdict, raised as
+    RunFailed when the run did not finish. `announce`: the start line first, and a recovery line after a run
+    that torchrun restarted (the training commands; the measuring ones are quiet)."""
+    from ddp_amp.progress.session import ProgressSession
+
+    plan, config = launch.plan, launch.plan.config
+    if announce:
+        _announce(launch)
+    session = ProgressSession(display, plan.config_path.parent)
+    try:
+        with session, stop_signals_raise():
+            launch.start(session)
+    except RunFailed as exc:
+        if session.failure_shown():
+            exc.details = ""  # the display has shown the failing rank's traceback already
+        if exc.exit_code <= 128:
+            # One node's records only under multinode (the others are on their hosts): no "left no record" there.
+            world = None if config.job_id else launch.nproc
+            raise explained_failure(exc, session, config, world) from None
+        # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
+        # finished before the stop took effect.
+        report_stop(Path(config.run_dir), config, signalled=str(exc), exit_code=exc.exit_code)
+    check_outcome(Path(config.run_dir), config)
+    if announce and launch.job is not None:
+        report_recovery(config, launch.agent_log, display.model)
+
+
+def _announce(launch: Launch) -> None:
+    plan, config = launch.plan, launch.plan.config
+    if launch.job is not None:
+        say(f"ddp-amp: torchrun's agent in-process, as {launch.job.torchrun_command(plan.config_path).shell()}")
+    tf32 = f", tf32 {config.tf32}" if config.tf32 and plan.device_type == "cuda" else ""
+    why = f" (--amp {config.amp}: {plan.precision.reason})" if plan.precision.reason else ""
+    say(f"ddp-amp: {launch.nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}{why}{tf32}, "
+        f"task {config.task}, run dir {config.run_dir}")
+    if plan.precision.warning:
+        say(f"ddp-amp: warning: {plan.precision.warning}")
+
+
+def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = None, exit_code: int = 1) -> None:
+    """After a stop signal (to this launcher, `signalled`, or to a rank alone): one line saying at which step
+    the ranks stopped and where their work is, raised with exit code 128 + the signal's number. A run that
+    had already finished (model.pt written) when the stop took effect returns instead: exit 0."""
+    summary = read_summary(run_dir)
+    name = summary.get("stopped_by") or (signalled or "").removeprefix("stopped by ")
+    if summary.get("model_path") and "stopped_at_step" not in summary:
+        say(f"ddp-amp: {name} came after the run had finished; {summary['model_path']} is written")
+        return
+    step = summary.get("stopped_at_step")
+    if step is None:
+        raise RunFailed(f"{signalled}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and "
+                        "were killed; nothing of this run kept", exit_code=exit_code)
+    if name in signals.Signals.__members__:
+        exit_code = 128 + signals.Signals[name].value
+    if summary.get("checkpoint"):
+        raise RunFailed(f"stopped by {name} at step {step}; checkpoint {summary['checkpoint']} (continue with "
+                        f"--resume auto --run-dir {run_dir})", exit_code=exit_code)
+    raise RunFailed(f"stopped by {name} at step {step}; no checkpoint kept", exit_code=exit_code)
+
+
+def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: int | None) -> RunFailed:
+    """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
+    out waiting, and the cause is the one it waited for), and where the ranks' flight records say they parted."""
+    from ddp_amp.results.diagnosis import DUMP_DIR, read_dumps, where_ranks_parted
+
+    run_dir = Path(config.run_dir)
+    parting = where_ranks_parted(read_dumps(run_dir), world_size)
+    collectives = (f"; {parting.line} (flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose {run_dir})"
+                   if parting is not None else "")
+    if parting is not None and parting.mismatch:
+        return RunFailed(f"{parting.line} ({exc}; flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose "
+                         f"{run_dir})", exit_code=exc.exit_code, details=exc.details)
+    if (stalled := session.stalled()) and exc.exit_code == 1:
+        first = stalled[0]
+        ranks = ", ".join(str(state.rank) for state in stalled)
+        return RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "
+                         f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc}){collectives}",
+                         exit_code=exc.exit_code, details=exc.details)
+    if collectives and "Timed out" in str(exc):
+        return RunFailed(f"{exc}{collectives}", exit_code=exc.exit_code, details=exc.details)
+    return exc
+
+
+def check_outcome(run_dir: Path, config: TrainConfig) -> None:
+    """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
+    summary = read_summary(run_dir)
+    if "stopped_at_step" in summary:  # a stop signal reached a rank, not this launcher
+        report_stop(run_dir, config)
+    if summary and (failure := failure_of(summary, run_dir)):
+        raise RunFailed(failure)
+
+
+def report_recovery(config: TrainConfig, log_path: Path, model) -> None:
+    """A run that torchrun restarted and that then succeeded ends with one line saying what it recovered from."""
+    from ddp_amp.launch import torchrun
+
+    summary = read_summary(config.run_dir)
+    if not summary.get("restarts"):
+        return
+    restarts = summary["restarts"]
+    line = f"ddp-amp: recovered after {restarts} restart{'s' if restarts > 1 else ''}"
+    causes = torchrun.restart_causes(log_path.read_text(errors="replace")) if log_path.exists() else []
+    if causes:
+        local_rank, what = causes[0]
+        rank = model.ranks_before_restart.get(local_rank, local_rank)  # on another node local != global
+        step = model.steps_before_restart.get(rank)
+        line += f": rank {rank} {what}" + (f" (last seen in step {step})" if step is not None else "")
+    resumed = summary.get("resumed_from_step")
+    line += f"; resumed from step {resumed}" if resumed else "; restarted from the beginning (no checkpoint)"
+    say(line)
+
+
+def quiet_display():
+    """What the measuring commands show of their ranks: a failing rank's error only."""
+    from ddp_amp.progress.display import PlainDisplay
+
+    return PlainDisplay(sys.stderr, quiet=True, final_summary=False)
+
+
+def launch_quietly(run_options: dict[str, Any], run_dir: Path, *, nproc: int, launcher: str, kind: JobKind,
+                   multinode: tuple[int, str, Any] | None = None) -> LaunchPlan:
+    """One launch for a command that measures (bench, bench --max-batch, doctor) and reads the run directory
+    afterwards: the same launch and verdict as training, without its progress; its plan. `multinode`: (world
+    size, job id, this node's torchrun job for a device type) to run this node's ranks of a multi-node job
+    (every node runs the same command; each keeps its own run directory)."""
+    from ddp_amp.launch.preflight import preflight
+
+    config = warm_start(run_options)
+    if multinode is not None:
+        world_size, job_id, node_job = multinode
+        plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", run_dir=str(run_dir),
+                         extra={"job_id": job_id}, lock_run_dir=False, world_size=world_size)
+        launch = Launch(plan, nproc, kind, node_job(plan.device_type))
+    else:
+        plan = preflight(config, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir))
+        launch = Launch(plan, nproc, kind) if launcher == "spawn" else Launch.standalone(plan, nproc, kind=kind)
+    run_launch(launch, quiet_display(), announce=False)
+    return plan
