@@ -29,7 +29,7 @@ from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.rank import flight_recorder, setup
 from ddp_amp.rank.evaluation import evaluate_into
 from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
-from ddp_amp.rank.reporter import TensorBoardScalars, WorkerReporter
+from ddp_amp.rank.reporter import WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals, wait_for_own_stop_signal
 from ddp_amp.tasks import Task
 from ddp_amp.train.metrics import peak_memory
@@ -70,8 +70,7 @@ def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | 
         reporter.error(traceback.format_exc())
         raise
     finally:
-        if reporter.scalars is not None:
-            reporter.scalars.close()
+        reporter.scalars.close()
         if sender is not None:
             sender.close()
 
@@ -95,15 +94,15 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
     with process_group(env, device, timeout_s=config.timeout):
         env = reporter.env = settle_run_dir_writers(env, run_dir)
         if config.tensorboard and env.rank == 0:
-            reporter.scalars = TensorBoardScalars(run_dir)
+            reporter.write_tensorboard()
         precision = setup.agreed_precision(config, device)
         if job == "doctor":
             return _doctor(config, env, device, precision, ready_at=time.time())
         task = setup.build_checked_task(config, env)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
-        trainer = Trainer(config, env, device, precision, task, reporter, time_steps=job == "bench")
+        trainer = Trainer(config, env, device, precision, task, reporter, time_steps=job == "bench",
+                          stop_signal=lambda: STOP_REQUEST.signum)
         reporter.trainer = trainer
-        trainer.stop_signal = lambda: STOP_REQUEST.signum
         trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
         resumed = trainer.checkpointer.load(trainer)
         reporter.state("running")

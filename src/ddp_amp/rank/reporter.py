@@ -26,10 +26,14 @@ class WorkerReporter:
         self.item_name = "samples"
         self.items_per_sample = 1
         self.last_loss: float | None = None
-        self.scalars: TensorBoardScalars | None = None
-        """Set on global rank 0 with --tensorboard."""
+        self.scalars: TensorBoardScalars | NoScalars = NoScalars()
+        """TensorBoard scalars on global rank 0 with --tensorboard (`write_tensorboard`); a sink that keeps
+        nothing elsewhere, so no call site asks which."""
         self.trainer: Any = None
         """The rank's Trainer once built: where its loop is, for the flight record of a rank that fails."""
+
+    def write_tensorboard(self) -> None:
+        self.scalars = TensorBoardScalars(self.run_dir)
 
     def _send(self, event: dict[str, Any]) -> None:
         event = {"rank": self.env.rank, **event}
@@ -45,8 +49,7 @@ class WorkerReporter:
     def on_log(self, record: dict[str, Any]) -> None:
         if self.env.writes_run_dir:
             outputs.append_metrics(self.run_dir, {k: v for k, v in record.items() if not k.startswith("rank_")})
-        if self.scalars is not None:
-            self.scalars.write(record, self.item_name)
+        self.scalars.write(record, self.item_name)
         self.last_loss = record["rank_loss"]
         event = {"type": "log", "step": record["step"], "total_steps": record["total_steps"],
                  "epoch": record["epoch"], "loss": record["rank_loss"], "global_loss": record["loss"],
@@ -80,6 +83,16 @@ class WorkerReporter:
 
     def error(self, text: str) -> None:
         self._send({"type": "error", "traceback": text, "time": time.time()})
+
+
+class NoScalars:
+    """The scalar sink of every rank but global rank 0, and of runs without --tensorboard."""
+
+    def write(self, record: dict[str, Any], item_name: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class TensorBoardScalars:

@@ -106,14 +106,15 @@ class MetricsProcessor:
 
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, task: Task,
                  scaler: torch.amp.GradScaler, profiler: StepProfiler, reporter: Reporter, *, total_steps: int,
-                 start_step: int, time_steps: bool = False) -> None:
+                 start_step: int, time_steps: bool = False, micro: Any = None,
+                 phase_times: Callable[[], list[float]] | None = None) -> None:
         self.config, self.env, self.device, self.task = config, env, device, task
         self.time_steps = time_steps
         """Time each optimizer step, the device synchronised first (the bench job)."""
         self.scaler, self.profiler, self.reporter = scaler, profiler, reporter
-        self.micro: Any = None
+        self.micro = micro
         """The run's train.microbatch.MicroBatches, whose size each log record carries (None without)."""
-        self.phase_times: Callable[[], list[float]] = lambda: [0.0] * len(PHASES)
+        self.phase_times: Callable[[], list[float]] = phase_times or (lambda: [0.0] * len(PHASES))
         """This rank's seconds per phase since the last log (AmpStep.take_phase_times)."""
         self.stragglers = StragglerWatch(env.rank, env.world_size)
         self.total_steps, self.start_step = total_steps, start_step

@@ -62,7 +62,8 @@ def micro_batches(config: TrainConfig) -> MicroBatches | None:
 
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
-                 reporter: Reporter, *, time_steps: bool = False) -> None:
+                 reporter: Reporter, *, time_steps: bool = False,
+                 stop_signal: Callable[[], int | None] = lambda: None) -> None:
         self.config, self.env, self.device, self.precision = config, env, device, precision
         self.time_steps = time_steps
         """Time every optimizer step, synchronising the device each step: the bench job."""
@@ -90,9 +91,9 @@ class Trainer:
         self.start_step = 0
         self.skipped_steps = 0
         self.checkpointer: Checkpointer | None = None
-        self.stop_signal: Callable[[], int | None] = lambda: None
-        """This rank's stop request (a signal's number), polled every step and agreed on by all ranks a step
-        later (train.stop)."""
+        self.stop_signal = stop_signal
+        """This rank's stop request (a signal's number, rank.signals), polled every step and agreed on by all
+        ranks a step later (train.stop)."""
         self.stopped_at: int | None = None
         self.stopped_by: int | None = None
         self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
@@ -169,9 +170,8 @@ class Trainer:
         config = self.config
         metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
                                    self.reporter, total_steps=self.total_steps, start_step=self.start_step,
-                                   time_steps=self.time_steps)
-        metrics.micro = self.micro
-        metrics.phase_times = self.step.take_phase_times
+                                   time_steps=self.time_steps, micro=self.micro,
+                                   phase_times=self.step.take_phase_times)
         divergence = DivergenceWatch(config.max_nonfinite, self.device)
         stop = StopAgreement(lambda: self.stop_signal())
         diverged: dict[str, Any] | None = None
