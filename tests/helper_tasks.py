@@ -188,17 +188,17 @@ def hang_on_rank1() -> Task:
     return _regression_with(on_call)
 
 
-class _DictItems(Dataset):
+class _TripleItems(Dataset):
     def __len__(self):
         return 8
 
     def __getitem__(self, index):
-        return {"x": torch.zeros(8), "y": torch.zeros(1)}
+        return torch.zeros(8), torch.zeros(1), index
 
 
-def dict_items() -> Task:
-    """Breaks the contract: each item is a dict, not an (inputs, target) pair."""
-    return Task(model=nn.Linear(8, 1), dataset=_DictItems(), loss_fn=nn.functional.mse_loss)
+def triple_items() -> Task:
+    """Breaks the contract: each item is a triple, neither an (inputs, target) pair nor a mapping."""
+    return Task(model=nn.Linear(8, 1), dataset=_TripleItems(), loss_fn=nn.functional.mse_loss)
 
 
 class _NoisyRegression(nn.Module):

@@ -57,6 +57,9 @@ class TrainConfig:
 
     task: str = "mlp"
     """A built-in task name (linear, mlp, transformer) or `module:factory` / `path/to/file.py:factory`."""
+    task_arg: tuple[str, ...] = ()
+    """KEY=VALUE, repeatable: an argument of the --task factory, converted by its annotation (int, float, bool,
+    str, Path)."""
     device: str = "auto"
     """auto (CUDA when available, else CPU), cpu or cuda. CUDA ranks use nccl, CPU ranks gloo."""
     amp: str = "auto"
@@ -145,6 +148,14 @@ class TrainConfig:
     """Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy in or out."""
     static_graph: bool = False
     """Tell DDP the set of used parameters never changes between steps (static_graph)."""
+    find_unused_parameters: bool = False
+    """DDP's find_unused_parameters: for a model that uses only some of its parameters in a step (a branch, a
+    conditional head); it costs a traversal of the graph every step."""
+    broadcast_buffers: bool = True
+    """DDP's broadcast_buffers: rank 0's buffers (BatchNorm's running statistics) overwrite every rank's at each
+    forward; off, each rank keeps its own, and model.pt holds rank 0's either way."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (batch statistics over every rank's batch); CUDA ranks only."""
     compile: bool = False
     """torch.compile the DDP model (DDP's graph is split at its bucket boundaries, so the all-reduces still
     overlap the backward pass); the first steps pay for the compilation, reported as compile_s."""
@@ -156,6 +167,7 @@ class TrainConfig:
     RUN_DIR/tensorboard with torch.utils.tensorboard (needs the tensorboard package)."""
 
     def __post_init__(self) -> None:
+        self.task_arg = tuple(self.task_arg or ())
         problems = [*self._choice_problems(), *self._optimization_problems(), *self._length_problems(),
                     *self._memory_problems(), *self._run_problems()]
         if problems:
@@ -187,6 +199,9 @@ class TrainConfig:
                 steps = self.steps if self.steps is not None else (DEFAULT_STEPS if self.epochs is None else None)
                 if steps is not None and end > steps:
                     problems.append(f"--profile {self.profile}: the run has only {steps} steps")
+        if self.static_graph and self.find_unused_parameters:
+            problems.append("--static-graph and --find-unused-parameters are alternatives (a static graph finds "
+                            "the unused parameters once, by itself); drop one of them")
         if self.tf32 is not None and self.tf32 not in TF32_MODES:
             problems.append(f"--tf32 {self.tf32!r} is not one of {', '.join(TF32_MODES)}")
         if self.amp == "off" and self.dtype != "auto":

@@ -54,7 +54,8 @@ def field_docs(cls: type = TrainConfig) -> dict[str, str]:
     return docs
 
 
-_KINDS = {"str": str, "int": int, "float": float, "bool": bool}
+_KINDS = {"str": str, "int": int, "float": float, "bool": bool, "tuple[str,...]": list}
+"""The field types a training option may have; a tuple of strings is a repeatable flag."""
 
 
 def option_specs() -> list[OptionSpec]:
@@ -80,6 +81,9 @@ OUTPUT = "Output"
 def _typer_option(spec: OptionSpec) -> tuple[Any, Any]:
     """(default, annotation) of one training option: its type a Literal of the allowed names where there are
     some (listed by --help, completed by the shell), its help the field's docstring."""
+    if spec.kind is list:  # repeatable: --task-arg A=1 --task-arg B=2
+        return [], Annotated[list[str], typer.Option(spec.flag, metavar="KEY=VALUE", help=spec.help.replace("[", "\\["),
+                                                     rich_help_panel=TRAINING, show_default=False)]
     kind = Literal[spec.choices] if spec.choices else spec.kind
     if spec.optional:
         kind = kind | None
@@ -209,10 +213,14 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
             raise UsageError(f"--config {str(path)!r}: unknown key {key!r} (not an option of "
                              f"ddp-amp {ctx.info_name}; keys are option names with underscores)")
         is_flag = param.type_descriptor.annotation is bool
+        runtime = param.get_runtime_param()
         try:
-            if isinstance(value, bool) != is_flag or isinstance(value, (dict, list)):
+            if isinstance(value, bool) != is_flag or isinstance(value, dict):
                 raise ValueError
-            param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+            if isinstance(value, list) != bool(runtime.multiple):
+                raise ValueError
+            for item in value if isinstance(value, list) else [value]:
+                runtime.type.convert(item, runtime, ctx)
         except Exception:
             raise UsageError(f"--config {str(path)!r}: {key} = {value!r} is not a valid --{key.replace('_', '-')}")\
                 from None

@@ -219,7 +219,12 @@ def training_args(train: dict) -> list[str]:
     for name, value in train.items():
         if value != TRAINING_OPTIONS[name][0]:
             flag = name.replace("_", "-")
-            args += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+            if isinstance(value, bool):
+                args += [f"--{flag}" if value else f"--no-{flag}"]
+            elif isinstance(value, (list, tuple)):  # a repeatable option: the flag once per value
+                args += [part for item in value for part in (f"--{flag}", str(item))]
+            else:
+                args += [f"--{flag}", str(value)]
     return args
 
 

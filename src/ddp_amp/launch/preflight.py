@@ -99,6 +99,9 @@ def check_tensorboard(config: TrainConfig) -> None:
 
 def check_ddp_options(config: TrainConfig, device_type: str, precision: Precision) -> None:
     """Combinations that every rank would otherwise fail on, each with a traceback."""
+    if config.sync_batchnorm and device_type != "cuda":
+        raise UsageError("--sync-batchnorm needs CUDA ranks (nccl): torch's SyncBatchNorm refuses CPU tensors; "
+                         "drop it (each CPU rank then normalises with its own batch's statistics)")
     if config.grad_compression == "bf16" and device_type != "cuda":
         raise UsageError("--grad-compression bf16 needs CUDA ranks (nccl): torch has no bf16 all-reduce hook "
                          "for CPU ranks (gloo); use --grad-compression fp16 or none")
@@ -140,7 +143,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     check_tensorboard(config)
     from ddp_amp.tasks import resolve_factory
 
-    resolve_factory(config.task)
+    resolve_factory(config.task, config.task_arg)
     if config.resume is not None:
         config = config.replace(resume=resolve_resume(config, world_size))
     # Last, so that a rejected launch leaves nothing behind.

@@ -21,6 +21,7 @@ from ddp_amp.errors import RankSetupError
 from ddp_amp.precision import Precision, cpu_has_fast_bf16, cuda_has_native_bf16, resolve_precision
 from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
+from ddp_amp.train.data import is_iterable
 
 WEIGHTS_OVERHEAD = 1 << 20  # torch.save's framing, summary.json and metrics.jsonl, generously
 
@@ -113,28 +114,33 @@ def seed_rank_randomness(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def check_task_contract(task: Task, spec: str) -> None:
-    """The first item of the data set, checked against the Task contract on every rank: a wrong shape would
-    otherwise surface as a misleading error from deep inside the model."""
-    dataset = task.dataset
+def check_task_contract(task: Task, config: TrainConfig) -> None:
+    """The data set checked against the Task contract on every rank (its first item, where it has one to look
+    at without consuming it): a wrong shape would otherwise surface as a misleading error from deep inside the
+    model."""
+    dataset, spec = task.dataset, config.task
+    if is_iterable(dataset):
+        if config.epochs is not None and not hasattr(dataset, "__len__"):
+            raise RankSetupError(f"--task {spec}: --epochs needs a data set with a length, and this iterable "
+                                 f"({type(dataset).__name__}) has none; train it for --steps N (it stops earlier "
+                                 "if the data runs out)")
+        return  # its items are seen as they come (looking at one would consume it)
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise RankSetupError(f"--task {spec}: the dataset must be map-style (__len__ and __getitem__), got "
-                             f"{type(dataset).__name__}")
+        raise RankSetupError(f"--task {spec}: the dataset must be map-style (__len__ and __getitem__) or iterable "
+                             f"(a torch IterableDataset), got {type(dataset).__name__}")
     if len(dataset) == 0:
         raise RankSetupError(f"--task {spec}: the dataset is empty")
     item = dataset[0]
-    if isinstance(item, (tuple, list)) and len(item) == 2:
+    if isinstance(item, (tuple, list)) and len(item) == 2 or isinstance(item, Mapping):
         return
-    if isinstance(item, Mapping):
-        shape = f"a {type(item).__name__} with keys {sorted(map(str, item))}"
-    elif isinstance(item, (tuple, list)):
+    if isinstance(item, (tuple, list)):
         shape = f"a {type(item).__name__} of {len(item)} elements"
     elif isinstance(item, torch.Tensor):
         shape = f"a single tensor of shape {tuple(item.shape)}"
     else:
         shape = f"a {type(item).__name__}"
-    raise RankSetupError(f"--task {spec}: dataset items must be (inputs, target) pairs, but item 0 is {shape}; "
-                         "return a pair from __getitem__ (inputs may themselves be a dict or a tuple)")
+    raise RankSetupError(f"--task {spec}: dataset items must be (inputs, target) pairs or mappings (called as "
+                         f"model(**batch)), but item 0 is {shape}")
 
 
 def check_room_for_weights(run_dir: Path, model: torch.nn.Module) -> None:
@@ -151,8 +157,8 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
     """The task, built with identical initial weights on every rank (run after run), checked, and then the
     training randomness seeded per rank."""
     torch.manual_seed(config.seed)
-    task = build_task(config.task)
-    check_task_contract(task, config.task)
+    task = build_task(config.task, config.task_arg)
+    check_task_contract(task, config)
     if env.writes_run_dir:
         check_room_for_weights(Path(config.run_dir), task.model)
     # The randomness of training itself (dropout, augmentation) differs between ranks, or every rank would

@@ -1,24 +1,27 @@
 """Tasks: what a run trains. Built-in ones by name, or the user's own as `module:factory` / `file.py:factory`.
 
-A factory is any callable that takes no arguments and returns a `Task`. It is called on every rank after the
-global torch seed is set, so the model's initial weights are reproducible; the data set must come out the same
-on every rank (generate it from a fixed seed, or read it from disk), since the DistributedSampler shards it.
+A factory is any callable that returns a `Task`; its arguments come from `--task-arg KEY=VALUE`, converted by
+its annotations (int, float, bool, str, Path). It is called on every rank after the global torch seed is set, so
+the model's initial weights are reproducible; the data set must come out the same on every rank (generate it
+from a fixed seed, or read it from disk), since each rank takes its own share of it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
 import traceback
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import RankSetupError, UsageError
 
 BUILTIN = {
     "linear": "ddp_amp.tasks.linear:build",
@@ -32,18 +35,29 @@ BUILTIN = {
 class Task:
     """What a factory returns.
 
-    Each item of `dataset` is an `(inputs, target)` pair. Either side may be a tensor or any nesting of
-    mappings (dicts), namedtuples, lists and tuples of tensors, as the DataLoader's default collation batches
-    them; every tensor inside a batch is moved to the rank's device. `output = model(inputs)` runs under
-    autocast, and `loss_fn(output, target)` must return a scalar tensor, the mean over the batch.
+    Each item of `dataset` is either
+    - an `(inputs, target)` pair: `output = model(inputs)`, the loss `loss_fn(output, target)`; or
+    - a mapping (a Hugging Face item `{input_ids, attention_mask, labels}`): its batch is a dict, `output =
+      model(**batch)`, the loss `loss_fn(output, batch)`.
+    Without a loss_fn the loss is the output's own `loss` (attribute or key), as Hugging Face models return it
+    when the batch holds labels. Any side may be a tensor or any nesting of mappings, namedtuples, lists and
+    tuples of tensors, as `collate_fn` (default: torch's default collation) batches them; every tensor of a
+    batch is moved to the rank's device. The forward runs under autocast; the loss is a scalar tensor, the
+    mean over the batch.
     """
 
     model: Any
-    """A torch.nn.Module, on the CPU; ddp-amp moves it to the device and wraps it in DDP."""
+    """A torch.nn.Module, on the CPU; ddp-amp moves it to the device and wraps it in DDP. Parameters with
+    requires_grad=False (a frozen part) are left out of the optimizer."""
     dataset: Any
-    """A map-style torch Dataset (`__len__` and `__getitem__`), identical on every rank."""
-    loss_fn: Callable[[Any, Any], Any]
-    """`loss_fn(output, target) -> scalar tensor`."""
+    """A map-style torch Dataset (`__len__` and `__getitem__`), identical on every rank, of which each rank
+    trains its share; or an iterable one (a torch IterableDataset, a Hugging Face datasets.IterableDataset), of
+    which rank r takes items r, r + W, ... (split again across DataLoader workers), unless it is already split
+    per rank (`data_sharded`, or Hugging Face's split_dataset_by_node). When any rank's data runs out, every
+    rank stops at the same optimizer step."""
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    """`loss_fn(output, target)` for pairs, `loss_fn(output, batch)` for mappings -> scalar tensor; None: the
+    output's `loss`."""
     evaluate: Callable[..., dict[str, float]] | None = None
     """Optional: `evaluate(model, device) -> {name: value}` on rank 0 after training and after model.pt is
     saved. The model is the plain trained module, in eval mode, without autocast, still on `device` (the rank's
@@ -56,10 +70,34 @@ class Task:
     """What the throughput counts: summary.json reports `<item_name>_per_s` next to samples_per_s."""
     flops_per_item: float | None = None
     """Optional: training FLOPs (forward + backward) per item, for `ddp-amp bench`'s MFU."""
+    collate_fn: Callable[[list], Any] | None = None
+    """Makes a batch of a list of items (padding variable-length sequences, for example); None: torch's default
+    collation."""
+    data_sharded: bool = False
+    """An iterable dataset that already yields each rank only its own share: ddp-amp leaves it as it is."""
 
 
-def resolve_factory(spec: str) -> Callable[[], Task]:
-    """The factory named by `--task`, imported and checked for shape. Raises UsageError naming --task."""
+def batch_loss(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None, spec: str = "") -> Any:
+    """The loss of one batch as the Task contract says: a mapping batch is `model(**batch)` and, without a
+    loss_fn, the output's own loss; a pair is `model(inputs)` and `loss_fn(output, target)`."""
+    if isinstance(batch, Mapping):
+        output, target = model(**batch), batch
+    else:
+        inputs, target = batch
+        output = model(inputs)
+    if loss_fn is not None:
+        return loss_fn(output, target)
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise RankSetupError(f"--task {spec}: the model's output ({type(output).__name__}) has no loss (attribute "
+                             "or key) and the Task has no loss_fn: give the batch its labels (a Hugging Face model "
+                             "then returns its loss) or set Task.loss_fn")
+    return loss
+
+
+def resolve_factory(spec: str, task_args: Sequence[str] = ()) -> Callable[[], Task]:
+    """The factory named by `--task`, imported and checked for shape, its `--task-arg KEY=VALUE` arguments
+    converted and bound: a callable of no arguments. Raises UsageError naming --task or --task-arg."""
     target = BUILTIN.get(spec, spec)
     module_part, sep, attr = target.rpartition(":")
     if not sep or not module_part or not attr:
@@ -85,13 +123,75 @@ def resolve_factory(spec: str) -> Callable[[], Task]:
         raise UsageError(f"--task {spec!r}: module {module_part!r} has no attribute {attr!r}")
     if not callable(factory) or inspect.isclass(factory) and not issubclass(factory, Task):
         raise UsageError(f"--task {spec!r} is not a factory: {attr!r} must be a function returning a Task")
+    kwargs = task_arguments(factory, spec, attr, task_args)
+    return functools.partial(factory, **kwargs) if kwargs else factory
+
+
+def task_arguments(factory: Callable, spec: str, name: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """`--task-arg KEY=VALUE` pairs as the factory's keyword arguments, each value converted by the parameter's
+    annotation (int, float, bool, str, Path, or one of them | None; unannotated: its default's type, else str).
+    An unknown key, a value that does not convert, or a required parameter not given is a UsageError."""
     try:
-        inspect.signature(factory).bind()
-    except TypeError:
-        raise UsageError(f"--task {spec!r} is not a factory: {attr!r} must be callable with no arguments") from None
-    except ValueError:
-        pass  # some builtins have no inspectable signature; the call itself will tell
-    return factory
+        signature = inspect.signature(factory, eval_str=True)
+    except (NameError, TypeError, SyntaxError):  # an annotation that does not evaluate: read as written
+        try:
+            signature = inspect.signature(factory)
+        except ValueError:
+            return {}
+    except ValueError:  # some builtins have no inspectable signature; the call itself will tell
+        return {}
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = {k: p for k, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                           inspect.Parameter.KEYWORD_ONLY)}
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--task-arg {pair!r} is not KEY=VALUE")
+        if key not in named and not takes_any:
+            takes = ", ".join(named) or "no arguments"
+            raise UsageError(f"--task-arg {key}: unknown argument {key!r} of {name} (it takes: {takes})")
+        kwargs[key] = _convert(key, text, named.get(key), name)
+    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kwargs
+               and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if missing:
+        raise UsageError(f"--task {spec!r}: missing argument {missing[0]!r} of {name}; pass --task-arg "
+                         f"{missing[0]}=VALUE")
+    return kwargs
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _convert(key: str, text: str, param: inspect.Parameter | None, factory: str) -> Any:
+    kind = _argument_type(param)
+    try:
+        if kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError
+            return text.lower() in _TRUE
+        return kind(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"--task-arg {key}={text!r} is not {_a(kind.__name__)} ({factory} takes {key}: "
+                         f"{kind.__name__})") from None
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _argument_type(param: inspect.Parameter | None) -> type:
+    if param is None:
+        return str
+    annotation = param.annotation
+    if annotation is inspect.Parameter.empty:
+        return type(param.default) if param.default not in (inspect.Parameter.empty, None) else str
+    options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if isinstance(options[0], str):  # unevaluated: match the spelling
+        name = options[0].replace(" ", "").split("|")[0]
+        return {"int": int, "float": float, "bool": bool, "Path": Path}.get(name, str)
+    return options[0] if options[0] in (int, float, bool, str, Path) else str
 
 
 def precheck_task(spec: str) -> None:
@@ -101,8 +201,8 @@ def precheck_task(spec: str) -> None:
         check_task_file(spec, Path(module_part))
 
 
-def build_task(spec: str) -> Task:
-    task = resolve_factory(spec)()
+def build_task(spec: str, task_args: Sequence[str] = ()) -> Task:
+    task = resolve_factory(spec, task_args)()
     if not isinstance(task, Task):
         raise TypeError(f"--task {spec!r}: the factory returned {type(task).__name__}, not ddp_amp.tasks.Task")
     return task
@@ -115,6 +215,10 @@ def _import_file(spec: str, path: Path):
     if name in sys.modules:
         return sys.modules[name]
     check_task_file(spec, path)
+    # As `python file.py` does: the file's folder first on sys.path, so its sibling modules import.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module

@@ -20,21 +20,23 @@ LARGEST = 2**20
 """No trial beyond this many samples per rank (a batch of cycled samples could otherwise grow without end)."""
 
 
-def batch_of(dataset: Any, size: int) -> Any:
+def batch_of(dataset: Any, size: int, collate_fn=None) -> Any:
     """`size` samples, the data set's first ones cycled: indexed at once where the data set is tensors."""
-    if hasattr(dataset, "tensors"):  # TensorDataset: no per-item collation of a batch of 10^5 samples
+    # TensorDataset: no per-item collation of a batch of 10^5 samples
+    if collate_fn is None and hasattr(dataset, "tensors"):
         index = torch.arange(size) % len(dataset)
         return tuple(tensor[index] for tensor in dataset.tensors)
-    return default_collate([dataset[i % len(dataset)] for i in range(size)])
+    return (collate_fn or default_collate)([dataset[i % len(dataset)] for i in range(size)])
 
 
-def largest_batch(step, dataset: Any, device: torch.device, world_size: int, *, start: int) -> dict[str, Any]:
+def largest_batch(step, dataset: Any, device: torch.device, world_size: int, *, start: int,
+                  collate_fn=None) -> dict[str, Any]:
     """{"max_batch": the largest per-rank batch that trained (0: not even 1 sample), "samples_per_s": the global
     throughput at it (the median of its trial's steps after the first), "trials": every size tried}."""
     trials: list[dict[str, Any]] = []
 
     def trial(size: int) -> float | None:
-        batch = batch_of(dataset, size)
+        batch = batch_of(dataset, size, collate_fn)
         times = []
         for number in range(TRIAL_STEPS):
             started = time.perf_counter()

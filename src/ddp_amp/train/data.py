@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ddp_amp.dist import DistEnv
 from ddp_amp.process import usable_cores
@@ -34,6 +34,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def is_iterable(dataset: Any) -> bool:
+    """A torch IterableDataset (Hugging Face's datasets.IterableDataset is one), or anything iterable that
+    cannot be indexed."""
+    return isinstance(dataset, IterableDataset) or (hasattr(dataset, "__iter__") and not hasattr(dataset,
+                                                                                                  "__getitem__"))
+
+
 def loader_workers(requested: int | None, device: torch.device, local_world_size: int) -> int:
     """DataLoader workers per rank. CPU ranks already use every core for compute, so loading stays in the rank;
     a GPU rank gets a few workers out of its share of the cores, so the GPU does not wait for the next batch."""
@@ -44,7 +51,8 @@ def loader_workers(requested: int | None, device: torch.device, local_world_size
     return max(0, min(MAX_DEFAULT_WORKERS, usable_cores() // local_world_size - 1))
 
 
-def build_loader(dataset: Any, batch_sampler: Any, workers: int, device: torch.device, seed: int) -> DataLoader:
+def build_loader(dataset: Any, batch_sampler: Any, workers: int, device: torch.device, seed: int,
+                 collate_fn=None) -> DataLoader:
     # A generator of its own: each new iterator draws its workers' base seed from it, not from the global
     # RNG, so where an iterator starts (a resume mid-epoch) does not shift the training randomness.
     extra: dict[str, Any] = {"generator": torch.Generator().manual_seed(seed)}
@@ -52,7 +60,7 @@ def build_loader(dataset: Any, batch_sampler: Any, workers: int, device: torch.d
         # Workers live as long as the run (not re-forked every epoch) and keep two batches each ready.
         extra.update(persistent_workers=True, prefetch_factor=2)
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                      **extra)
+                      collate_fn=collate_fn, **extra)
 
 
 class EpochSampler(Sampler):
@@ -123,14 +131,14 @@ class RankData:
     resized run continues from."""
 
     def __init__(self, dataset: Any, env: DistEnv, device: torch.device, *, batch_size: int, seed: int,
-                 workers: int) -> None:
+                 workers: int, collate_fn=None) -> None:
         self.env, self.batch_size = env, batch_size
         # Every rank gets the same number of samples (the padding), so every rank runs the same number of
         # batches: no rank waits forever in an all-reduce the others never join.
         self.sampler = EpochSampler(len(dataset), env.rank, env.world_size, seed)
         self.workers = workers
         self.loader = build_loader(dataset, RankBatches(self.sampler, batch_size), workers, device,
-                                   seed=seed + env.rank)
+                                   seed=seed + env.rank, collate_fn=collate_fn)
 
     @property
     def epoch(self) -> int:

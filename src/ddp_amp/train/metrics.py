@@ -68,6 +68,7 @@ def probe_numerics(module: torch.nn.Module, loss_fn, batch, optimizer: torch.opt
     exp(-100)), which is how subnormals arise. Run once, after training, on the unwrapped module in eval mode
     (no all-reduce, no running statistics updated); the gradients it makes are dropped."""
     from ddp_amp.precision import autocast
+    from ddp_amp.tasks import batch_loss
     from ddp_amp.train.data import to_device
 
     counts = {"activations": [0, 0], "gradients": [0, 0]}
@@ -81,9 +82,8 @@ def probe_numerics(module: torch.nn.Module, loss_fn, batch, optimizer: torch.opt
     was_training = module.training
     module.eval()
     try:
-        inputs, target = to_device(batch, device)
         with autocast(precision, device.type):
-            loss = loss_fn(module(inputs), target)
+            loss = batch_loss(module, to_device(batch, device), loss_fn)
         loss.float().backward()
     finally:
         for hook in hooks:

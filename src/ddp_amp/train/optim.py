@@ -21,10 +21,19 @@ def optimizer_impl(config: TrainConfig, precision: Precision) -> str:
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, impl: str = "loop") -> torch.optim.Optimizer:
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
+    # Frozen parameters (requires_grad=False) stay out: no state for them, and weight decay never moves them.
+    params = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
                                weight_decay=config.weight_decay, **kind)
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, **kind)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, **kind)
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters trained and frozen (requires_grad=False), counted once each (tied weights once)."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    return {"trainable_parameters": trainable, "frozen_parameters": sum(p.numel() for p in unique) - trainable}
 
 
 def wrap_ddp(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> DDP:
@@ -35,7 +44,8 @@ def wrap_ddp(model: torch.nn.Module, config: TrainConfig, device: torch.device) 
     inner = torch.compile(model) if config.compile else model
     ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=config.bucket_mb, gradient_as_bucket_view=config.bucket_view,
-              static_graph=config.static_graph)
+              static_graph=config.static_graph, find_unused_parameters=config.find_unused_parameters,
+              broadcast_buffers=config.broadcast_buffers)
     if config.grad_compression != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.errors import RankOutOfMemory
 from ddp_amp.precision import Precision, autocast
+from ddp_amp.tasks import batch_loss
 from ddp_amp.train.data import to_device
 from ddp_amp.train.microbatch import (
     MicroBatches,
@@ -50,11 +51,13 @@ class StepOutcome:
 class AmpStep:
     """The training step, with what it needs: the DDP model, the loss, the optimizer, its scaler and schedule."""
 
-    def __init__(self, model: DDP, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: torch.optim.Optimizer,
+    def __init__(self, model: DDP, loss_fn: Callable[[Any, Any], torch.Tensor] | None, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision, device: torch.device, *,
                  grad_accum: int, clip_grad: float | None, gradient_reduction: Callable[[], None],
-                 batch_size: int = 0, micro: MicroBatches | None = None) -> None:
+                 batch_size: int = 0, micro: MicroBatches | None = None, task: str = "") -> None:
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
+        self.task = task
+        """--task, for the message of a batch whose loss the Task contract cannot find."""
         self.scheduler, self.precision, self.device = scheduler, precision, device
         self.grad_accum, self.clip_grad, self.batch_size = grad_accum, clip_grad, batch_size
         self.micro = micro
@@ -140,13 +143,12 @@ class AmpStep:
         device, the autocast forward and loss, the scaled backward, which all-reduces only when `sync` (else
         under no_sync). The loss counts 1/K of the step's K batches, times `share` for a piece of a batch
         (--micro-batch). Returns the loss, detached, fp32, on the device, unweighted."""
-        inputs, target = batch
         if self.device.type != "cpu":
-            inputs, target = to_device((inputs, target), self.device)
+            batch = to_device(batch, self.device)
         with contextlib.nullcontext() if sync else self.model.no_sync():
             self.position = (step, index, FORWARD)
             with autocast(self.precision, self.device.type):
-                loss = self.loss_fn(self.model(inputs), target)
+                loss = batch_loss(self.model, batch, self.loss_fn, self.task)
             self.position = (step, index, BACKWARD)  # DDP's all-reduce runs inside the last backward
             if share is not None:
                 weighted = loss * (share / self.grad_accum)

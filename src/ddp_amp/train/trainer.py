@@ -28,7 +28,7 @@ from ddp_amp.train.data import RankData, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
-from ddp_amp.train.optim import build_optimizer, optimizer_impl, wrap_ddp
+from ddp_amp.train.optim import build_optimizer, optimizer_impl, parameter_counts, wrap_ddp
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
 from ddp_amp.train.step import LOG, AmpStep
@@ -68,14 +68,18 @@ class Trainer:
         self.time_steps = time_steps
         """Time every optimizer step, synchronising the device each step: the bench job."""
         self.task, self.reporter = task, reporter
-        self.module = task.model.to(device)
+        model = task.model
+        if config.sync_batchnorm:  # batch statistics over every rank's batch (the launcher allows it on CUDA)
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.module = model.to(device)
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
         self.model = wrap_ddp(self.module, config, device)
         self.optimizer_impl = optimizer_impl(config, precision)
         self.optimizer = build_optimizer(self.module, config, self.optimizer_impl)
         self.scaler = grad_scaler(precision, device.type)
         self.data = RankData(task.dataset, env, device, batch_size=config.batch_size, seed=config.seed,
-                             workers=loader_workers(config.num_workers, device, env.local_world_size))
+                             workers=loader_workers(config.num_workers, device, env.local_world_size),
+                             collate_fn=task.collate_fn)
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
                                          warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
@@ -87,7 +91,8 @@ class Trainer:
 
         self.step = AmpStep(self.model, task.loss_fn, self.optimizer, self.scaler, self.scheduler, precision,
                             device, grad_accum=config.grad_accum, clip_grad=config.clip_grad,
-                            batch_size=config.batch_size, micro=self.micro, gradient_reduction=reduction)
+                            batch_size=config.batch_size, micro=self.micro, gradient_reduction=reduction,
+                            task=config.task)
         self.start_step = 0
         self.skipped_steps = 0
         self.checkpointer: Checkpointer | None = None
@@ -118,13 +123,14 @@ class Trainer:
     def probe_numerics(self) -> dict[str, Any]:
         """train.metrics.probe_numerics on the data set's first batch: for bench, after training."""
         dataset = self.task.dataset
-        batch = default_collate([dataset[i] for i in range(min(len(dataset), self.config.batch_size))])
+        batch = (self.task.collate_fn or default_collate)([dataset[i] for i in range(min(len(dataset),
+                                                                                    self.config.batch_size))])
         return probe_numerics(self.module, self.task.loss_fn, batch, self.optimizer, self.precision, self.device)
 
     def largest_batch(self) -> dict[str, Any]:
         """bench --max-batch: the largest per-rank batch of this task that trains here (train.batch_search)."""
         return largest_batch(self.step, self.task.dataset, self.device, self.env.world_size,
-                             start=self.config.batch_size)
+                             start=self.config.batch_size, collate_fn=self.task.collate_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""
@@ -230,7 +236,10 @@ class Trainer:
             "skipped_steps": self.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0], "seed": config.seed,
             "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl,
             "ddp": {"bucket_mb": config.bucket_mb, "bucket_view": config.bucket_view,
-                    "static_graph": config.static_graph, "grad_compression": config.grad_compression},
+                    "static_graph": config.static_graph, "grad_compression": config.grad_compression,
+                    "find_unused_parameters": config.find_unused_parameters,
+                    "broadcast_buffers": config.broadcast_buffers, "sync_batchnorm": config.sync_batchnorm},
+            **parameter_counts(self.module),
             "torch_version": torch.__version__,
         }
 

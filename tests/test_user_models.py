@@ -1,0 +1,228 @@
+"""The user's own model and data as they already wrote them, in real 2-rank gloo runs: Hugging Face batches
+and losses, collate functions, iterable datasets and their end, DDP's switches, task arguments and imports."""
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_ok, last_line, load_weights, read_summary, run_cli
+
+pytestmark = pytest.mark.slow
+
+USER_TASKS = Path(__file__).with_name("user_tasks.py")
+FP32_SGD = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
+            "--seed", "4"]
+
+
+def task(name: str) -> str:
+    return f"{USER_TASKS}:{name}"
+
+
+def spawn(run_dir, *args, env=None, nproc=2):
+    return run_cli("spawn", "-n", str(nproc), *FP32_SGD, *args, "--run-dir", str(run_dir), env=env)
+
+
+def trained_indices(log_dir: Path) -> list[int]:
+    return [int(line) for path in log_dir.glob("*.txt") for line in path.read_text().split()]
+
+
+def test_a_hugging_face_model_with_dict_items_trains_as_the_wrapper_and_pairs_form(tmp_path):
+    """model(**batch) and the model's own output.loss: the same weights, bit for bit, as the 12 lines of glue
+    users wrote before (a wrapper calling hf(**batch), pairs, loss_fn=output.loss)."""
+    plain, wrapped = tmp_path / "plain", tmp_path / "wrapped"
+    assert_ok(spawn(plain, "--task", task("bert_dict_items"), "--steps", "6", "--batch-size", "4"))
+    assert_ok(spawn(wrapped, "--task", task("bert_wrapped_pairs"), "--steps", "6", "--batch-size", "4"))
+    ours, theirs = load_weights(plain), {k.removeprefix("hf."): v for k, v in load_weights(wrapped).items()}
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    from transformers import BertConfig, BertForSequenceClassification
+
+    # model.pt is the model's own state_dict: its class loads it without renaming anything.
+    model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=32,
+                                                     max_position_embeddings=12, num_labels=3))
+    model.load_state_dict(ours)
+    assert read_summary(plain)["final_loss"] == pytest.approx(read_summary(wrapped)["final_loss"], abs=0)
+
+
+def test_an_output_without_a_loss_and_no_loss_fn_is_one_line_naming_the_task(tmp_path):
+    result = spawn(tmp_path, "--task", task("output_without_loss"), "--steps", "2")
+    assert result.returncode == 1
+    verdict = last_line(result.stderr)
+    assert "output_without_loss" in verdict and "no loss" in verdict and "loss_fn" in verdict, verdict
+    assert "Traceback" not in result.stderr
+
+
+def test_a_padding_collate_fn_batches_variable_length_dict_items(tmp_path):
+    """Without the task's collate_fn, default collation cannot stack sequences of different lengths."""
+    assert_ok(spawn(tmp_path / "whole", "--task", task("padded_sequences"), "--steps", "4", "--batch-size", "8"))
+    # --micro-batch cuts a dict batch along the batch dimension of every tensor: the same mathematics.
+    assert_ok(spawn(tmp_path / "pieces", "--task", task("padded_sequences"), "--steps", "4", "--batch-size", "8",
+                    "--micro-batch", "3"))
+    whole, pieces = load_weights(tmp_path / "whole"), load_weights(tmp_path / "pieces")
+    for key in whole:
+        torch.testing.assert_close(pieces[key], whole[key], rtol=1e-5, atol=1e-6)
+
+
+def test_an_unsharded_iterable_is_split_between_the_ranks_and_ends_at_one_agreed_step(tmp_path):
+    """33 items over 2 ranks at 4 a batch: rank 0 holds 17 (5 batches), rank 1 holds 16 (4). Both ranks stop
+    after step 4, no item is trained twice, nothing hangs, and model.pt is written."""
+    logs = tmp_path / "indices"
+    logs.mkdir()
+    result = spawn(tmp_path / "run", "--task", task("stream"), "--steps", "100", "--batch-size", "4",
+                   env={"DDP_AMP_TEST_INDEX_LOG": str(logs)})
+    assert_ok(result)
+    summary = read_summary(tmp_path / "run")
+    assert summary["steps"] == 4 and summary["data_ended_at_step"] == 4
+    assert "the data ran out at step 4" in result.stderr
+    counts = Counter(trained_indices(logs))
+    assert max(counts.values()) == 1, counts
+    assert len(counts) == 4 * 4 * 2  # 4 steps x 4 samples x 2 ranks, each once
+    assert (tmp_path / "run" / "model.pt").exists()
+
+
+def test_an_iterable_split_by_node_already_is_not_split_again(tmp_path):
+    logs = tmp_path / "indices"
+    logs.mkdir()
+    result = spawn(tmp_path / "run", "--task", task("hf_stream_split_by_node"), "--steps", "100", "--batch-size",
+                   "4", env={"DDP_AMP_TEST_INDEX_LOG": str(logs), "DDP_AMP_TEST_STREAM_ITEMS": "32"})
+    assert_ok(result)
+    counts = Counter(trained_indices(logs))
+    assert sorted(counts) == list(range(32)) and set(counts.values()) == {1}  # every item once, none skipped
+
+
+def test_epochs_over_an_iterable_without_a_length_is_one_line(tmp_path):
+    result = spawn(tmp_path, "--task", task("stream"), "--epochs", "2", env={"DDP_AMP_TEST_INDEX_LOG": "/tmp"})
+    assert result.returncode in (1, 2)
+    verdict = last_line(result.stderr)
+    assert "--epochs" in verdict and "--steps" in verdict and "iterable" in verdict, verdict
+
+
+ITERABLE_RUN = ["--steps", "14", "--batch-size", "2", "--checkpoint-every", "2", "--log-every", "1"]
+
+
+def _stopped_then_resumed(tmp_path, name: str, env: dict) -> tuple[Path, str]:
+    """Stopped by SIGTERM to the group at rank 0's 9th step, then resumed from the stop checkpoint."""
+    run_dir = tmp_path / "resumed"
+    stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *FP32_SGD, "--task", task(name),
+                              *ITERABLE_RUN, "--run-dir", str(run_dir)], capture_output=True, text=True,
+                             start_new_session=True, env={**os.environ, **env, "DDP_AMP_TEST_STOP_AT": "9"},
+                             timeout=180)
+    assert stopped.returncode == 143, stopped.stderr
+    resumed = spawn(run_dir, "--task", task(name), *ITERABLE_RUN, "--resume", "auto", env=env)
+    assert_ok(resumed)
+    return run_dir, resumed.stderr
+
+
+@pytest.mark.parametrize("name", ["stateful_stream", "stream"])
+def test_a_resumed_iterable_run_equals_the_uninterrupted_one(tmp_path, name):
+    """A stateful iterable is restored per rank; another is fast-forwarded past what was consumed. Either way
+    the weights equal the uninterrupted run's bit for bit and no item is trained twice."""
+    env = {"DDP_AMP_TEST_STREAM_ITEMS": "200"}
+    logs = tmp_path / "indices"
+    logs.mkdir()
+    assert_ok(spawn(tmp_path / "whole", "--task", task(name), *ITERABLE_RUN,
+                    env={**env, "DDP_AMP_TEST_INDEX_LOG": str(logs)}))
+    resumed_logs = tmp_path / "resumed-indices"
+    resumed_logs.mkdir()
+    run_dir, stderr = _stopped_then_resumed(tmp_path, name, {**env, "DDP_AMP_TEST_INDEX_LOG": str(resumed_logs)})
+    whole, resumed = load_weights(tmp_path / "whole"), load_weights(run_dir)
+    for key in whole:
+        assert torch.equal(whole[key], resumed[key]), key
+    stopped_at = read_summary(run_dir)["resumed_from_step"]
+    if name == "stream":
+        assert f"skipped the {stopped_at * 2 * 2} items trained before step {stopped_at}" in stderr, stderr
+    assert Counter(trained_indices(resumed_logs)) == Counter(trained_indices(logs))
+
+
+def test_find_unused_parameters_trains_a_branch_used_every_other_step(tmp_path):
+    without = spawn(tmp_path / "without", "--task", task("branch_every_other_step"), "--steps", "4")
+    assert without.returncode == 1
+    verdict = last_line(without.stderr)
+    assert "sometimes.weight" in verdict and "sometimes.bias" in verdict, verdict
+    assert "--find-unused-parameters" in verdict and "trunk" not in verdict, verdict
+    assert_ok(spawn(tmp_path / "with", "--task", task("branch_every_other_step"), "--steps", "4",
+                    "--find-unused-parameters"))
+
+
+def test_sync_batchnorm_on_cpu_ranks_is_refused_before_launch(tmp_path):
+    result = spawn(tmp_path / "run", "--task", task("batch_norm"), "--steps", "2", "--sync-batchnorm")
+    assert result.returncode == 2
+    assert "--sync-batchnorm" in last_line(result.stderr) and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_frozen_parameters_stay_as_initialised_and_are_counted(tmp_path):
+    assert_ok(spawn(tmp_path / "frozen", "--task", task("frozen_trunk"), "--steps", "5"))
+    torch.manual_seed(4)  # the factory runs after the seed is set, on every rank
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("user_tasks_again", USER_TASKS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    initial = module.frozen_trunk().model.state_dict()
+    trained = load_weights(tmp_path / "frozen")
+    assert torch.equal(trained["0.weight"], initial["0.weight"]) and torch.equal(trained["0.bias"], initial["0.bias"])
+    assert not torch.equal(trained["2.weight"], initial["2.weight"])
+    summary = read_summary(tmp_path / "frozen")
+    assert summary["trainable_parameters"] == 16 + 1 and summary["frozen_parameters"] == 8 * 16 + 16
+
+
+def test_task_arguments_are_converted_by_the_factorys_annotations_and_recorded(tmp_path):
+    seen = tmp_path / "seen.txt"
+    args = ["--task", task("sized"), "--task-arg", "width=5", "--task-arg", "scale=0.5", "--task-arg", "bias=false",
+            "--task-arg", "note=a=b", "--task-arg", f"out={seen}", "--steps", "3"]
+    assert_ok(spawn(tmp_path / "first", *args))
+    assert eval(seen.read_text()) == {"width": 5, "scale": 0.5, "bias": False, "note": "a=b"}
+    weights = load_weights(tmp_path / "first")
+    assert weights["0.weight"].shape == (5, 8) and "0.bias" not in weights
+    # config.toml keeps them: --config trains the same model again.
+    again = run_cli("spawn", "--config", str(tmp_path / "first" / "config.toml"), "--run-dir", str(tmp_path / "again"))
+    assert_ok(again)
+    for key, value in load_weights(tmp_path / "again").items():
+        assert torch.equal(value, weights[key]), key
+
+
+@pytest.mark.parametrize(("arg", "problem"), [
+    ("depth=3", "unknown argument 'depth'"),
+    ("width=wide", "width='wide' is not an int"),
+    ("width", "not KEY=VALUE"),
+])
+def test_a_bad_task_argument_is_one_line_exit_2_before_anything_starts(tmp_path, arg, problem):
+    result = spawn(tmp_path / "run", "--task", task("sized"), "--task-arg", arg, "--steps", "2")
+    assert result.returncode == 2, result.stderr
+    assert problem in last_line(result.stderr) and "--task-arg" in last_line(result.stderr)
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_missing_task_argument_is_one_line_exit_2(tmp_path):
+    result = spawn(tmp_path / "run", "--task", task("sized"), "--steps", "2")
+    assert result.returncode == 2
+    assert "missing argument 'width'" in last_line(result.stderr) and "--task-arg" in last_line(result.stderr)
+
+
+def test_a_task_file_imports_its_sibling_modules(tmp_path):
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "shapes.py").write_text("WIDTH = 3\n")
+    (tmp_path / "project" / "train_me.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\n"
+        "from ddp_amp.tasks import Task\nimport shapes\n\n"
+        "def build():\n"
+        "    x = torch.randn(16, shapes.WIDTH)\n"
+        "    return Task(nn.Linear(shapes.WIDTH, 1), TensorDataset(x, x.sum(1, keepdim=True)),\n"
+        "                nn.functional.mse_loss)\n")
+    assert_ok(spawn(tmp_path / "run", "--task", f"{tmp_path / 'project' / 'train_me.py'}:build", "--steps", "2"))
+    assert load_weights(tmp_path / "run")["weight"].shape == (1, 3)
+
+
+def test_the_rank_that_failed_first_is_named_not_the_peer_that_saw_it_die(tmp_path):
+    result = spawn(tmp_path, "--task", task("real_failure_after_peer_sees_it_die"), "--steps", "10")
+    assert result.returncode == 1
+    verdict = last_line(result.stderr)
+    assert "rank 1" in verdict and "the real cause, on rank 1" in verdict, verdict

@@ -1,0 +1,313 @@
+"""Tasks shaped as users write them, loaded through `--task path/to/user_tasks.py:factory`: Hugging Face
+models with dict batches and their own loss, padding collate functions, iterable datasets (sharded or not,
+stateful or not), a branch used every other step, frozen layers, factory arguments.
+
+Iterable tasks record every sample they train on in DDP_AMP_TEST_INDEX_LOG/<pid>.txt, one index a line."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from ddp_amp.tasks import Task
+
+VOCAB, SEQ, CLASSES = 64, 12, 3
+BERT_ITEMS = 48
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=SEQ, num_labels=CLASSES,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config)
+
+
+class _Tokens(Dataset):
+    """Synthetic token sequences with padding at the end and a label each, as a tokenizer would give them."""
+
+    def __init__(self, pairs: bool) -> None:
+        gen = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(1, VOCAB, (BERT_ITEMS, SEQ), generator=gen)
+        lengths = torch.randint(4, SEQ + 1, (BERT_ITEMS,), generator=gen)
+        self.mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        self.ids = self.ids * self.mask
+        self.labels = torch.randint(0, CLASSES, (BERT_ITEMS,), generator=gen)
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return BERT_ITEMS
+
+    def __getitem__(self, i):
+        item = {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+        return (item, self.labels[i]) if self.pairs else item
+
+
+def bert_dict_items() -> Task:
+    """A Hugging Face model as it is: dict items, the model's own loss, no loss_fn."""
+    return Task(model=_tiny_bert(), dataset=_Tokens(pairs=False))
+
+
+class _Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hf = _tiny_bert()
+
+    def forward(self, batch):
+        return self.hf(**batch)
+
+
+def bert_wrapped_pairs() -> Task:
+    """The glue the dict form replaces: a wrapper calling hf(**batch), (dict, label) pairs, a loss_fn."""
+    return Task(model=_Wrapper(), dataset=_Tokens(pairs=True), loss_fn=lambda output, _: output.loss)
+
+
+class _NoLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return self.linear(x)
+
+
+class _XY(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {"x": torch.full((8,), float(i)), "y": torch.zeros(1)}
+
+
+def output_without_loss() -> Task:
+    """Dict items, no loss_fn, and a model whose output is a bare tensor: nothing to train on."""
+    return Task(model=_NoLoss(), dataset=_XY())
+
+
+class _VariableLength(Dataset):
+    """Sequences of 2 to 9 tokens: default collation cannot stack them."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(5)
+        self.lengths = torch.randint(2, 10, (32,), generator=gen).tolist()
+        self.tokens = [torch.randint(1, VOCAB, (n,), generator=gen) for n in self.lengths]
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"tokens": self.tokens[i], "target": torch.tensor([float(self.lengths[i])])}
+
+
+def pad(items):
+    longest = max(len(item["tokens"]) for item in items)
+    tokens = torch.zeros(len(items), longest, dtype=torch.long)
+    for row, item in enumerate(items):
+        tokens[row, :len(item["tokens"])] = item["tokens"]
+    return {"tokens": tokens, "mask": (tokens != 0).float(), "target": torch.stack([i["target"] for i in items])}
+
+
+class _Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, tokens, mask, target):
+        pooled = (self.embed(tokens) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return self.out(pooled)
+
+
+def padded_sequences() -> Task:
+    """Variable-length dict items batched by the task's own padding collate_fn; loss_fn(output, batch)."""
+    return Task(model=_Pooled(), dataset=_VariableLength(), collate_fn=pad,
+                loss_fn=lambda output, batch: nn.functional.mse_loss(output, batch["target"]))
+
+
+# Iterable datasets ----------------------------------------------------------------------------------------
+
+STREAM_ITEMS = int(os.environ.get("DDP_AMP_TEST_STREAM_ITEMS", "33"))
+
+
+def _features(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + index)
+    x = torch.randn(8, generator=gen)
+    return x, x.sum(0, keepdim=True)
+
+
+class _Recording(nn.Module):
+    """Logs the index of every sample of every forward, as helper_tasks' _RecordingRegression does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.log = os.path.join(os.environ["DDP_AMP_TEST_INDEX_LOG"], f"{os.getpid()}.txt")
+        self.pause = float(os.environ.get("DDP_AMP_TEST_STEP_SLEEP", "0"))
+
+    def forward(self, inputs):
+        features, index = inputs
+        with open(self.log, "a") as f:
+            f.write("".join(f"{i}\n" for i in index.tolist()))
+        if self.pause:
+            time.sleep(self.pause)
+        return self.linear(features)
+
+
+class Stream(IterableDataset):
+    """STREAM_ITEMS items ((features, index), target), read in order, unsharded (every rank sees all)."""
+
+    def __iter__(self):
+        for index in range(STREAM_ITEMS):
+            x, y = _features(index)
+            yield (x, index), y
+
+
+class StatefulStream(Stream):
+    """The same stream, resumable where it stood (torchdata's Stateful protocol)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < STREAM_ITEMS:
+            index = self.position
+            self.position += 1
+            x, y = _features(index)
+            yield (x, index), y
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def _stop_at_env(loss):
+    """DDP_AMP_TEST_STOP_AT=N: rank 0 sends SIGTERM to its process group at its N-th loss."""
+    _stop_at_env.calls = getattr(_stop_at_env, "calls", 0) + 1
+    if _stop_at_env.calls == int(os.environ.get("DDP_AMP_TEST_STOP_AT", "0")) and os.environ.get("RANK") == "0":
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+    return loss
+
+
+def _mse(output, target):
+    return _stop_at_env(nn.functional.mse_loss(output, target))
+
+
+def stream() -> Task:
+    return Task(model=_Recording(), dataset=Stream(), loss_fn=_mse)
+
+
+def stateful_stream() -> Task:
+    return Task(model=_Recording(), dataset=StatefulStream(), loss_fn=_mse)
+
+
+def hf_stream_split_by_node() -> Task:
+    """A Hugging Face IterableDataset already split per rank with split_dataset_by_node: not sharded again."""
+    from datasets import IterableDataset as HFIterable
+    from datasets.distributed import split_dataset_by_node
+
+    def rows():
+        for index in range(STREAM_ITEMS):
+            x, y = _features(index)
+            yield {"x": x.tolist(), "index": index, "y": y.tolist()}
+
+    stream = HFIterable.from_generator(rows).with_format("torch")
+    stream = split_dataset_by_node(stream, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+    def collate(rows):
+        return ((torch.stack([r["x"] for r in rows]), torch.tensor([int(r["index"]) for r in rows])),
+                torch.stack([r["y"] for r in rows]))
+
+    return Task(model=_Recording(), dataset=stream, loss_fn=_mse, collate_fn=collate)
+
+
+# DDP's switches, frozen parameters, arguments --------------------------------------------------------------
+
+
+class _Branchy(nn.Module):
+    """A second head used on every other forward only: its parameters get no gradient on the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.sometimes = nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        hidden = torch.relu(self.trunk(x))
+        out = self.head(hidden)
+        return out + self.sometimes(hidden) if self.calls % 2 else out
+
+
+class _Regression(Dataset):
+    def __init__(self, size: int = 64) -> None:
+        gen = torch.Generator().manual_seed(9)
+        self.x = torch.randn(size, 8, generator=gen)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def branch_every_other_step() -> Task:
+    return Task(model=_Branchy(), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
+
+
+def frozen_trunk() -> Task:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    return Task(model=model, dataset=_Regression(), loss_fn=nn.functional.mse_loss)
+
+
+def sized(width: int, scale: float = 1.0, bias: bool = True, note: str = "", out: Path | None = None) -> Task:
+    """A factory with arguments (--task-arg width=16 ...): the model's shape shows what it received."""
+    if out is not None:
+        Path(out).write_text(repr({"width": width, "scale": scale, "bias": bias, "note": note}))
+    model = nn.Sequential(nn.Linear(8, width, bias=bias), nn.ReLU(), nn.Linear(width, 1))
+    return Task(model=model, dataset=_Regression(), loss_fn=lambda o, t: nn.functional.mse_loss(o * scale, t))
+
+
+class _BatchNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.norm(self.linear(x)))
+
+
+def batch_norm() -> Task:
+    return Task(model=_BatchNormed(), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
+
+
+def real_failure_after_peer_sees_it_die() -> Task:
+    """Rank 1 closes its connections first, so rank 0 fails at once with "Connection closed by peer" (its
+    error is the older one), and rank 1 raises the real cause a moment later."""
+    calls = 0
+
+    def loss_fn(output, target):
+        nonlocal calls
+        calls += 1
+        if calls == 3 and os.environ.get("RANK") == "1":
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            time.sleep(2)
+            raise ValueError("the real cause, on rank 1")
+        return nn.functional.mse_loss(output, target)
+
+    return Task(model=nn.Linear(8, 1), dataset=_Regression(), loss_fn=loss_fn)
