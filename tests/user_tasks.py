@@ -294,18 +294,36 @@ def batch_norm() -> Task:
     return Task(model=_BatchNormed(), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
 
 
+def _drop_connections() -> None:
+    """Shut down every connection of this process (its listening sockets stay), as a failing link would."""
+    import socket
+
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=int(fd))
+        except OSError:
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # connections, not listeners
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the descriptor stays open (its owner closes it); only the connection is gone
+
+
 def real_failure_after_peer_sees_it_die() -> Task:
-    """Rank 1 closes its connections first, so rank 0 fails at once with "Connection closed by peer" (its
-    error is the older one), and rank 1 raises the real cause a moment later."""
+    """Rank 1's connections drop first, so rank 0 fails at once with "Connection closed by peer" (its error is
+    the older one), and rank 1 raises the real cause two seconds later."""
     calls = 0
 
     def loss_fn(output, target):
         nonlocal calls
         calls += 1
         if calls == 3 and os.environ.get("RANK") == "1":
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+            _drop_connections()
             time.sleep(2)
             raise ValueError("the real cause, on rank 1")
         return nn.functional.mse_loss(output, target)

@@ -121,7 +121,8 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a task that tore the group down itself must not hide its own error
+            dist.destroy_process_group()
 
 
 def settle_run_dir_writers(env: DistEnv, run_dir: Path) -> DistEnv:

@@ -38,3 +38,27 @@ def failure_line(last_traceback_line: str) -> str:
     """A failed rank's last traceback line as the launcher's one line: the errors whose message says it all
     lose their type ("ddp_amp.errors.RankOutOfMemory: out of memory in step 3..." -> "out of memory...")."""
     return re.sub(rf"^(ddp_amp\.[\w.]+\.)?({'|'.join(SELF_EXPLAINING)}): ", "", last_traceback_line.strip())
+
+
+def exception_line(traceback_text: str) -> str:
+    """The first line of the exception's message in a formatted traceback (its last exception, where one was
+    raised while handling another): DDP's and gloo's messages run over several lines, and their last one
+    ("In addition, you can set the environment variable ...") names nothing."""
+    lines = traceback_text.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    start = frames[-1] + 1 if frames else 0
+    for line in lines[start:]:
+        if line.strip() and not line.startswith(" "):
+            return line
+    return lines[-1] if lines else ""
+
+
+PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+                 "failed to recv", "Timed out", "timed out", "NCCL communicator was aborted",
+                 "ProcessGroup abort", "has been destroyed")
+"""What a rank says when it failed only because another one vanished: never the cause when another rank
+failed with something else."""
+
+
+def is_peer_symptom(message: str) -> bool:
+    return any(symptom in message for symptom in PEER_SYMPTOMS)

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -213,14 +214,14 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
             raise UsageError(f"--config {str(path)!r}: unknown key {key!r} (not an option of "
                              f"ddp-amp {ctx.info_name}; keys are option names with underscores)")
         is_flag = param.type_descriptor.annotation is bool
-        runtime = param.get_runtime_param()
+        repeatable = typing.get_origin(param.type_descriptor.annotation) is list  # --task-arg: a list of strings
         try:
-            if isinstance(value, bool) != is_flag or isinstance(value, dict):
+            if isinstance(value, bool) != is_flag or isinstance(value, dict) or isinstance(value, list) != repeatable:
                 raise ValueError
-            if isinstance(value, list) != bool(runtime.multiple):
+            if repeatable and not all(isinstance(item, str) for item in value):
                 raise ValueError
-            for item in value if isinstance(value, list) else [value]:
-                runtime.type.convert(item, runtime, ctx)
+            if not repeatable:
+                param.get_runtime_param().coerce(value, param=param, ctx=ctx)
         except Exception:
             raise UsageError(f"--config {str(path)!r}: {key} = {value!r} is not a valid --{key.replace('_', '-')}")\
                 from None

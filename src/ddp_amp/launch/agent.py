@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ddp_amp.config import JobKind
-from ddp_amp.errors import RunFailed, failure_line
+from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.torchrun import ElasticJob
 from ddp_amp.process import StopSignal, signal_processes
@@ -168,12 +168,17 @@ def root_failure(failures: dict) -> tuple[int, str]:
             return rank, f"died with {signal.Signals(-failure.exitcode).name}"
         except ValueError:
             return rank, f"died with signal {-failure.exitcode}"
-    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    # The error file's message: "Type: text" from @record, as a string or under "message".
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
-    last = [line for line in message.strip().splitlines() if line.strip()]
-    if last and "To enable traceback" not in last[-1]:
-        return rank, f"failed: {failure_line(last[-1])}"
+
+    def message(failure) -> str:  # the error file's "Type: text" from @record, as a string or under "message"
+        text = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+        return "" if "To enable traceback" in text else text.strip()
+
+    # The earliest failure, but never a peer's symptom ("Connection closed by peer") before a real cause.
+    rank, failure = min(failures.items(), key=lambda item: (is_peer_symptom(message(item[1])), item[1].timestamp,
+                                                            item[0]))
+    text = message(failure)
+    if text:
+        return rank, f"failed: {failure_line(exception_line(text))}"
     return rank, f"exited with code {failure.exitcode}"
 
 

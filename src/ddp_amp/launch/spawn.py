@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from ddp_amp.config import JobKind, TrainConfig
 from ddp_amp.dist import LOOPBACK, loopback_store
-from ddp_amp.errors import RunFailed, failure_line
+from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.process import StopSignal, signal_processes
 
@@ -81,7 +81,7 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
             raise RunFailed(str(stop), exit_code=stop.exit_code)
     except mp.ProcessRaisedException as exc:
         rank, traceback_text = _first_failure(context, exc)
-        last_line = failure_line(traceback_text.splitlines()[-1]) if traceback_text else "unknown error"
+        last_line = failure_line(exception_line(traceback_text)) if traceback_text else "unknown error"
         raise RunFailed(f"rank {rank} failed: {last_line}", details=traceback_text) from None
     except mp.ProcessExitedException as exc:
         why = _abort_message(Path(config.run_dir), exc.error_index) if exc.signal_name == "SIGABRT" else None
@@ -109,18 +109,21 @@ def _first_failure(context: mp.ProcessContext, exc: mp.ProcessRaisedException) -
 
     join() reports whichever failed rank it looks at first, often a rank that only saw its peer vanish
     ("Connection closed by peer"). Each failing rank's wrapper writes its traceback to an error file as it
-    fails, so the oldest file names the root cause.
-    """
+    fails, so the oldest file names the root cause; but a rank whose error is only a peer's symptom never
+    counts first while another rank failed with something else (its peer may close its connections before it
+    raises: a rank that tears down its process group, or one slow to write its file)."""
     written = []
     for rank, path in enumerate(context.error_files):
         try:
-            written.append((os.stat(path).st_mtime_ns, rank, path))
-        except OSError:
+            mtime = os.stat(path).st_mtime_ns
+            with open(path, "rb") as f:
+                text = pickle.load(f).strip()
+        except (OSError, EOFError, pickle.UnpicklingError):
             continue  # this rank did not raise (it succeeded, or was terminated)
+        written.append((is_peer_symptom(exception_line(text)), mtime, rank, text))
     if written:
-        _, rank, path = min(written)
-        with open(path, "rb") as f:
-            return rank, pickle.load(f).strip()
+        _, _, rank, text = min(written)
+        return rank, text
     return exc.error_index, str(exc).split("terminated with the following error:", 1)[-1].strip()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -45,10 +47,39 @@ def wrap_ddp(model: torch.nn.Module, config: TrainConfig, device: torch.device) 
     ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=config.bucket_mb, gradient_as_bucket_view=config.bucket_view,
               static_graph=config.static_graph, find_unused_parameters=config.find_unused_parameters,
-              broadcast_buffers=config.broadcast_buffers)
+              # torch 2.13's name for broadcast_buffers (which now warns): buffers are still made equal once,
+              # when DDP wraps the model, and then broadcast from rank 0 at each forward only when on.
+              forward_sync_buffers=config.broadcast_buffers)
     if config.grad_compression != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
         ddp.register_comm_hook(None, hook[config.grad_compression])  # None: the default process group
     return ddp
+
+
+UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+STATIC_GRAPH_CHANGED = "not compatible with static_graph set to True"
+
+
+def ddp_error_line(exc: BaseException, model: DDP, step: int) -> str | None:
+    """DDP's known errors as one line that names the cause and the flag, or None for any other error.
+
+    "Expected to have finished reduction...": parameters that got no gradient in the previous step (a branch
+    not taken); DDP lists their indices among the parameters that require gradients, named here. The same
+    start with "static_graph" is a graph that changed under --static-graph."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or UNFINISHED_REDUCTION not in text:
+        return None
+    if STATIC_GRAPH_CHANGED in text:
+        return (f"step {step + 1}: the model used other parameters than in the steps before (a branch not taken "
+                "every step), which --static-graph does not allow; drop --static-graph, and pass "
+                "--find-unused-parameters if some parameters get no gradient in some steps")
+    names = [name for name, p in model.module.named_parameters() if p.requires_grad]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
+    unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
+    which = (f"{len(unused)} parameter{'s' if len(unused) > 1 else ''} got no gradient in step {step} ("
+             + ", ".join(unused[:8]) + (", ..." if len(unused) > 8 else "") + ")") if unused else \
+        f"some parameters got no gradient in step {step}"
+    return (f"{which}: the model does not use every parameter in every step, which DDP must be told of; pass "
+            "--find-unused-parameters (or make every parameter take part in the loss)")

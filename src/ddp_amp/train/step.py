@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp.errors import RankOutOfMemory
+from ddp_amp.errors import RankOutOfMemory, RankSetupError
 from ddp_amp.precision import Precision, autocast
 from ddp_amp.tasks import batch_loss
 from ddp_amp.train.data import to_device
@@ -31,6 +31,7 @@ from ddp_amp.train.microbatch import (
     is_out_of_memory,
     split_batch,
 )
+from ddp_amp.train.optim import ddp_error_line
 
 PHASES = ("data", "forward", "backward", "step", "log")
 """Where the training loop can be, in order within one optimizer step; `AmpStep.position` names one."""
@@ -105,6 +106,8 @@ class AmpStep:
             grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
             stepped = self.optimizer_step()
         except Exception as exc:
+            if (line := ddp_error_line(exc, self.model, step)) is not None:
+                raise RankSetupError(line) from exc
             if isinstance(exc, RankOutOfMemory) or not is_out_of_memory(exc):
                 raise
             raise RankOutOfMemory(self._out_of_memory_line(step)) from exc
