@@ -104,7 +104,7 @@ def test_epochs_over_an_iterable_without_a_length_is_one_line(tmp_path):
     assert "--epochs" in verdict and "--steps" in verdict and "iterable" in verdict, verdict
 
 
-ITERABLE_RUN = ["--steps", "14", "--batch-size", "2", "--checkpoint-every", "2", "--log-every", "1"]
+ITERABLE_RUN = ["--steps", "30", "--batch-size", "2", "--checkpoint-every", "2", "--log-every", "1"]
 
 
 def _stopped_then_resumed(tmp_path, name: str, env: dict) -> tuple[Path, str]:
@@ -112,7 +112,8 @@ def _stopped_then_resumed(tmp_path, name: str, env: dict) -> tuple[Path, str]:
     run_dir = tmp_path / "resumed"
     stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *FP32_SGD, "--task", task(name),
                               *ITERABLE_RUN, "--run-dir", str(run_dir)], capture_output=True, text=True,
-                             start_new_session=True, env={**os.environ, **env, "DDP_AMP_TEST_STOP_AT": "9"},
+                             start_new_session=True, env={**os.environ, **env, "DDP_AMP_TEST_STOP_AT": "9",
+                                                          "DDP_AMP_TEST_STEP_SLEEP": "0.05"},
                              timeout=180)
     assert stopped.returncode == 143, stopped.stderr
     resumed = spawn(run_dir, "--task", task(name), *ITERABLE_RUN, "--resume", "auto", env=env)

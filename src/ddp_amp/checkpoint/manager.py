@@ -43,13 +43,16 @@ class CheckpointManager:
         return self.last_step == step
 
     def save(self, trainer: Trainer, step: int) -> None:
-        rng = [None] * self.env.world_size
-        dist.all_gather_object(rng, fileformat.rng_state(self.device))  # a collective: every rank, every time
+        ranks = [None] * self.env.world_size
+        # A collective: every rank, every time. Each rank's RNG states and, for iterable data, its position.
+        dist.all_gather_object(ranks, (fileformat.rng_state(self.device), trainer.data.rank_state()))
         self.last_step = step
         if not self.env.writes_run_dir:
             return
         self.wait()
+        rng, data_ranks = [r for r, _ in ranks], [d for _, d in ranks]
         state = {"step": step, "trainer": _to_host(trainer.state_dict()), "rng": rng,
+                 **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
                  "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
         self._thread = threading.Thread(target=self._write, args=(state,), name="ddp-amp-checkpoint")
         self._thread.start()
@@ -112,7 +115,8 @@ class CheckpointManager:
         differ = fileformat.mismatches(state["config"], dataclasses.asdict(config))
         if differ:
             raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
-        trainer.load_state_dict(state["trainer"], state["step"], saved_world_size=state["world_size"])
+        trainer.load_state_dict(state["trainer"], state["step"], saved_world_size=state["world_size"],
+                                data_ranks=state.get("data_ranks"))
         if env.rank < len(state["rng"]):  # an elastic job that grew: the new ranks keep their seeded streams
             fileformat.set_rng_state(state["rng"][env.rank], self.device)
         if env.writes_run_dir:  # each step logged once, in order: cut back to where this group continues

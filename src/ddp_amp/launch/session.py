@@ -179,6 +179,13 @@ def check_outcome(run_dir: Path, config: TrainConfig) -> None:
         report_stop(run_dir, config)
     if summary and (failure := failure_of(summary, run_dir)):
         raise RunFailed(failure)
+    if skipped := summary.get("resumed_skipping_items"):
+        step = summary["resumed_from_step"]
+        say(f"ddp-amp: resumed at step {step}: skipped the {skipped} items trained before step {step} (the data set "
+            "has no state_dict/load_state_dict, so its stream was read again from the start)")
+    if (ended := summary.get("data_ended_at_step")) is not None:
+        say(f"ddp-amp: the data ran out at step {ended}: every rank stopped there"
+            + (f"; {summary['model_path']} written" if summary.get("model_path") else ""))
 
 
 def report_recovery(config: TrainConfig, log_path: Path, model) -> None:

@@ -24,7 +24,7 @@ from ddp_amp.dist import DistEnv
 from ddp_amp.precision import Precision, grad_scaler
 from ddp_amp.tasks import Task
 from ddp_amp.train.batch_search import largest_batch
-from ddp_amp.train.data import RankData, loader_workers
+from ddp_amp.train.data import IterableRankData, RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
@@ -77,9 +77,15 @@ class Trainer:
         self.optimizer_impl = optimizer_impl(config, precision)
         self.optimizer = build_optimizer(self.module, config, self.optimizer_impl)
         self.scaler = grad_scaler(precision, device.type)
-        self.data = RankData(task.dataset, env, device, batch_size=config.batch_size, seed=config.seed,
-                             workers=loader_workers(config.num_workers, device, env.local_world_size),
-                             collate_fn=task.collate_fn)
+        workers = loader_workers(config.num_workers, device, env.local_world_size)
+        if is_iterable(task.dataset):
+            self.data: RankData | IterableRankData = IterableRankData(
+                task.dataset, env, device, batch_size=config.batch_size, workers=workers,
+                grad_accum=config.grad_accum, collate_fn=task.collate_fn, sharded=task.data_sharded,
+                epochs=config.epochs)
+        else:
+            self.data = RankData(task.dataset, env, device, batch_size=config.batch_size, seed=config.seed,
+                                 workers=workers, collate_fn=task.collate_fn)
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
                                          warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
@@ -101,6 +107,8 @@ class Trainer:
         ranks a step later (train.stop)."""
         self.stopped_at: int | None = None
         self.stopped_by: int | None = None
+        self.data_ended_at: int | None = None
+        """Iterable data: the step after which some rank's data ran out, where every rank stopped."""
         self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
                                      Path(config.run_dir))
 
@@ -138,14 +146,17 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 **self.data.state_dict(), "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None) -> None:
-        """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks."""
+    def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None,
+                        data_ranks: list | None = None) -> None:
+        """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks;
+        `data_ranks`: every rank's position in iterable data."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])  # the loss scale and its growth tracker
         self.data.load_state_dict(state, saved_world_size)
+        self.data.load_rank_state(data_ranks, saved_world_size)
         self.skipped_steps = state["skipped_steps"]
         self.start_step = step
         if saved_world_size not in (None, self.env.world_size) and self.config.steps is None:
@@ -181,19 +192,24 @@ class Trainer:
         divergence = DivergenceWatch(config.max_nonfinite, self.device)
         stop = StopAgreement(lambda: self.stop_signal())
         diverged: dict[str, Any] | None = None
-        batches = self.data.batches()
+        iterable = isinstance(self.data, IterableRankData)
+        batches = None if iterable else self.data.batches()
         steps_done = self.start_step
+        data_left = self.data.can_run(self.start_step)  # iterable data: whether every rank has a first step
         self.model.train()
-        for step in range(self.start_step, self.total_steps):
+        for step in range(self.start_step, self.total_steps if data_left else self.start_step):
             number = step + 1
             self.profiler.before_step(number)
             lr = self.scheduler.get_last_lr()[0]
             log_due = number % config.log_every == 0 or number == self.total_steps
-            outcome = self.step(batches, step, want_norm=log_due)
+            outcome = self.step(self.data.take() if iterable else batches, step, want_norm=log_due)
             if not outcome.stepped:
                 self.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update
             diverged = divergence.end_step(number, outcome.loss, outcome.stepped)
             metrics.step_done(number, outcome)
+            if number < self.total_steps and not self.data.can_run(number):  # the same step on every rank
+                self.data_ended_at = number
+                log_due = True
             if log_due or diverged is not None:
                 self.step.position = (step, config.grad_accum, LOG)
                 # A tripped divergence watch rides along with the log's all-reduce: every rank learns of it at
@@ -209,9 +225,12 @@ class Trainer:
             if (signum := stop.agreed(number)) and number < self.total_steps:  # a signal on any rank, lately
                 self.stopped_at, self.stopped_by = number, signum
             steps_done = number
-            if diverged is not None or self.stopped_at is not None:
+            if diverged is not None or self.stopped_at is not None or self.data_ended_at is not None:
                 break  # every rank breaks here, at the same step: no rank waits in a collective alone
+        if not data_left:
+            self.data_ended_at = self.start_step
         stop.close()
+        self.data.close()
         summary = {**self._describe(steps_done), **metrics.summary(steps_done)}
         if diverged is not None:
             summary["diverged"] = diverged
@@ -220,6 +239,10 @@ class Trainer:
             summary["stopped_by"] = signal.Signals(self.stopped_by).name
         if self.start_step:
             summary["resumed_from_step"] = self.start_step
+        if self.data_ended_at is not None:
+            summary["data_ended_at_step"] = self.data_ended_at
+        if getattr(self.data, "skipped_items", 0):
+            summary["resumed_skipping_items"] = self.data.skipped_items
         if self.micro is not None:
             summary["micro_batch_size"] = self.micro.size
             summary["micro_batch_changes"] = self.micro.changes
@@ -230,7 +253,8 @@ class Trainer:
         config, world_size = self.config, self.env.world_size
         return {
             "task": config.task, "world_size": world_size, "steps": steps_done,
-            "epochs": round(steps_done * config.grad_accum / self.data.batches_per_epoch, 3),
+            "epochs": (round(steps_done * config.grad_accum / self.data.batches_per_epoch, 3)
+                       if self.data.batches_per_epoch else None),
             "batch_size": config.batch_size, "global_batch_size": config.batch_size * config.grad_accum * world_size,
             "precision": self.precision.name, "device": str(self.device.type), "backend": dist.get_backend(),
             "skipped_steps": self.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0], "seed": config.seed,
