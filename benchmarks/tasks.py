@@ -20,3 +20,25 @@ def wide_regression(samples: int = 8192, seed: int = 1234) -> Task:
         layers += [nn.Linear(width_in, width_out), nn.GELU()]
     model = nn.Sequential(*layers[:-1])
     return Task(model=model, dataset=TensorDataset(inputs, inputs @ teacher), loss_fn=nn.functional.mse_loss)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A map-style data set read as a stream, in order: the same items, through ddp-amp's iterable path."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self):
+        return (self.dataset[i] for i in range(len(self.dataset)))
+
+
+def mlp_stream() -> Task:
+    """The default task (mlp) with its training set as an iterable data set."""
+    from ddp_amp.tasks.mlp import build
+
+    task = build()
+    task.dataset = _Stream(task.dataset)
+    return task

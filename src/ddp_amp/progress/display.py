@@ -203,6 +203,9 @@ def summary_footer(model: ProgressModel) -> list[str]:
         return []
     lines = [f"wall time {summary['wall_s']:.1f}s, time to first step {summary['time_to_first_step_s']:.1f}s, "
              f"{summary['samples_per_s']:.0f} samples/s global, precision {summary['precision']}"]
+    if summary.get("frozen_parameters"):
+        lines.append(f"parameters: {summary['trainable_parameters']:,} trained, {summary['frozen_parameters']:,} "
+                     "frozen (left out of the optimizer)")
     if summary.get("eval"):
         lines.append("eval: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items()))
     if summary.get("model_path"):

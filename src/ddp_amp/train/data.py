@@ -271,6 +271,8 @@ class IterableRankData:
         self._batches: Iterator[Any] | None = None
         self._timer: tuple[int, float] | None = None
         self.depth = 1
+        self.agreement_s, self.agreements = 0.0, 0
+        """Host time spent issuing and reading the end agreement (the cost a step sees), and how many."""
         self.items = 0
         """Items this rank has fetched for its steps (from the start of the run, resumes included)."""
         self.skipped_items = 0
@@ -315,13 +317,18 @@ class IterableRankData:
         """Offer, asynchronously, the last step this rank can fill: up to `depth` beyond the agreed one."""
         agreed = self.limit if self.limit is not None else step
         self._fill(agreed - step + self.depth)
+        started = time.perf_counter()
         self.proposal.fill_(float(step + len(self.buffer)))
         self.work = dist.all_reduce(self.proposal, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        self.agreement_s += time.perf_counter() - started
 
     def _settle(self) -> None:
+        started = time.perf_counter()
         self.work.wait()  # issued `depth` steps ago: done by now, this returns at once
         self.work = None
         self.limit = int(self.proposal.item())
+        self.agreement_s += time.perf_counter() - started
+        self.agreements += 1
 
     def _adapt_depth(self, step: int) -> None:
         now = time.perf_counter()

@@ -241,6 +241,8 @@ class Trainer:
             summary["resumed_from_step"] = self.start_step
         if self.data_ended_at is not None:
             summary["data_ended_at_step"] = self.data_ended_at
+        if iterable:
+            summary["data_agreement"] = {"seconds": self.data.agreement_s, "count": self.data.agreements}
         if getattr(self.data, "skipped_items", 0):
             summary["resumed_skipping_items"] = self.data.skipped_items
         if self.micro is not None:
