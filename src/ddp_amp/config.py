@@ -120,6 +120,12 @@ class TrainConfig:
     """Write RUN_DIR/checkpoints/step-<N>.pt every this many optimizer steps (0: never)."""
     keep: int = 2
     """How many of the newest checkpoints to keep."""
+    init_from: str | None = None
+    """Initial weights before training: a state_dict file (.pt/.bin), a .safetensors file, a directory written by
+    save_pretrained, a ddp-amp model.pt or checkpoint (its model). A --resume checkpoint wins over it."""
+    init_strict: bool = True
+    """--init-from must fill every tensor of the model and hold no other; --no-init-strict loads the matching ones
+    and reports how many were missing and unexpected."""
     resume: str | None = None
     """A checkpoint to continue from: a path, or "auto" for the run dir's newest valid one (the launcher
     resolves "auto" to a path before any rank starts)."""

@@ -99,6 +99,7 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         if job == "doctor":
             return _doctor(config, env, device, precision, ready_at=time.time())
         task = setup.build_checked_task(config, env)
+        initial = setup.load_initial_weights(task, config)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter, time_steps=job == "bench",
                           stop_signal=lambda: STOP_REQUEST.signum)
@@ -113,9 +114,9 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         memory = peak_memory(device)  # of training: before rank 0's evaluation
         summary = _finish_training(trainer, result, memory, bench=job == "bench")
         summary.update(restarts=restarts, threads_per_rank=threads, tf32=config.tf32, flush_denormal=flushing,
-                       worker_start_s=started - (config.launch_time or started))
-        if resumed is not None:
-            summary["resumed_from"] = resumed  # the checkpoint's path; its step is resumed_from_step
+                       worker_start_s=started - (config.launch_time or started),
+                       **({"resumed_from": resumed} if resumed is not None else {}),  # its step: resumed_from_step
+                       **({"init_from": {**initial, "used": resumed is None}} if initial is not None else {}))
         rank_times = None
         if job == "bench":  # every rank's step times, for the launcher's analysis
             rank_times = [None] * env.world_size

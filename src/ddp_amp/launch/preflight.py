@@ -31,6 +31,8 @@ class LaunchPlan:
     config_path: Path
     run_dir_lock: object = None
     """The run directory's lock, held as long as this plan (the launch) lives."""
+    init: dict | None = None
+    """--init-from: what of the file fits the model (loaded, missing, unexpected tensors)."""
 
 
 def default_run_dir() -> Path:
@@ -71,6 +73,31 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
              f"{per_step * saved} to {per_step * world_size} samples; each remaining sample of the epoch is still "
              "trained on once" + (", and the schedule keeps its end" if config.steps is None else ""))
     return str(path.resolve())
+
+
+def check_init_from(config: TrainConfig, factory) -> dict[str, int]:
+    """--init-from against the task's model, before anything starts: its keys and shapes, built on the meta
+    device (no memory, no initialisation) where the factory allows, else for real."""
+    import torch
+
+    from ddp_amp.checkpoint.weights import WeightsError, fit, read_weights
+
+    try:
+        state = read_weights(config.init_from)
+    except WeightsError as exc:
+        raise UsageError(f"--init-from {exc}") from None
+    try:
+        with torch.device("meta"):
+            model_state = factory().model.state_dict()
+    except Exception:  # a factory that reads files or moves tensors itself: built as the ranks will
+        torch.manual_seed(config.seed)
+        model_state = factory().model.state_dict()
+    result = fit(state, model_state)
+    if problems := result.problems(config.init_strict):
+        raise UsageError(f"--init-from {config.init_from} does not fit the model of --task {config.task}: "
+                         + "; ".join(problems) + ("" if result.mismatched or not config.init_strict else
+                                                  " (--no-init-strict loads the tensors that match)"))
+    return result.counts()
 
 
 def check_max_memory(config: TrainConfig, device_type: str) -> None:
@@ -143,7 +170,8 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     check_tensorboard(config)
     from ddp_amp.tasks import resolve_factory
 
-    resolve_factory(config.task, config.task_arg)
+    factory = resolve_factory(config.task, config.task_arg)
+    init = check_init_from(config, factory) if config.init_from is not None else None
     if config.resume is not None:
         config = config.replace(resume=resolve_resume(config, world_size))
     # Last, so that a rejected launch leaves nothing behind.
@@ -162,4 +190,4 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     except OSError as exc:
         raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
-                      run_dir_lock=prepared.lock)
+                      run_dir_lock=prepared.lock, init=init)

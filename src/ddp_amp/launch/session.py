@@ -126,6 +126,13 @@ def _announce(launch: Launch) -> None:
         f"task {config.task}, run dir {config.run_dir}")
     if plan.precision.warning:
         say(f"ddp-amp: warning: {plan.precision.warning}")
+    if plan.init is not None:
+        if config.resume is not None:
+            say(f"ddp-amp: --init-from {config.init_from} is not used: --resume continues from {config.resume}")
+        else:
+            say(f"ddp-amp: initial weights from {config.init_from}: {plan.init['loaded']} tensors"
+                + (f" ({plan.init['missing']} of the model's missing, {plan.init['unexpected']} of the file's "
+                   "unexpected: --no-init-strict)" if plan.init["missing"] or plan.init["unexpected"] else ""))
 
 
 def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = None, exit_code: int = 1) -> None:

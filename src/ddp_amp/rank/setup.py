@@ -10,6 +10,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -165,3 +166,17 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
     # draw the same masks and waste data parallelism; it is still fixed by the seed and the rank.
     seed_rank_randomness(config.seed + env.rank)
     return task
+
+
+def load_initial_weights(task: Task, config: TrainConfig) -> dict[str, Any] | None:
+    """--init-from, on every rank from the same file (DDP then starts every rank from rank 0's weights anyway):
+    what was loaded, for summary.json. A --resume checkpoint, loaded after, wins over it."""
+    if config.init_from is None:
+        return None
+    from ddp_amp.checkpoint.weights import WeightsError, load_into
+
+    try:
+        counts = load_into(task.model, config.init_from, strict=config.init_strict)
+    except WeightsError as exc:  # the launcher checked it: the file changed since
+        raise RankSetupError(str(exc)) from None
+    return {"path": config.init_from, **counts}

@@ -231,7 +231,12 @@ class Trainer:
             self.data_ended_at = self.start_step
         stop.close()
         self.data.close()
-        summary = {**self._describe(steps_done), **metrics.summary(steps_done)}
+        summary = self._summary(steps_done, metrics.summary(steps_done), diverged)
+        return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
+
+    def _summary(self, steps_done: int, figures: dict[str, Any], diverged: dict[str, Any] | None) -> dict[str, Any]:
+        """summary.json's account of the loop: what ran, its figures, and how it ended."""
+        summary = {**self._describe(steps_done), **figures}
         if diverged is not None:
             summary["diverged"] = diverged
         if self.stopped_at is not None:
@@ -241,14 +246,14 @@ class Trainer:
             summary["resumed_from_step"] = self.start_step
         if self.data_ended_at is not None:
             summary["data_ended_at_step"] = self.data_ended_at
-        if iterable:
+        if isinstance(self.data, IterableRankData):
             summary["data_agreement"] = {"seconds": self.data.agreement_s, "count": self.data.agreements}
         if getattr(self.data, "skipped_items", 0):
             summary["resumed_skipping_items"] = self.data.skipped_items
         if self.micro is not None:
             summary["micro_batch_size"] = self.micro.size
             summary["micro_batch_changes"] = self.micro.changes
-        return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
+        return summary
 
     def _describe(self, steps_done: int) -> dict[str, Any]:
         """What ran: summary.json's description of the run, beside the metrics' figures."""

@@ -1,0 +1,144 @@
+"""Model weights in and out of the formats users hold them in: --init-from and `ddp-amp export`.
+
+Read: a state_dict file (.pt/.bin, ddp-amp's model.pt among them), a .safetensors file, a directory written by
+`save_pretrained` (model.safetensors or pytorch_model.bin, sharded or not), or a ddp-amp checkpoint (its
+model). Every file is read with weights_only=True (tensors and plain data; nothing unpickled runs). Wrapper
+prefixes torch itself adds (`module.` from DDP/DataParallel, `_orig_mod.` from torch.compile) are removed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+PRETRAINED_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class WeightsError(Exception):
+    """The file is not weights ddp-amp can read, or they do not fit the model: one line, naming it."""
+
+
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise WeightsError(f"{path}: reading .safetensors needs the safetensors package (pip install "
+                               "safetensors)") from None
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise WeightsError(f"{path}: not a state_dict torch can read safely ({type(exc).__name__})") from None
+    if isinstance(state, dict) and {"trainer", "step", "config"} <= state.keys():  # a ddp-amp checkpoint
+        state = state["trainer"]["model"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(f"{path}: holds no state_dict (a mapping of names to tensors)")
+    return state
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state_dict at `path`, in any of the module docstring's forms, wrapper prefixes removed."""
+    path = Path(path)
+    if not path.exists():
+        raise WeightsError(f"{path}: no such file or directory")
+    if path.is_dir():
+        state: dict[str, torch.Tensor] = {}
+        if index := next((path / name for name in INDEX_FILES if (path / name).is_file()), None):
+            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                state.update(_load_file(path / shard))
+        elif found := next((path / name for name in PRETRAINED_FILES if (path / name).is_file()), None):
+            state = _load_file(found)
+        else:
+            raise WeightsError(f"{path}: a directory without {' or '.join(PRETRAINED_FILES)} (not written by "
+                               "save_pretrained)")
+    else:
+        state = _load_file(path)
+    return {_unwrapped(name): tensor for name, tensor in state.items()}
+
+
+def _unwrapped(name: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    return name
+
+
+@dataclass
+class Fit:
+    """How a state_dict fits a model."""
+
+    loadable: dict[str, torch.Tensor] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    """'name: file (a, b) vs model (c, d)'."""
+
+    def problems(self, strict: bool) -> list[str]:
+        found = [f"shapes differ for {_first(self.mismatched)}"] if self.mismatched else []
+        if strict and self.missing:
+            found.append(f"{len(self.missing)} of the model's tensors are not in the file ({_first(self.missing)})")
+        if strict and self.unexpected:
+            found.append(f"{len(self.unexpected)} tensors of the file are not in the model "
+                         f"({_first(self.unexpected)})")
+        return found
+
+    def counts(self) -> dict[str, int]:
+        return {"loaded": len(self.loadable), "missing": len(self.missing), "unexpected": len(self.unexpected)}
+
+
+def _first(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+
+
+def fit(state: dict[str, torch.Tensor], model_state: dict[str, Any]) -> Fit:
+    """`state` against a model's state_dict (tensors, or meta tensors: only names and shapes are read)."""
+    result = Fit()
+    for name, tensor in state.items():
+        if name not in model_state:
+            result.unexpected.append(name)
+        elif tuple(tensor.shape) != tuple(model_state[name].shape):
+            result.mismatched.append(f"{name}: file {tuple(tensor.shape)} vs model {tuple(model_state[name].shape)}")
+        else:
+            result.loadable[name] = tensor
+    result.missing = [name for name in model_state if name not in state]
+    return result
+
+
+def load_into(model: torch.nn.Module, path: str | Path, *, strict: bool) -> dict[str, int]:
+    """--init-from on a rank: the file's tensors copied into `model` (strict: all of them, all of it); the
+    counts of what was loaded, missing and unexpected."""
+    result = fit(read_weights(path), model.state_dict())
+    if problems := result.problems(strict):
+        raise WeightsError(f"--init-from {path}: " + "; ".join(problems))
+    model.load_state_dict(result.loadable, strict=False)
+    return result.counts()
+
+
+def save_weights_file(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A state_dict as .safetensors (by its suffix) or a torch file, written atomically."""
+    from ddp_amp.files import atomic_write
+
+    state = {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save
+        except ImportError:
+            raise WeightsError(f"{path}: writing .safetensors needs the safetensors package") from None
+        # safetensors refuses tensors that share memory (tied weights): store each once, as its own copy.
+        atomic_write(path, save({name: tensor.clone() for name, tensor in state.items()}))
+        return
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write(path, buffer.getvalue())
