@@ -98,9 +98,9 @@ def test_an_iterable_split_by_node_already_is_not_split_again(tmp_path):
 
 
 def test_epochs_over_an_iterable_without_a_length_is_one_line(tmp_path):
-    """Found by the ranks, which build the data set (the launcher does not build the task): exit 1."""
+    """Found by the ranks, which build the data set (the launcher does not build the task): one line, exit 2."""
     result = spawn(tmp_path, "--task", task("stream"), "--epochs", "2", env={"DDP_AMP_TEST_INDEX_LOG": str(tmp_path)})
-    assert result.returncode == 1
+    assert result.returncode == 2
     verdict = last_line(result.stderr)
     assert "--epochs" in verdict and "--steps" in verdict and "iterable" in verdict, verdict
 
@@ -228,3 +228,80 @@ def test_the_rank_that_failed_first_is_named_not_the_peer_that_saw_it_die(tmp_pa
     assert result.returncode == 1
     verdict = last_line(result.stderr)
     assert "rank 1" in verdict and "the real cause, on rank 1" in verdict, verdict
+
+
+def _metrics_lines(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_validation_on_two_ranks_counts_each_sample_once(tmp_path):
+    """37 validation samples over 2 ranks: the logged val_loss at the end is the one-process loss of model.pt
+    over the whole set (a padded duplicate would shift it), at every --eval-every step and at the end."""
+    run_dir = tmp_path / "run"
+    assert_ok(spawn(run_dir, "--task", task("with_validation"), "--steps", "9", "--batch-size", "4",
+                    "--eval-every", "4"))
+    evaluations = [m for m in _metrics_lines(run_dir) if "val_loss" in m]
+    assert [m["step"] for m in evaluations] == [4, 8, 9]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("user_tasks_val", USER_TASKS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reference = module.with_validation()
+    reference.model.load_state_dict(load_weights(run_dir))
+    x, y = reference.val_dataset.x, reference.val_dataset.y
+    with torch.no_grad():
+        output = reference.model(x)
+    assert evaluations[-1]["val_loss"] == pytest.approx(torch.nn.functional.mse_loss(output, y).item(), abs=1e-6)
+    assert evaluations[-1]["val_abs_error"] == pytest.approx((output - y).abs().mean().item(), abs=1e-6)
+    summary = read_summary(run_dir)
+    assert summary["validation"]["evaluations"] == 3 and summary["validation"]["seconds_each"] > 0
+
+
+KEEP_BEST = ["--task", task("val_passes_optimum"), "--steps", "30", "--batch-size", "8", "--eval-every", "2",
+             "--checkpoint-every", "2", "--keep", "1", "--keep-best", "val_loss", "--log-every", "2"]
+
+
+def _assert_best_kept(run_dir: Path) -> int:
+    evaluations = [m for m in _metrics_lines(run_dir) if "val_loss" in m]
+    best = min(evaluations, key=lambda m: m["val_loss"])
+    assert 2 < best["step"] < 30, evaluations  # the task's validation loss falls, then rises
+    summary = read_summary(run_dir)
+    assert summary["best"]["step"] == best["step"] and summary["best"]["metric"] == "val_loss"
+    assert summary["best"]["value"] == pytest.approx(best["val_loss"])
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt"))
+    assert kept == sorted([f"step-{best['step']}.pt", "step-30.pt"]), kept  # --keep 1, and the best
+    checkpoint = torch.load(run_dir / "checkpoints" / f"step-{best['step']}.pt", weights_only=True)
+    model_best = torch.load(run_dir / "model_best.pt", weights_only=True)
+    for key, value in checkpoint["trainer"]["model"].items():
+        assert torch.equal(model_best[key], value), key
+    return best["step"]
+
+
+def test_keep_best_keeps_the_best_steps_checkpoint_and_weights(tmp_path):
+    _assert_best_kept(tmp_path / "run") if assert_ok(spawn(tmp_path / "run", *KEEP_BEST)) is None else None
+
+
+def test_keep_best_survives_a_resume(tmp_path):
+    whole = tmp_path / "whole"
+    assert_ok(spawn(whole, *KEEP_BEST))
+    best = _assert_best_kept(whole)
+    run_dir = tmp_path / "resumed"
+    stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *FP32_SGD, *KEEP_BEST,
+                              "--run-dir", str(run_dir)], capture_output=True, text=True, start_new_session=True,
+                             # loss calls: one a step, and the evaluations' batches (3 a rank, every 2 steps)
+                             env={**os.environ, "DDP_AMP_TEST_STOP_AT": str((best + 1) * 5 // 2),
+                                  "DDP_AMP_TEST_STEP_SLEEP": "0.05"}, timeout=180)
+    assert stopped.returncode == 143, stopped.stderr
+    assert read_summary(run_dir)["stopped_at_step"] > best
+    assert_ok(spawn(run_dir, *KEEP_BEST, "--resume", "auto"))
+    assert _assert_best_kept(run_dir) == best
+
+
+def test_keep_best_of_a_metric_the_evaluation_does_not_log_is_one_line(tmp_path):
+    result = spawn(tmp_path / "run", "--task", task("with_validation"), "--steps", "2", "--keep-best", "val_acc")
+    assert result.returncode == 2, result.stderr
+    verdict = last_line(result.stderr)
+    assert "--keep-best val_acc" in verdict and "val_abs_error" in verdict and "Traceback" not in result.stderr

@@ -329,3 +329,49 @@ def real_failure_after_peer_sees_it_die() -> Task:
         return nn.functional.mse_loss(output, target)
 
     return Task(model=nn.Linear(8, 1), dataset=_Regression(), loss_fn=loss_fn)
+
+
+# Validation, the best step, fine-tuning -----------------------------------------------------------------------
+
+VAL_SAMPLES = 37  # odd: 2 ranks cannot share it evenly, so padding (a duplicate) would show in the mean
+
+
+class _Line(Dataset):
+    def __init__(self, size: int, slope: float, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, 1, generator=gen)
+        self.y = slope * self.x + 0.05 * torch.randn(size, 1, generator=gen)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def _abs_error(output, target):
+    return {"abs_error": (output - target).abs().mean()}
+
+
+def with_validation() -> Task:
+    """A regression with an odd-sized validation set and a metric beside the loss."""
+    model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    return Task(model=model, dataset=_Line(64, 2.0, 1), loss_fn=nn.functional.mse_loss,
+                val_dataset=_Line(VAL_SAMPLES, 2.0, 2), val_metrics=_abs_error)
+
+
+def val_passes_optimum() -> Task:
+    """Training pulls the weight from 0 to 2; the validation set's best is 1, passed on the way: its loss falls,
+    then rises, so the best step is in the middle of the run."""
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    pause = float(os.environ.get("DDP_AMP_TEST_STEP_SLEEP", "0"))
+
+    def loss_fn(output, target):
+        if pause:
+            time.sleep(pause)
+        return _stop_at_env(nn.functional.mse_loss(output, target))
+
+    return Task(model=model, dataset=_Line(64, 2.0, 3), loss_fn=loss_fn, val_dataset=_Line(VAL_SAMPLES, 1.0, 4),
+                val_metrics=_abs_error)

@@ -14,7 +14,14 @@ from typing import Literal
 
 from ddp_amp.errors import UsageError
 from ddp_amp.files import DirectoryInUse, DirectoryLock, remove_partial_writes
-from ddp_amp.outputs import METRICS_FILE, MODEL_FILE, STEP_TIMES_FILE, SUMMARY_FILE
+from ddp_amp.outputs import (
+    BEST_MODEL_FILE,
+    METRICS_FILE,
+    MODEL_FILE,
+    PRETRAINED_DIR,
+    STEP_TIMES_FILE,
+    SUMMARY_FILE,
+)
 
 DEVICES = ("auto", "cpu", "cuda")
 AMP_MODES = ("auto", "on", "off")
@@ -116,6 +123,12 @@ class TrainConfig:
     flush_denormal: str = "auto"
     """CPU ranks: on flushes subnormal floats (below 1.2e-38) to zero, which CPUs otherwise compute on a path
     many times slower (torch.set_flush_denormal); auto: on for CPU ranks. Numerics change only below 1.2e-38."""
+    eval_every: int = 0
+    """Evaluate Task.val_dataset every this many optimizer steps, and at the end (0: at the end only); every rank
+    a disjoint share, each sample counted once."""
+    keep_best: str | None = None
+    """METRIC[:min|max] (a val_ name; min for a loss, else max, unless given): RUN_DIR/model_best.pt holds the
+    weights of the best evaluation, and that step's checkpoint is never pruned."""
     checkpoint_every: int = 0
     """Write RUN_DIR/checkpoints/step-<N>.pt every this many optimizer steps (0: never)."""
     keep: int = 2
@@ -265,6 +278,13 @@ class TrainConfig:
             problems.append(f"--num-workers must be >= 0, got {self.num_workers}")
         if self.seed < 0:
             problems.append(f"--seed must be >= 0, got {self.seed}")
+        if self.eval_every < 0:
+            problems.append(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.keep_best is not None:
+            metric, _, mode = self.keep_best.partition(":")
+            if not metric.startswith("val_") or mode not in ("", "min", "max"):
+                problems.append(f"--keep-best {self.keep_best!r} is not METRIC[:min|max] with METRIC a val_ name "
+                                "(val_loss, or val_<a name of Task.val_metrics>)")
         return problems
 
     def _memory_problems(self) -> list[str]:
@@ -307,8 +327,9 @@ class PreparedRunDir:
     """Held by the launcher for the whole launch: a second launch into the same directory is refused."""
 
 
-EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE)
-EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile")  # checkpoint.fileformat, rank.reporter, profiling
+EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE)
+# checkpoint.fileformat, rank.reporter, profiling, the pretrained format
+EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR)
 
 
 def clear_earlier_run(path: Path) -> None:

@@ -26,12 +26,21 @@ class RankSetupError(Exception):
     message says it all: it is reported as one line, without the traceback that led to it."""
 
 
+class RankUsageError(RankSetupError):
+    """A flag that does not fit what only a rank can see (the task's data set, the metrics its evaluation
+    logs): one line, and the launcher exits 2, as for any other bad flag."""
+
+
+def is_usage_failure(exception_line: str) -> bool:
+    return exception_line.strip().split(":", 1)[0].endswith("RankUsageError")
+
+
 class RankOutOfMemory(Exception):
     """A rank ran out of memory where no halving of --micro-batch can help. Reported as one line, like
     RankSetupError; the allocator's own error and traceback stay in the rank's log."""
 
 
-SELF_EXPLAINING = ("RankSetupError", "RankOutOfMemory")
+SELF_EXPLAINING = ("RankSetupError", "RankUsageError", "RankOutOfMemory")
 
 
 def failure_line(last_traceback_line: str) -> str:

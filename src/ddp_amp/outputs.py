@@ -21,14 +21,18 @@ DOCTOR_FILE = "doctor.json"  # only from the doctor job (ddp-amp doctor): every 
 DUMP_DIR = "flight_recorder"  # a failed or stalled rank's flight record: DUMP_DIR/rank<N>.json
 
 
-def save_weights(run_dir: Path, model: Any) -> Path:
+BEST_MODEL_FILE = "model_best.pt"  # --keep-best: the weights of the best evaluation so far
+PRETRAINED_DIR = "pretrained"  # a model with save_pretrained: its own format, written at the end
+
+
+def save_weights(run_dir: Path, model: Any, name: str = MODEL_FILE) -> Path:
     """The plain state_dict (no DDP `module.` prefix, CPU tensors), loadable with weights_only=True."""
     import torch
 
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    path = run_dir / MODEL_FILE
+    path = run_dir / name
     atomic_write(path, buffer.getvalue())
     return path
 

@@ -53,7 +53,7 @@ def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
     return {key: state[key] for key in METADATA}
 
 
-def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int, protect_step: int | None = None) -> Path:
     """Write step-<N>.pt atomically (temporary file, fsync, rename: a kill at any instant leaves the previous
     checkpoint whole) and its metadata beside it, then prune to `keep` (see prune)."""
     directory = checkpoint_dir(run_dir)
@@ -63,15 +63,18 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int) -> Pa
     path = directory / f"step-{state['step']}.pt"
     atomic_write(path, buffer.getbuffer())
     atomic_write(sidecar(path), json.dumps(metadata_of(state), sort_keys=True).encode())
-    prune(run_dir, keep, state["config"].get("launch_time"))
+    prune(run_dir, keep, state["config"].get("launch_time"), protect_step)
     return path
 
 
-def prune(run_dir: str | Path, keep: int, launch_time: float | None) -> None:
+def prune(run_dir: str | Path, keep: int, launch_time: float | None, protect_step: int | None = None) -> None:
     """Keep the newest `keep` checkpoints, this launch's first: an earlier run's, whatever its steps (a longer
-    run's reach higher), never outranks one this launch wrote."""
+    run's reach higher), never outranks one this launch wrote. The best step's (--keep-best) is never pruned,
+    and does not count against `keep`."""
     ranked = []
     for path in checkpoints(run_dir):
+        if protect_step is not None and path.name == f"step-{protect_step}.pt":
+            continue
         try:
             mine = read_metadata(path)["config"].get("launch_time") == launch_time
         except CheckpointError:

@@ -71,7 +71,8 @@ class CheckpointManager:
                 print(f"warning: no checkpoint at step {state['step']}: inf/NaN in {bad[0].lstrip('.')}", flush=True)
                 self.nonfinite_steps.append(state["step"])
                 return
-            self.last_path = fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep)
+            best = (state["trainer"].get("best") or {}).get("step")
+            self.last_path = fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep, protect_step=best)
         except BaseException as exc:  # re-raised in the training thread, at the next save or at close
             self._error = exc
 

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from ddp_amp.config import JobKind, TrainConfig
 from ddp_amp.dist import LOOPBACK, loopback_store
-from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom
+from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom, is_usage_failure
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.process import StopSignal, signal_processes
 
@@ -81,8 +81,9 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
             raise RunFailed(str(stop), exit_code=stop.exit_code)
     except mp.ProcessRaisedException as exc:
         rank, traceback_text = _first_failure(context, exc)
-        last_line = failure_line(exception_line(traceback_text)) if traceback_text else "unknown error"
-        raise RunFailed(f"rank {rank} failed: {last_line}", details=traceback_text) from None
+        line = exception_line(traceback_text) if traceback_text else "unknown error"
+        raise RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text,
+                        exit_code=2 if is_usage_failure(line) else 1) from None
     except mp.ProcessExitedException as exc:
         why = _abort_message(Path(config.run_dir), exc.error_index) if exc.signal_name == "SIGABRT" else None
         raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}"

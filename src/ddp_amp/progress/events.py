@@ -45,6 +45,9 @@ def plain_line(event: dict[str, Any]) -> str | None:
         if event.get("world_size"):
             details.append(f"world size {event['world_size']}")
         return f"[rank {rank}] {event['status']}" + (f" ({', '.join(details)})" if details else "")
+    if kind == "eval":
+        values = " ".join(f"{k} {v:.4g}" for k, v in event.items() if k.startswith("val_") and isinstance(v, float))
+        return f"[rank {rank}] eval at step {event['step']}: {values}" if rank == 0 else None
     if kind == "done":
         outcome = "stopped" if event.get("stopped") else "done"
         # No loss when no step was logged: a restarted group that resumed from a checkpoint at the last step.

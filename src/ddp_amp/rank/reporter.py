@@ -42,6 +42,13 @@ class WorkerReporter:
         elif self.env.rank == 0 and (line := plain_line(event)):
             print(line, flush=True)
 
+    def on_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation's means (val_loss, val_<metric>) at its step: metrics.jsonl, TensorBoard, an event."""
+        if self.env.writes_run_dir:
+            outputs.append_metrics(self.run_dir, record)
+        self.scalars.write(record, self.item_name)
+        self._send({"type": "eval", **record})
+
     def state(self, status: str, **extra: Any) -> None:
         self._send({"type": "state", "status": status, "local_rank": self.env.local_rank,
                     "node": int(os.environ.get("GROUP_RANK", "0")), "world_size": self.env.world_size, **extra})
@@ -112,7 +119,8 @@ class TensorBoardScalars:
 
             # purge_step: a resumed run's events replace the earlier attempt's from its first logged step on.
             self.writer = SummaryWriter(str(self.directory), purge_step=step)
-        for key, tag in self.TAGS.items():
+        tags = {**self.TAGS, **{key: f"val/{key[4:]}" for key in record if key.startswith("val_")}}
+        for key, tag in tags.items():
             value = record.get(key)
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(tag, value, step)

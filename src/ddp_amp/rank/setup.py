@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, resolve_device, set_cpu_threads
-from ddp_amp.errors import RankSetupError
+from ddp_amp.errors import RankSetupError, RankUsageError
 from ddp_amp.precision import Precision, cpu_has_fast_bf16, cuda_has_native_bf16, resolve_precision
 from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
@@ -122,7 +122,7 @@ def check_task_contract(task: Task, config: TrainConfig) -> None:
     dataset, spec = task.dataset, config.task
     if is_iterable(dataset):
         if config.epochs is not None and not hasattr(dataset, "__len__"):
-            raise RankSetupError(f"--task {spec}: --epochs needs a data set with a length, and this iterable "
+            raise RankUsageError(f"--task {spec}: --epochs needs a data set with a length, and this iterable "
                                  f"({type(dataset).__name__}) has none; train it for --steps N (it stops earlier "
                                  "if the data runs out)")
         return  # its items are seen as they come (looking at one would consume it)

@@ -74,17 +74,32 @@ class Task:
     """Makes a batch of a list of items (padding variable-length sequences, for example); None: torch's default
     collation."""
     data_sharded: bool = False
-    """An iterable dataset that already yields each rank only its own share: ddp-amp leaves it as it is."""
+    """An iterable dataset that already yields each rank only its own share: ddp-amp leaves it as it is (the
+    validation set too)."""
+    val_dataset: Any = None
+    """Optional: the validation set (map-style or iterable, batched by collate_fn), evaluated with --eval-every N
+    and at the end of training: each rank a disjoint share, each sample counted once."""
+    val_metrics: Callable[[Any, Any], dict[str, Any]] | None = None
+    """Optional: `val_metrics(output, target_or_batch) -> {name: scalar tensor}`, means over the batch; logged as
+    val_<name> beside val_loss."""
+
+
+def forward(model: Any, batch: Any) -> tuple[Any, Any]:
+    """(output, what the loss and the metrics compare it with): `model(**batch)` and the batch for a mapping,
+    `model(inputs)` and the target for a pair."""
+    if isinstance(batch, Mapping):
+        return model(**batch), batch
+    inputs, target = batch
+    return model(inputs), target
 
 
 def batch_loss(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None, spec: str = "") -> Any:
     """The loss of one batch as the Task contract says: a mapping batch is `model(**batch)` and, without a
     loss_fn, the output's own loss; a pair is `model(inputs)` and `loss_fn(output, target)`."""
-    if isinstance(batch, Mapping):
-        output, target = model(**batch), batch
-    else:
-        inputs, target = batch
-        output = model(inputs)
+    return output_loss(*forward(model, batch), loss_fn, spec)
+
+
+def output_loss(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any] | None, spec: str = "") -> Any:
     if loss_fn is not None:
         return loss_fn(output, target)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)

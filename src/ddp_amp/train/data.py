@@ -223,7 +223,7 @@ class IterableShard(IterableDataset):
                 yield item
 
 
-def _shards_itself(dataset: Any, declared: bool) -> bool:
+def shards_itself(dataset: Any, declared: bool) -> bool:
     """Task.data_sharded, or a Hugging Face IterableDataset after split_dataset_by_node (its _distributed)."""
     return declared or getattr(dataset, "_distributed", None) is not None
 
@@ -248,7 +248,7 @@ class IterableRankData:
                  grad_accum: int, collate_fn=None, sharded: bool = False, epochs: int | None = None) -> None:
         self.env, self.batch_size, self.workers, self.grad_accum = env, batch_size, workers, grad_accum
         self.source = dataset
-        self.shard = IterableShard(dataset, env.rank, env.world_size, whole=_shards_itself(dataset, sharded))
+        self.shard = IterableShard(dataset, env.rank, env.world_size, whole=shards_itself(dataset, sharded))
         # Its own state is only meaningful where the data set is iterated in this process.
         self.stateful = workers == 0 and callable(getattr(dataset, "state_dict", None)) and callable(
             getattr(dataset, "load_state_dict", None))

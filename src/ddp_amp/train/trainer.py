@@ -21,11 +21,14 @@ from torch.utils.data import default_collate
 
 from ddp_amp.config import TrainConfig, parse_window
 from ddp_amp.dist import DistEnv
+from ddp_amp.errors import RankUsageError
+from ddp_amp.outputs import BEST_MODEL_FILE, save_weights
 from ddp_amp.precision import Precision, grad_scaler
 from ddp_amp.tasks import Task
 from ddp_amp.train.batch_search import largest_batch
 from ddp_amp.train.data import IterableRankData, RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
+from ddp_amp.train.evaluation import BestKeeper, Validation
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, parameter_counts, wrap_ddp
@@ -109,6 +112,13 @@ class Trainer:
         self.stopped_by: int | None = None
         self.data_ended_at: int | None = None
         """Iterable data: the step after which some rank's data ran out, where every rank stopped."""
+        self.validation = (Validation(task, env, device, precision, batch_size=config.batch_size, spec=config.task)
+                           if task.val_dataset is not None else None)
+        if self.validation is None and (config.eval_every or config.keep_best):
+            raise RankUsageError(f"--task {config.task}: --eval-every and --keep-best need Task.val_dataset, and "
+                                 "this task has none")
+        self.best = BestKeeper(config.keep_best)
+        self.last_validation: dict[str, float] | None = None
         self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
                                      Path(config.run_dir))
 
@@ -144,7 +154,7 @@ class Trainer:
         """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                **self.data.state_dict(), "skipped_steps": self.skipped_steps}
+                **self.data.state_dict(), "skipped_steps": self.skipped_steps, "best": self.best.best}
 
     def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None,
                         data_ranks: list | None = None) -> None:
@@ -158,6 +168,7 @@ class Trainer:
         self.data.load_state_dict(state, saved_world_size)
         self.data.load_rank_state(data_ranks, saved_world_size)
         self.skipped_steps = state["skipped_steps"]
+        self.best.best = state.get("best")  # the best evaluation so far, over the run's attempts
         self.start_step = step
         if saved_world_size not in (None, self.env.world_size) and self.config.steps is None:
             self._follow_progress()
@@ -218,6 +229,10 @@ class Trainer:
                                          grad_norm=outcome.grad_norm, flags=[divergence.tripped()])
                 if tripped and diverged is None:
                     diverged = divergence.verdict(self.env)  # where and on which rank: the same on all
+            if self.validation is not None and diverged is None and (
+                    number == self.total_steps or self.data_ended_at is not None
+                    or (config.eval_every and number % config.eval_every == 0)):
+                self.evaluate(number)
             # After the log line: a checkpoint at step N always has N's line before it (a resume cuts the
             # metrics back to N and never writes that line again).
             if self.checkpointer is not None and self.checkpointer.due(number):
@@ -233,6 +248,13 @@ class Trainer:
         self.data.close()
         summary = self._summary(steps_done, metrics.summary(steps_done), diverged)
         return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
+
+    def evaluate(self, number: int) -> None:
+        """The validation at optimizer step `number` (every rank), logged; the best so far kept as model_best.pt."""
+        values = self.last_validation = self.validation.run(self.module)
+        self.reporter.on_eval({"step": number, **values})
+        if self.best.offer(number, values) and self.env.writes_run_dir:
+            save_weights(Path(self.config.run_dir), self.module, BEST_MODEL_FILE)
 
     def _summary(self, steps_done: int, figures: dict[str, Any], diverged: dict[str, Any] | None) -> dict[str, Any]:
         """summary.json's account of the loop: what ran, its figures, and how it ended."""
@@ -253,6 +275,10 @@ class Trainer:
         if self.micro is not None:
             summary["micro_batch_size"] = self.micro.size
             summary["micro_batch_changes"] = self.micro.changes
+        if self.validation is not None:
+            summary["validation"] = {**(self.last_validation or {}), **self.validation.summary(figures.get("train_s"))}
+        if self.best.best is not None:
+            summary["best"] = {**self.best.best, "model_path": str(Path(self.config.run_dir) / BEST_MODEL_FILE)}
         return summary
 
     def _describe(self, steps_done: int) -> dict[str, Any]:

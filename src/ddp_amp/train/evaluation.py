@@ -1,0 +1,121 @@
+"""Validation while training (--eval-every, Task.val_dataset): exact across ranks, and the best step kept.
+
+Every rank evaluates a disjoint share of the validation set: a map-style set's indices r, r + W, ... with no
+padding (DistributedSampler pads it with duplicates so that it divides by the world size, pytorch#25162, which
+skews every metric), an iterable's items split as the training's are. Each batch's means are weighted by its
+sample count and summed on the device; one all-reduce of the sums and the count per evaluation gives every
+rank the means over the whole set, each sample counted once: the loss of one process over the whole set.
+
+The plain module is evaluated, not the DDP wrapper: its forward would broadcast buffers, a collective that
+ranks holding different numbers of batches would not all join. Eval mode, autocast, no gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Subset
+
+from ddp_amp.dist import DistEnv
+from ddp_amp.errors import RankUsageError
+from ddp_amp.precision import Precision, autocast
+from ddp_amp.tasks import Task, forward, output_loss
+from ddp_amp.train.data import IterableShard, is_iterable, shards_itself, to_device
+from ddp_amp.train.microbatch import batch_length
+
+
+def rank_share(dataset: Any, env: DistEnv, sharded: bool) -> Any:
+    """This rank's disjoint share of the validation set, unpadded."""
+    if is_iterable(dataset):
+        return IterableShard(dataset, env.rank, env.world_size, whole=shards_itself(dataset, sharded))
+    return Subset(dataset, range(env.rank, len(dataset), env.world_size))
+
+
+class Validation:
+    def __init__(self, task: Task, env: DistEnv, device: torch.device, precision: Precision, *, batch_size: int,
+                 spec: str) -> None:
+        self.task, self.env, self.device, self.precision, self.spec = task, env, device, precision, spec
+        self.loader = DataLoader(rank_share(task.val_dataset, env, task.data_sharded), batch_size=batch_size,
+                                 collate_fn=task.collate_fn, pin_memory=device.type == "cuda")
+        self.names: list[str] | None = None
+        """val_loss and val_<metric>, in order: fixed by the first evaluation, the same on every rank."""
+        self.seconds: list[float] = []
+
+    def _sums(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        sums: dict[str, torch.Tensor] = {}
+        for batch in self.loader:
+            if self.device.type != "cpu":
+                batch = to_device(batch, self.device)
+            n = batch_length(batch)
+            with autocast(self.precision, self.device.type):
+                output, target = forward(module, batch)
+                values = {"val_loss": output_loss(output, target, self.task.loss_fn, self.spec)}
+                if self.task.val_metrics is not None:
+                    values.update({f"val_{name}": value for name, value in
+                                   self.task.val_metrics(output, target).items()})
+            for name, value in values.items():
+                total = torch.as_tensor(value, device=self.device).detach().double() * n
+                sums[name] = sums[name] + total if name in sums else total
+            sums["count"] = sums.get("count", torch.zeros((), dtype=torch.float64, device=self.device)) + n
+        return sums
+
+    @torch.no_grad()
+    def run(self, module: torch.nn.Module) -> dict[str, float]:
+        """The validation means over the whole set, the same on every rank (one all-reduce)."""
+        started = time.perf_counter()
+        was_training = module.training
+        module.eval()
+        try:
+            sums = self._sums(module)
+        finally:
+            module.train(was_training)
+        if self.names is None:  # a rank with no batch knows no names: take them from the ranks that have some
+            gathered = [None] * self.env.world_size
+            dist.all_gather_object(gathered, sorted(name for name in sums if name != "count"))
+            self.names = max(gathered, key=len)
+        vector = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=self.device))
+                              for name in [*self.names, "count"]])
+        dist.all_reduce(vector)  # sums and the count over every rank's share
+        *totals, count = vector.tolist()  # host sync: once per evaluation
+        self.seconds.append(time.perf_counter() - started)
+        return {name: (total / count if count else math.nan) for name, total in zip(self.names, totals)}
+
+    def summary(self, train_s: float | None) -> dict[str, Any]:
+        total = sum(self.seconds)
+        return {"evaluations": len(self.seconds), "seconds_each": total / len(self.seconds) if self.seconds else None,
+                "share_of_run": total / train_s if train_s else None}
+
+
+class BestKeeper:
+    """--keep-best METRIC[:min|max]: the best step so far by that metric."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.metric, self.mode = parse_keep_best(spec) if spec else (None, "min")
+        self.best: dict[str, Any] | None = None
+        """{"step", "metric", "value"} of the best evaluation so far (restored on resume)."""
+
+    def offer(self, step: int, values: dict[str, float]) -> bool:
+        """Whether the evaluation of `step` is the best so far."""
+        if self.metric is None:
+            return False
+        if self.metric not in values:
+            raise RankUsageError(f"--keep-best {self.metric}: the evaluation logs no such metric (it logs "
+                                 f"{', '.join(sorted(values))})", )
+        value = values[self.metric]
+        if math.isnan(value):
+            return False
+        if self.best is not None and not (value < self.best["value"] if self.mode == "min"
+                                          else value > self.best["value"]):
+            return False
+        self.best = {"step": step, "metric": self.metric, "value": value}
+        return True
+
+
+def parse_keep_best(spec: str) -> tuple[str, str]:
+    """"val_loss" or "val_acc:max" -> (metric, mode); without a mode, min for a loss, max for anything else."""
+    metric, _, mode = spec.partition(":")
+    return metric, mode or ("min" if "loss" in metric else "max")
