@@ -305,3 +305,98 @@ def test_keep_best_of_a_metric_the_evaluation_does_not_log_is_one_line(tmp_path)
     assert result.returncode == 2, result.stderr
     verdict = last_line(result.stderr)
     assert "--keep-best val_acc" in verdict and "val_abs_error" in verdict and "Traceback" not in result.stderr
+
+
+TINY_LR = ["--optimizer", "sgd", "--momentum", "0", "--lr", "1e-30", "--steps", "1"]
+"""One step that cannot move an fp32 weight: |lr x grad| is far below half an ulp of every weight."""
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_init_from_every_format_starts_from_its_weights(tmp_path):
+    source = tmp_path / "source"
+    sized = ["--task", task("sized"), "--task-arg", "width=5"]
+    assert_ok(spawn(source, *sized, "--steps", "3", "--checkpoint-every", "3"))
+    trained = load_weights(source)
+    torch.save({f"module._orig_mod.{k}": v for k, v in trained.items()}, tmp_path / "wrapped.pt")  # DDP + compile
+    exported = tmp_path / "exported.safetensors"
+    assert_ok(run_cli("export", str(source), "-o", str(exported)))
+    for name, path in [("model.pt", source / "model.pt"), ("checkpoint", source / "checkpoints" / "step-3.pt"),
+                       ("prefixed", tmp_path / "wrapped.pt"), ("safetensors", exported)]:
+        result = spawn(tmp_path / name, *sized, *TINY_LR, "--init-from", str(path))
+        assert_ok(result)
+        assert f"initial weights from {path}: 4 tensors" in result.stderr
+        _assert_same_weights(load_weights(tmp_path / name), trained)
+        assert read_summary(tmp_path / name)["init_from"]["loaded"] == 4
+
+
+def test_init_from_that_does_not_fit_is_one_line_and_changes_nothing(tmp_path):
+    source = tmp_path / "source"
+    assert_ok(spawn(source, "--task", task("sized"), "--task-arg", "width=5", "--steps", "2"))
+    earlier = tmp_path / "earlier"
+    assert_ok(spawn(earlier, "--task", task("sized"), "--task-arg", "width=6", "--steps", "2"))
+    before = {p.name: p.read_bytes() for p in earlier.iterdir() if p.is_file()}
+    result = spawn(earlier, "--task", task("sized"), "--task-arg", "width=6", "--steps", "2", "--overwrite",
+                   "--init-from", str(source / "model.pt"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    verdict = last_line(result.stderr)
+    assert "--init-from" in verdict and "0.weight: file (5, 8) vs model (6, 8)" in verdict, verdict
+    assert {p.name: p.read_bytes() for p in earlier.iterdir() if p.is_file()} == before  # --overwrite never ran
+
+
+def test_init_from_not_strict_loads_what_matches_and_counts_the_rest(tmp_path):
+    partial = tmp_path / "partial.pt"
+    torch.manual_seed(0)
+    torch.save({"0.weight": torch.randn(5, 8), "extra.weight": torch.zeros(2)}, partial)
+    result = spawn(tmp_path / "strict", "--task", task("sized"), "--task-arg", "width=5", "--steps", "1",
+                   "--init-from", str(partial))
+    assert result.returncode == 2 and "--no-init-strict" in last_line(result.stderr)
+    assert_ok(spawn(tmp_path / "loose", "--task", task("sized"), "--task-arg", "width=5", *TINY_LR,
+                    "--init-from", str(partial), "--no-init-strict"))
+    assert read_summary(tmp_path / "loose")["init_from"] == {"path": str(partial), "loaded": 1, "missing": 3,
+                                                             "unexpected": 1, "used": True}
+    assert torch.equal(load_weights(tmp_path / "loose")["0.weight"], torch.load(partial)["0.weight"])
+
+
+def test_a_resumed_checkpoint_wins_over_init_from_and_says_so(tmp_path):
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    sized = ["--task", task("sized"), "--task-arg", "width=5", "--steps", "4", "--checkpoint-every", "2"]
+    assert_ok(spawn(other, "--task", task("sized"), "--task-arg", "width=5", "--steps", "2", "--seed", "9"))
+    assert_ok(spawn(run_dir, *sized))
+    (run_dir / "model.pt").unlink()
+    (run_dir / "summary.json").unlink()
+    result = spawn(run_dir, *sized, "--resume", "auto", "--init-from", str(other / "model.pt"))
+    assert_ok(result)
+    assert f"--init-from {other / 'model.pt'} is not used: --resume continues from" in result.stderr
+    assert read_summary(run_dir)["init_from"]["used"] is False
+
+
+def test_export_writes_a_state_dict_or_the_models_own_format(tmp_path):
+    run_dir = tmp_path / "bert"
+    assert_ok(spawn(run_dir, "--task", task("bert_dict_items"), "--steps", "2", "--batch-size", "4"))
+    weights = load_weights(run_dir)
+    from transformers import BertForSequenceClassification
+
+    # At the end of training a Hugging Face model is also written by its own save_pretrained.
+    _assert_same_weights(BertForSequenceClassification.from_pretrained(run_dir / "pretrained").state_dict(), weights)
+    assert_ok(run_cli("export", str(run_dir), "-o", str(tmp_path / "w.pt"), "--hf", str(tmp_path / "hf")))
+    _assert_same_weights(torch.load(tmp_path / "w.pt", weights_only=True), weights)
+    _assert_same_weights(BertForSequenceClassification.from_pretrained(tmp_path / "hf").state_dict(), weights)
+    # An existing output is never overwritten.
+    again = run_cli("export", str(run_dir), "-o", str(tmp_path / "w.pt"))
+    assert again.returncode == 2 and "already exists" in last_line(again.stderr)
+
+
+def test_export_which_best_is_the_best_evaluation(tmp_path):
+    run_dir = tmp_path / "run"
+    assert_ok(spawn(run_dir, *KEEP_BEST))
+    out = tmp_path / "best.safetensors"
+    assert_ok(run_cli("export", str(run_dir), "--which", "best", "-o", str(out)))
+    from safetensors.torch import load_file
+
+    _assert_same_weights(load_file(str(out)), torch.load(run_dir / "model_best.pt", weights_only=True))
+    assert not torch.equal(load_file(str(out))["weight"], load_weights(run_dir)["weight"])

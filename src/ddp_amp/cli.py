@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ddp_amp.commands import bench, doctor, inspect, train
+from ddp_amp.commands import bench, doctor, export, inspect, train
 from ddp_amp.errors import RunFailed, UsageError
 from ddp_amp.process import StopSignal, stop_signals_raise
 
@@ -32,6 +32,7 @@ COMMANDS = (
     doctor.doctor,
     inspect.diagnose,
     inspect.env,
+    export.export,
 )
 """In the order --help lists them."""
 for command in COMMANDS:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ddp_amp import outputs
 from ddp_amp.checkpoint.manager import CheckpointManager
+from ddp_amp.checkpoint.weights import save_pretrained
 from ddp_amp.config import JOB_KINDS, JobKind, TrainConfig
 from ddp_amp.dist import DistEnv, process_group, settle_run_dir_writers
 from ddp_amp.errors import RankOutOfMemory, RankSetupError
@@ -196,6 +197,9 @@ def write_results(config: TrainConfig, summary: dict[str, Any], result: TrainRes
     finished = "diverged" not in summary and "stopped_at_step" not in summary
     if finished:
         summary["model_path"] = str(outputs.save_weights(run_dir, result.model))
+        # A Hugging Face model (or a task's wrapper of one, at .pretrained) also in its own format.
+        if (pretrained := save_pretrained(result.model, run_dir / outputs.PRETRAINED_DIR)) is not None:
+            summary["pretrained_path"] = str(pretrained)
     summary["summary_path"] = str(run_dir / outputs.SUMMARY_FILE)
     if rank_times is not None:
         outputs.write_json(run_dir / outputs.STEP_TIMES_FILE, rank_times)

@@ -142,3 +142,32 @@ def save_weights_file(state: dict[str, torch.Tensor], path: Path) -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write(path, buffer.getvalue())
+
+
+def pretrained_of(model: Any) -> Any:
+    """What `save_pretrained` writes for a model: the model itself where it has that method (a Hugging Face
+    model), or its `pretrained` attribute where that has it (a task's wrapper around one); else None."""
+    for candidate in (model, getattr(model, "pretrained", None)):
+        if candidate is not None and callable(getattr(candidate, "save_pretrained", None)):
+            return candidate
+    return None
+
+
+def save_pretrained(model: Any, directory: Path) -> Path | None:
+    """The model in its own format (`save_pretrained`), written beside it and renamed into place, so a kill
+    leaves no half-written directory; None for a model without one."""
+    import shutil
+    import tempfile
+
+    target = pretrained_of(model)
+    if target is None:
+        return None
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        target.save_pretrained(str(staging))
+        if directory.exists():
+            shutil.rmtree(directory)
+        staging.rename(directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
