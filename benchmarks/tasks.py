@@ -42,3 +42,14 @@ def mlp_stream() -> Task:
     task = build()
     task.dataset = _Stream(task.dataset)
     return task
+
+
+def mlp_validated() -> Task:
+    """The default task (mlp) with a validation set of 16384 held-out samples and its accuracy."""
+    from ddp_amp.tasks import mlp
+
+    task = mlp.build()
+    centers = torch.randn(mlp.CLASSES, mlp.FEATURES, generator=torch.Generator().manual_seed(mlp.DATA_SEED))
+    task.val_dataset = TensorDataset(*mlp._clusters(centers, 16384, torch.Generator().manual_seed(5)))
+    task.val_metrics = lambda output, target: {"accuracy": (output.argmax(1) == target).float().mean()}
+    return task

@@ -216,8 +216,10 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
         loss = s.get("final_loss", _last(run, "loss"))
         if index == 0:
             first_speed, first_loss = speed, loss
+        validation = {k: v for k, v in s.get("validation", {}).items() if k.startswith("val_")}
         evaluation = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                               for k, v in s.get("eval", {}).items()) or ("error" if "eval_error" in s else "-")
+                               for k, v in {**validation, **s.get("eval", {})}.items()) or (
+            "error" if "eval_error" in s else "-")
         row = [run.name, Text(run.state, style="green" if run.state == "finished" else "yellow"),
                s.get("precision", "-"), str(s.get("world_size", "-")),
                f"{steps}/{total}" if run.state != "finished" else str(steps), _num(speed, ".0f")]
