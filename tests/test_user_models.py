@@ -400,3 +400,21 @@ def test_export_which_best_is_the_best_evaluation(tmp_path):
 
     _assert_same_weights(load_file(str(out)), torch.load(run_dir / "model_best.pt", weights_only=True))
     assert not torch.equal(load_file(str(out))["weight"], load_weights(run_dir)["weight"])
+
+
+def test_a_stop_signal_during_an_evaluation_stops_there_with_that_steps_checkpoint(tmp_path):
+    logs = tmp_path / "calls"
+    logs.mkdir()
+    run_dir = tmp_path / "run"
+    stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *FP32_SGD, "--task",
+                              task("stops_in_evaluation"), "--steps", "20", "--batch-size", "4", "--eval-every", "4",
+                              "--run-dir", str(run_dir)], capture_output=True, text=True, start_new_session=True,
+                             env={**os.environ, "DDP_AMP_TEST_INDEX_LOG": str(logs)}, timeout=180)
+    assert stopped.returncode == 143, stopped.stderr
+    summary = read_summary(run_dir)
+    assert summary["stopped_at_step"] == 4 and summary["checkpoint"].endswith("step-4.pt")
+    assert (run_dir / "checkpoints" / "step-4.pt").exists()
+    assert "stopped by SIGTERM at step 4" in last_line(stopped.stderr)
+    calls = sum(len(p.read_text().split()) for p in logs.glob("metric-calls-*.txt"))
+    assert calls < 2 * 25, calls  # neither rank finished its 25 batches
+    assert not any("val_loss" in m for m in _metrics_lines(run_dir))  # an unfinished evaluation is not logged

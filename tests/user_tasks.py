@@ -375,3 +375,24 @@ def val_passes_optimum() -> Task:
 
     return Task(model=model, dataset=_Line(64, 2.0, 3), loss_fn=loss_fn, val_dataset=_Line(VAL_SAMPLES, 1.0, 4),
                 val_metrics=_abs_error)
+
+
+def stops_in_evaluation() -> Task:
+    """Rank 0 sends SIGTERM to its process group from inside its first evaluation's first batch (a slow
+    evaluation: 0.1 s a batch, 25 batches a rank); every metric call is counted in DDP_AMP_TEST_INDEX_LOG."""
+    log = Path(os.environ["DDP_AMP_TEST_INDEX_LOG"]) / f"metric-calls-{os.getpid()}.txt"
+    calls = 0
+
+    def metrics(output, target):
+        nonlocal calls
+        calls += 1
+        with open(log, "a") as f:
+            f.write("call\n")
+        if calls == 1 and os.environ.get("RANK") == "0":
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+        time.sleep(0.1)
+        return _abs_error(output, target)
+
+    task = with_validation()
+    task.val_dataset, task.val_metrics = _Line(200, 2.0, 2), metrics
+    return task

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,9 +46,11 @@ class Validation:
         """val_loss and val_<metric>, in order: fixed by the first evaluation, the same on every rank."""
         self.seconds: list[float] = []
 
-    def _sums(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def _sums(self, module: torch.nn.Module, stop_requested: Callable[[], int | None]) -> dict[str, torch.Tensor]:
         sums: dict[str, torch.Tensor] = {}
         for batch in self.loader:
+            if stop_requested():  # a stop signal: this rank's share is left unfinished, the evaluation dropped
+                break
             if self.device.type != "cpu":
                 batch = to_device(batch, self.device)
             n = batch_length(batch)
@@ -64,15 +67,22 @@ class Validation:
         return sums
 
     @torch.no_grad()
-    def run(self, module: torch.nn.Module) -> dict[str, float]:
-        """The validation means over the whole set, the same on every rank (one all-reduce)."""
+    def run(self, module: torch.nn.Module, stop_requested: Callable[[], int | None] = lambda: None) -> \
+            tuple[dict[str, float], int]:
+        """The validation means over the whole set, the same on every rank (one all-reduce), and the stop
+        signal any rank received meanwhile (0: none), after which the means are incomplete and not to be used:
+        a rank stops evaluating at its next batch, and every rank learns of it at the end."""
         started = time.perf_counter()
         was_training = module.training
         module.eval()
         try:
-            sums = self._sums(module)
+            sums = self._sums(module, stop_requested)
         finally:
             module.train(was_training)
+        stopped = torch.tensor([float(stop_requested() or 0)], device=self.device)
+        dist.all_reduce(stopped, op=dist.ReduceOp.MAX)  # the default group, CPU or device alike: a flag
+        if stopped.item():
+            return {}, int(stopped.item())
         if self.names is None:  # a rank with no batch knows no names: take them from the ranks that have some
             gathered = [None] * self.env.world_size
             dist.all_gather_object(gathered, sorted(name for name in sums if name != "count"))
@@ -82,7 +92,7 @@ class Validation:
         dist.all_reduce(vector)  # sums and the count over every rank's share
         *totals, count = vector.tolist()  # host sync: once per evaluation
         self.seconds.append(time.perf_counter() - started)
-        return {name: (total / count if count else math.nan) for name, total in zip(self.names, totals)}
+        return {name: (total / count if count else math.nan) for name, total in zip(self.names, totals)}, 0
 
     def summary(self, train_s: float | None) -> dict[str, Any]:
         total = sum(self.seconds)

@@ -237,8 +237,8 @@ class Trainer:
             # metrics back to N and never writes that line again).
             if self.checkpointer is not None and self.checkpointer.due(number):
                 self.checkpointer.save(self, number)
-            if (signum := stop.agreed(number)) and number < self.total_steps:  # a signal on any rank, lately
-                self.stopped_at, self.stopped_by = number, signum
+            if (signum := stop.agreed(number)) and number < self.total_steps and self.stopped_at is None:
+                self.stopped_at, self.stopped_by = number, signum  # a signal on any rank, lately
             steps_done = number
             if diverged is not None or self.stopped_at is not None or self.data_ended_at is not None:
                 break  # every rank breaks here, at the same step: no rank waits in a collective alone
@@ -251,7 +251,11 @@ class Trainer:
 
     def evaluate(self, number: int) -> None:
         """The validation at optimizer step `number` (every rank), logged; the best so far kept as model_best.pt."""
-        values = self.last_validation = self.validation.run(self.module)
+        values, signum = self.validation.run(self.module, self.stop_signal)
+        if signum:  # stopped while it evaluated: the ranks stop at this step, with its checkpoint
+            self.stopped_at, self.stopped_by = number, signum
+            return
+        self.last_validation = values
         self.reporter.on_eval({"step": number, **values})
         if self.best.offer(number, values) and self.env.writes_run_dir:
             save_weights(Path(self.config.run_dir), self.module, BEST_MODEL_FILE)
