@@ -187,7 +187,8 @@ def test_the_optimizer_and_ddp_options_reach_torch(one_rank_group, tmp_path):
     summary = trainer.train().summary
     assert summary["optimizer_impl"] == "loop"
     assert summary["ddp"] == {"bucket_mb": 1.5, "bucket_view": False, "static_graph": True,
-                              "grad_compression": "none"}
+                              "grad_compression": "none", "find_unused_parameters": False,
+                              "broadcast_buffers": True, "sync_batchnorm": False}
     trainer.close()
 
 
