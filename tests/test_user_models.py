@@ -420,3 +420,15 @@ def test_a_stop_signal_during_an_evaluation_stops_there_with_that_steps_checkpoi
     calls = sum(len(p.read_text().split()) for p in logs.glob("metric-calls-*.txt"))
     assert calls < 2 * 25, calls  # neither rank finished its 25 batches
     assert not any("val_loss" in m for m in _metrics_lines(run_dir))  # an unfinished evaluation is not logged
+
+
+def test_every_rank_starts_from_the_init_file(tmp_path):
+    source = {f"net.{k}": v for k, v in (torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.ReLU(),
+                                                             torch.nn.Linear(5, 1))).state_dict().items()}
+    torch.save(source, tmp_path / "init.pt")
+    assert_ok(spawn(tmp_path / "run", "--task", task("reports_start"), "--steps", "1", "--init-from",
+                    str(tmp_path / "init.pt"), env={"DDP_AMP_TEST_INDEX_LOG": str(tmp_path)}))
+    for rank in (0, 1):
+        started = torch.load(tmp_path / f"start-{rank}.pt", weights_only=True)
+        for key, value in started.items():
+            assert torch.equal(value, source[f"net.{key}"]), (rank, key)

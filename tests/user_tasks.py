@@ -396,3 +396,23 @@ def stops_in_evaluation() -> Task:
     task = with_validation()
     task.val_dataset, task.val_metrics = _Line(200, 2.0, 2), metrics
     return task
+
+
+class _ReportsStart(nn.Module):
+    """Writes, at its first forward, the exact bytes of its weights to DDP_AMP_TEST_INDEX_LOG/start-<rank>.pt."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
+        self.reported = False
+
+    def forward(self, x):
+        if not self.reported:
+            self.reported = True
+            torch.save(self.net.state_dict(), Path(os.environ["DDP_AMP_TEST_INDEX_LOG"]) /
+                       f"start-{os.environ['RANK']}.pt")
+        return self.net(x)
+
+
+def reports_start(width: int = 5) -> Task:
+    return Task(model=_ReportsStart(width), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
