@@ -462,6 +462,30 @@ def oom_above_8_on_rank1() -> Task:
     return task
 
 
+ONEDNN_FAILURE = "could not create a primitive"
+
+
+def onednn_failure_above(limit: int) -> Task:
+    """oneDNN's allocation failure as an avx512_bf16 CPU reports it under RLIMIT_DATA ("could not create a
+    primitive", a RuntimeError the CPU allocator's message does not match), raised in forward for any
+    micro-batch above `limit` samples (--task-arg limit=N; 0: always)."""
+    task = _regression_with(lambda call, loss: loss)
+    inner = task.model
+
+    class FailsInOneDNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if x.shape[0] > limit:
+                raise RuntimeError(ONEDNN_FAILURE)
+            return self.inner(x)
+
+    task.model = FailsInOneDNN()
+    return task
+
+
 ACTIVATION_HEAVY = (64, 16384, 10)
 
 

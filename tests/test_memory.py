@@ -107,3 +107,27 @@ def test_an_out_of_memory_error_at_a_settled_size_is_one_line(tmp_path, helper_t
         "ddp-amp: error: rank 1 failed: out of memory in step 3 (forward) with a micro-batch of 32 samples "
         "(--batch-size 32): the memory a step needs grew after --micro-batch auto settled on 32 (shapes that "
         "vary?); use --micro-batch 16 or a smaller --batch-size")
+
+
+def test_a_backends_own_allocation_failure_halves_as_the_allocators_does(tmp_path, helper_task):
+    """oneDNN's "could not create a primitive" above 8 samples: --micro-batch auto halves to 8, the weights those
+    of --micro-batch 8; without auto it is the one-line out-of-memory message, naming the backend's words."""
+    task = [helper_task("onednn_failure_above"), "--task-arg", "limit=8"]
+    assert_ok(spawn(tmp_path / "auto", *REGRESSION, "--task", *task, "--steps", "6", "--micro-batch", "auto"))
+    assert read_summary(tmp_path / "auto")["micro_batch_size"] == 8
+    assert_ok(spawn(tmp_path / "fixed", *REGRESSION, "--task", *task, "--steps", "6", "--micro-batch", "8"))
+    assert_weights_close(load_weights(tmp_path / "auto"), load_weights(tmp_path / "fixed"))
+    plain = spawn(tmp_path / "plain", *REGRESSION, "--task", *task, "--steps", "2")
+    assert plain.returncode == 1
+    verdict = last_line(plain.stderr)
+    assert "failed: out of memory in step 1" in verdict and "could not create a primitive" in verdict, verdict
+
+
+def test_a_look_alike_that_halving_never_answers_is_reported_as_it_is(tmp_path, helper_task):
+    """The same message at every size (a oneDNN failure that is not memory): halved down to 1 sample, then the
+    original error, not "the model does not fit"."""
+    result = spawn(tmp_path, *REGRESSION, "--task", helper_task("onednn_failure_above"), "--task-arg", "limit=0",
+                   "--steps", "2", "--micro-batch", "auto")
+    assert result.returncode == 1
+    verdict = last_line(result.stderr)
+    assert verdict.endswith("failed: RuntimeError: could not create a primitive"), verdict

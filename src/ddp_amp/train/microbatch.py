@@ -27,12 +27,22 @@ import torch.distributed as dist
 from ddp_amp.errors import RankOutOfMemory
 
 CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+BACKEND_ALLOCATION_FAILURES = ("could not create a primitive",)
+"""How CPU backends with allocators of their own say they ran out: oneDNN's bf16 matmul under RLIMIT_DATA on an
+avx512_bf16 CPU. The message also names other oneDNN failures, so it is treated as out of memory but never
+trusted to the end: see MicroBatches.halve."""
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
+def is_certainly_out_of_memory(exc: BaseException) -> bool:
     """CUDA's torch.OutOfMemoryError, or the CPU allocator's RuntimeError (under RLIMIT_DATA, or a full host)."""
     return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
                                                         and CPU_ALLOCATOR_FAILURE in str(exc))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Out of memory, as the allocators say it, or as a backend with its own allocator does (oneDNN)."""
+    return is_certainly_out_of_memory(exc) or (isinstance(exc, RuntimeError) and any(
+        failure in str(exc) for failure in BACKEND_ALLOCATION_FAILURES))
 
 
 def batch_length(batch: Any) -> int:
@@ -82,8 +92,14 @@ class MicroBatches:
     """Under auto: a whole step has run at this size on every rank (AmpStep then runs DDP's own step again,
     with no agreement)."""
 
-    def halve(self, step: int) -> None:
+    def halve(self, step: int, cause: BaseException | None = None) -> None:
+        """Half the size, after `cause` (what a rank raised, where this rank saw it). At a size of 1 there is
+        nothing left to halve: an allocator's failure means the model does not fit; a backend's look-alike,
+        which halving never answered, is raised as it is (it may not have been memory at all)."""
         if self.size == 1:
+            if cause is not None and not is_certainly_out_of_memory(cause):
+                cause.halving_gave_up = True  # AmpStep passes it on as it is
+                raise cause
             raise RankOutOfMemory(f"out of memory in step {step} with a micro-batch of 1 sample, under "
                                   "--micro-batch auto: the model itself does not fit (see --max-memory)")
         self.size //= 2

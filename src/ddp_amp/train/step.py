@@ -28,6 +28,7 @@ from ddp_amp.train.microbatch import (
     MicroBatches,
     OutOfMemoryAgreement,
     free_after_out_of_memory,
+    is_certainly_out_of_memory,
     is_out_of_memory,
     split_batch,
 )
@@ -67,6 +68,8 @@ class AmpStep:
         """The all-reduce of the accumulated gradients under --micro-batch auto (and `try_batch`), after the
         ranks agreed that every piece fitted: its backward passes all ran under no_sync."""
         self.out_of_memory = OutOfMemoryAgreement(device) if micro is not None and micro.auto else None
+        self.failed_with: BaseException | None = None
+        """This rank's out-of-memory error of the piece that failed, if it was this rank's (under auto)."""
         self._position: tuple[int, int, int] = (0, 0, DATA)
         self._since = time.perf_counter()
         self.phase_s = [0.0] * len(PHASES)
@@ -108,9 +111,12 @@ class AmpStep:
         except Exception as exc:
             if (line := ddp_error_line(exc, self.model, step)) is not None:
                 raise RankSetupError(line) from exc
-            if isinstance(exc, RankOutOfMemory) or not is_out_of_memory(exc):
+            if isinstance(exc, RankOutOfMemory) or not is_out_of_memory(exc) or getattr(exc, "halving_gave_up", False):
                 raise
-            raise RankOutOfMemory(self._out_of_memory_line(step)) from exc
+            line = self._out_of_memory_line(step)
+            if not is_certainly_out_of_memory(exc):  # a backend's own report: say whose words it was
+                line += f" (the backend reported: {str(exc).strip().splitlines()[0]})"
+            raise RankOutOfMemory(line) from exc
         self.optimizer.zero_grad(set_to_none=True)
         if stepped:  # after a skip the schedule must not advance either
             self.scheduler.step()
@@ -122,6 +128,7 @@ class AmpStep:
         if self.out_of_memory is None:
             self.out_of_memory = OutOfMemoryAgreement(self.device)
         if self._run_pieces([(batch, 1.0)], step, probe=True) is None:
+            self.failed_with = None
             free_after_out_of_memory(self.optimizer, self.device)
             return False
         self.gradient_reduction()
@@ -169,8 +176,9 @@ class AmpStep:
             loss_sum = self._run_pieces(pieces, step, probe=probe)
             if loss_sum is not None:
                 break
+            cause, self.failed_with = self.failed_with, None
             free_after_out_of_memory(self.optimizer, self.device)
-            self.micro.halve(step + 1)
+            self.micro.halve(step + 1, cause)
         if probe:
             self.gradient_reduction()
             self.micro.settled = True
@@ -194,7 +202,10 @@ class AmpStep:
             except Exception as exc:
                 if not (probe and is_out_of_memory(exc)):
                     raise
-                failed = True  # the traceback, and the pass's tensors with it, go at the end of this block
+                failed = True
+                # Kept for halve(): its traceback holds the pass's tensors, so it is dropped (with them) as soon
+                # as the halving has decided, before the rerun.
+                self.failed_with = exc.with_traceback(None)
             if probe and self.out_of_memory.anyone(failed):
                 return None
             part = loss * share
