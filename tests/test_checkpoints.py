@@ -108,3 +108,20 @@ def test_a_diverging_run_keeps_its_last_finite_checkpoint_and_resume_refuses_a_n
     assert refused.stderr.strip() == (f"ddp-amp: error: --resume {planted}: refused, it holds inf/NaN (in "
                                       f"model.weight); the newest finite one is {newest_finite}")
     assert not (tmp_path / "again").exists()
+
+
+def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):
+    """Its checkpoints above all (a longer run's higher steps would outrank this run's), and its TensorBoard
+    events, profiler traces, best weights and pretrained copy: nothing of it may pass for this run's."""
+    from ddp_amp.config import prepare_run_dir
+
+    earlier = {"model.pt": b"w", "metrics.jsonl": b"{}\\n", "summary.json": b"{}", "model_best.pt": b"b",
+               "step_times.json": b"[]", "checkpoints/step-90.pt": b"c", "checkpoints/step-90.json": b"{}",
+               "tensorboard/events.out": b"e", "profile/rank0.json.gz": b"p", "pretrained/config.json": b"{}"}
+    for name, data in earlier.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    prepared = prepare_run_dir(tmp_path, overwrite=True)
+    prepared.lock.release()
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if not p.name.startswith("."))
+    assert left == [], left
