@@ -432,3 +432,51 @@ def test_every_rank_starts_from_the_init_file(tmp_path):
         started = torch.load(tmp_path / f"start-{rank}.pt", weights_only=True)
         for key, value in started.items():
             assert torch.equal(value, source[f"net.{key}"]), (rank, key)
+
+
+SLOW_IMPORT_TASK = '''
+import os, time
+from pathlib import Path
+from ddp_amp.tasks import Task
+if os.environ.get("DDP_AMP_TEST_IMPORT_MARK"):
+    Path(os.environ["DDP_AMP_TEST_IMPORT_MARK"]).touch()
+    time.sleep(60)
+def build():
+    raise AssertionError("never built: the launch is stopped while it imports the task")
+'''
+
+
+def test_a_stop_while_the_launch_starts_says_what_it_changed(tmp_path):
+    """SIGTERM while the launcher imports the task (before the run dir is touched): exit 143 and one line
+    saying that nothing was written; an earlier run under --overwrite is left whole."""
+    import signal
+    import time
+
+    (tmp_path / "slow_task.py").write_text(SLOW_IMPORT_TASK)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "model.pt").write_bytes(b"an earlier run's weights")
+    mark = tmp_path / "importing"
+    process = subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--device", "cpu", "--task",
+                                f"{tmp_path / 'slow_task.py'}:build", "--run-dir", str(earlier), "--overwrite"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "DDP_AMP_TEST_IMPORT_MARK": str(mark)})
+    deadline = time.monotonic() + 60
+    while not mark.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert last_line(stderr) == ("ddp-amp: error: stopped by SIGTERM while the launch was starting, before any "
+                                 "rank trained: nothing was written"), stderr
+    assert (earlier / "model.pt").read_bytes() == b"an earlier run's weights"
+
+
+def test_the_start_up_line_names_what_the_launch_had_changed():
+    from ddp_amp.launch.preflight import StartUp
+
+    assert StartUp().describe() == "nothing was written"
+    assert StartUp(Path("r"), created=True).describe() == "r was created, with this launch's config.json only"
+    assert StartUp(Path("r"), cleared=True).describe() == "--overwrite had already removed the earlier run's files in r"
+    assert "nothing of an earlier run there was changed" in StartUp(Path("r")).describe()

@@ -74,8 +74,12 @@ def main(argv: list[str] | None = None) -> None:
         for problem in exc.problems:
             typer.echo(f"ddp-amp: error: {problem}", err=True)
         code = 2
-    except StopSignal as exc:  # a stop signal outside a launcher's own handling (e.g. during its start-up)
-        typer.echo(f"ddp-amp: error: {exc}", err=True)
+    except StopSignal as exc:  # a stop signal outside a launcher's own handling: during its start-up
+        from ddp_amp.launch.preflight import STARTUP
+
+        where = "" if STARTUP.ranks_started else f" while the launch was starting, before any rank trained: " \
+            f"{STARTUP.describe()}"
+        typer.echo(f"ddp-amp: error: {exc}{where}", err=True)
         code = exc.exit_code
     except RunFailed as exc:
         if exc.details:

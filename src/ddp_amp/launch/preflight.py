@@ -22,6 +22,30 @@ from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_
 RUNS_ROOT = Path("runs")
 
 
+@dataclass
+class StartUp:
+    """What this launch has changed on disk so far: the one line of a stop that lands while it is still starting
+    (before any rank trained) says it, so the user knows what is left of an earlier run."""
+
+    run_dir: Path | None = None
+    created: bool = False
+    cleared: bool = False
+    ranks_started: bool = False
+
+    def describe(self) -> str:
+        if self.run_dir is None:
+            return "nothing was written"
+        if self.cleared:
+            return f"--overwrite had already removed the earlier run's files in {self.run_dir}"
+        if self.created:
+            return f"{self.run_dir} was created, with this launch's config.json only"
+        return f"{self.run_dir} holds this launch's config.json; nothing of an earlier run there was changed"
+
+
+STARTUP = StartUp()
+"""This process's launch (one per process)."""
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     config: TrainConfig
@@ -177,9 +201,11 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None
     joins = joining is not None and running_job(Path(config.run_dir)) == joining
+    existed = Path(config.run_dir).exists()
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
                                resuming=config.resume is not None, joining=joining)
     path = prepared.path
+    STARTUP.run_dir, STARTUP.created, STARTUP.cleared = path, not existed or str(path) != config.run_dir, overwrite
     if str(path) != config.run_dir:
         config = config.replace(run_dir=str(path))
     # A node joining a running elastic job in a shared run dir keeps the job's config.json (its ranks read it

@@ -76,6 +76,9 @@ class Launch:
 
     def start(self, session) -> None:
         """The ranks, to completion, under `session` (a progress.session.ProgressSession)."""
+        from ddp_amp.launch.preflight import STARTUP
+
+        STARTUP.ranks_started = True
         config = self.plan.config
         if self.job is None:
             from ddp_amp.launch.spawn import spawn

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_amp.errors import RankSetupError, UsageError
+from ddp_amp.process import StopSignal
 
 BUILTIN = {
     "linear": "ddp_amp.tasks.linear:build",
@@ -131,6 +132,8 @@ def resolve_factory(spec: str, task_args: Sequence[str] = ()) -> Callable[[], Ta
             if exc.name and module_part.startswith(exc.name):  # the named module itself is missing
                 raise UsageError(f"--task {spec!r}: module {module_part!r} cannot be imported ({exc})") from None
             raise UsageError(import_failure(spec, exc)) from None
+        except StopSignal:  # the launch was asked to stop while it imported the task: a stop, not a bad task
+            raise
         except Exception as exc:  # the user's module raised while importing: say where, in one line
             raise UsageError(import_failure(spec, exc)) from None
     factory = getattr(module, attr, None)
@@ -239,6 +242,9 @@ def _import_file(spec: str, path: Path):
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
+    except StopSignal:  # the launch was asked to stop while it imported the task: a stop, not a bad task
+        del sys.modules[name]
+        raise
     except Exception as exc:  # the user's file raised while importing: say where, in one line
         del sys.modules[name]
         raise UsageError(import_failure(spec, exc)) from None
