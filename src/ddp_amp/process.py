@@ -23,27 +23,57 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+FORKSERVER_PID_VAR = "DDP_AMP_FORKSERVER_PID"
+"""Set by the fork server in its own environment (launch.forkserver_tether): a rank forked from it knows the
+parent it must die with, without reading it after the fork (when a dead parent would already be replaced)."""
+
+
 @contextlib.contextmanager
-def stop_signals_ignored() -> Iterator[None]:
-    """Within the block, the STOP_SIGNALS are ignored. A process exec'd here inherits SIG_IGN (an exec resets
-    handlers, not ignored signals): the fork server and the resource tracker, started inside this block, ignore
-    them from their first instant. Signals reach a whole process group or Slurm job step, and either helper
-    dying by one would take every rank with it (the ranks' parent-death signal)."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+def stop_signals_blocked() -> Iterator[None]:
+    """Within the block, the STOP_SIGNALS are blocked, not lost: one that arrives stays pending and is delivered
+    when the block ends. A process started here inherits the blocked mask through fork and exec: the fork server
+    and the resource tracker never unblock them (a signal to the whole process group or Slurm job step must not
+    kill either, which would take every rank with it), and a rank forked from the fork server holds every stop
+    signal from its first instant until its handler is set and it unblocks them (rank.signals)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
-        for sig, old in previous.items():
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class DeferredStops:
+    """Stop signals recorded instead of acted on from `hold()` until `release()`, which raises the first one
+    again through the handlers in force before: the launcher takes a stop at a point where it can pass it on to
+    every rank, not halfway through forking them. (Blocking the signals in the main thread would not do: the
+    launcher's other threads would take them, and Python runs its handlers in the main thread anyway.)"""
+
+    def __init__(self) -> None:
+        self.arrived: list[int] = []
+        self.previous: dict = {}
+
+    def hold(self) -> None:
+        self.previous = {sig: signal.signal(sig, self._record) for sig in STOP_SIGNALS}
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.arrived.append(signum)
+
+    def release(self) -> None:
+        for sig, old in self.previous.items():
             signal.signal(sig, old)
+        self.previous = {}
+        if self.arrived:
+            signal.raise_signal(self.arrived.pop(0))
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Ask Linux to send `sig` to this process when its parent dies, so nothing outlives a killed launcher.
 
     If the parent is already gone (it died between our fork and this call), we were re-parented and the
-    request would never fire: deliver the signal now instead.
+    request would never fire: deliver the signal now instead. `parent`: the pid the parent had at the fork, where
+    it is known; read now, it would be the new parent's already.
     """
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     try:
         import ctypes
 

@@ -25,7 +25,7 @@ from ddp_amp.checkpoint.weights import save_pretrained
 from ddp_amp.config import JOB_KINDS, JobKind, TrainConfig
 from ddp_amp.dist import DistEnv, process_group, settle_run_dir_writers
 from ddp_amp.errors import RankOutOfMemory, RankSetupError
-from ddp_amp.process import die_with_parent
+from ddp_amp.process import FORKSERVER_PID_VAR, die_with_parent
 from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.rank import flight_recorder, setup
 from ddp_amp.rank.evaluation import evaluate_into
@@ -46,13 +46,16 @@ def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | 
     """Run `job` (config.JobKind) on this rank. Local rank 0 writes the run directory and returns the summary;
     others return None."""
     started = time.time()
-    die_with_parent()
+    stop_on_signals()  # first: a stop that arrived since the fork is pending, and is taken now
+    # The fork server's pid as it was at the fork (its own environment), not the parent now: a fork server that
+    # died since would already be replaced by the reaper.
+    forkserver = os.environ.get(FORKSERVER_PID_VAR)
+    die_with_parent(parent=int(forkserver) if forkserver else None)
     env = DistEnv.from_environ()
     setup.redirect_output(env.rank)
     sender = EventSender.from_environ()
     reporter = WorkerReporter(env, Path(config.run_dir), sender)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    stop_on_signals()  # before the launcher learns our pid: its SIGUSR1 must never find the default action
     # The pid lets the launcher ask this rank to stop gracefully (SIGUSR1), under torchrun too.
     reporter.state("restarting" if restart else "starting", restart=restart, pid=os.getpid())
     try:

@@ -136,14 +136,11 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
             while not finished.wait(0.2):  # timed: the main thread keeps handling signals
                 pass
         except StopSignal as stop:
-            # Pass the signal on to the ranks (their pids came with their first event): they stop together at
-            # one step and checkpoint; the agent sees them succeed. Past --stop-timeout, kill them: anything
-            # the agent starts after that dies with this process (fork server tether, parent-death signals).
-            pids = rank_pids()
-            signal_processes(pids, stop.signum)
-            if not finished.wait(stop_timeout):
-                signal_processes(rank_pids() or pids, signal.SIGKILL)
-                finished.wait(10)  # the agent notices and returns (no restart outlives this process)
+            # Pass the signal on to the ranks (their pids come with their first event): they stop together at
+            # one step and checkpoint; the agent sees them succeed. A rank still starting reports later: it gets
+            # the signal as soon as it does (until then it holds stop signals blocked, so none is lost). Past
+            # --stop-timeout, kill them: anything the agent starts after that dies with this process.
+            _pass_on_until_finished(stop.signum, rank_pids, finished, stop_timeout)
             raise RunFailed(str(stop), exit_code=stop.exit_code) from None
     error = outcome.get("error")
     if error is None:
@@ -156,6 +153,21 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
                         else 1)
     raise RunFailed(f"the elastic agent failed: {type(error).__name__}: {_first_line(error)} "
                     f"(its log: {log_path})", details=details)
+
+
+def _pass_on_until_finished(signum: int, rank_pids, finished: threading.Event, stop_timeout: float) -> None:
+    signalled: set[int] = set()
+    deadline = time.monotonic() + stop_timeout
+    while True:
+        newly = [pid for pid in rank_pids() if pid not in signalled]
+        signal_processes(newly, signum)
+        signalled.update(newly)
+        if finished.wait(0.1):
+            return
+        if time.monotonic() > deadline:
+            signal_processes(rank_pids() or list(signalled), signal.SIGKILL)
+            finished.wait(10)  # the agent notices and returns (no restart outlives this process)
+            return
 
 
 def root_failure(failures: dict) -> tuple[int, str]:

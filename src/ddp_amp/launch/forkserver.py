@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 
-from ddp_amp.process import LAUNCHER_PID_VAR, stop_signals_ignored
+from ddp_amp.process import LAUNCHER_PID_VAR, stop_signals_blocked
 
 PRELOAD = ["ddp_amp.launch.forkserver_tether", "torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
 
@@ -24,7 +25,12 @@ def start_forkserver() -> None:
     """Idempotent; torch.multiprocessing's "forkserver" context uses this same server."""
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # inherited by the fork server: whom it must die with
     multiprocessing.set_forkserver_preload(PRELOAD)
-    # The resource tracker starts first, inside ensure_running: both inherit the ignored stop signals. A rank,
-    # forked from the fork server, ignores them too until its own handlers are set (ddp_amp.rank.signals).
-    with stop_signals_ignored():
+    # The resource tracker starts first, inside ensure_running: both inherit the blocked stop signals. A rank,
+    # forked from the fork server, holds them blocked too until its own handlers are set (ddp_amp.rank.signals):
+    # a stop in its first milliseconds waits for the handler instead of being dropped.
+    with stop_signals_blocked():
+        # It unblocks SIGINT and SIGTERM itself once it has started its process: started first and on its own,
+        # it cannot unblock them for the fork server started next (they would reach its ranks unhandled).
+        multiprocessing.resource_tracker.ensure_running()
+    with stop_signals_blocked():
         multiprocessing.forkserver.ensure_running()

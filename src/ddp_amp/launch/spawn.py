@@ -20,7 +20,7 @@ from ddp_amp.config import JobKind, TrainConfig
 from ddp_amp.dist import LOOPBACK, loopback_store
 from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom, is_usage_failure
 from ddp_amp.launch.forkserver import start_forkserver
-from ddp_amp.process import StopSignal, signal_processes
+from ddp_amp.process import DeferredStops, StopSignal, signal_processes
 
 FAILURE_GRACE_S = 3.0
 """After a rank fails, how long the others get to exit, and then to obey SIGTERM, before SIGKILL (torch's join
@@ -57,15 +57,27 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     start_forkserver()  # usually already running: the CLI starts it before importing torch
     # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}, kind), nprocs=nproc,
-                                 join=False, start_method="forkserver")
+    # A stop that arrives while the ranks are forked waits until every rank exists (each holds it blocked until
+    # its handler is set, see process.stop_signals_blocked); it is raised inside the loop below, where it is
+    # passed on to all of them.
+    deferred = DeferredStops()
+    deferred.hold()
+    try:
+        context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}, kind),
+                                     nprocs=nproc, join=False, start_method="forkserver")
+    except BaseException:
+        deferred.release()
+        raise
     stop: StopSignal | None = None
     try:
         # join() returns True once all ranks exited cleanly; on the first failure it terminates the others
         # and raises with the failing rank and its traceback.
-        deadline = None
+        deadline, released = None, False
         while True:
             try:
+                if not released:  # inside the try: a stop that came during the forks is raised here
+                    released = True
+                    deferred.release()
                 if context.join(timeout=None if stop is None else 0.5, grace_period=FAILURE_GRACE_S):
                     break
             except StopSignal as first:

@@ -22,12 +22,16 @@ STOP_REQUEST = StopRequest()
 
 
 def stop_on_signals() -> None:
+    """The handler first, then the signals unblocked: a rank forked from the fork server has held them blocked
+    since its first instant (process.stop_signals_blocked), and one that arrived meanwhile is delivered now."""
+
     def handler(signum: int, frame: object) -> None:
         if STOP_REQUEST.signum is None:
             STOP_REQUEST.signum = signum
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def wait_for_own_stop_signal(timeout_s: float, poll_s: float = 0.05) -> None:
