@@ -442,9 +442,9 @@ def subnormal_activations() -> Task:
 OOM_ABOVE = 8  # oom_above_8_on_rank1: rank 1 "runs out of memory" on a micro-batch of more samples
 
 
-def oom_above_8_on_rank1() -> Task:
-    """A regression whose model raises torch.OutOfMemoryError in forward on rank 1 alone, for any micro-batch
-    above OOM_ABOVE samples: the other rank goes on into backward and the agreement, as it would on a GPU."""
+def _fails_above(limit: int, error, *, rank: str | None = None) -> Task:
+    """A regression whose model raises `error` in forward for any micro-batch above `limit` samples (on `rank`
+    alone, if given): the other ranks go on into backward and the agreement, as they would on a GPU."""
     task = _regression_with(lambda call, loss: loss)
     inner = task.model
 
@@ -454,12 +454,18 @@ def oom_above_8_on_rank1() -> Task:
             self.inner = inner
 
         def forward(self, x):
-            if os.environ.get("RANK") == "1" and x.shape[0] > OOM_ABOVE:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            if (rank is None or os.environ.get("RANK") == rank) and x.shape[0] > limit:
+                raise error
             return self.inner(x)
 
     task.model = FailsWhenWide()
     return task
+
+
+def oom_above_8_on_rank1() -> Task:
+    """torch.OutOfMemoryError on rank 1 alone above OOM_ABOVE samples."""
+    return _fails_above(OOM_ABOVE, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)"),
+                        rank="1")
 
 
 ONEDNN_FAILURE = "could not create a primitive"
@@ -467,23 +473,9 @@ ONEDNN_FAILURE = "could not create a primitive"
 
 def onednn_failure_above(limit: int) -> Task:
     """oneDNN's allocation failure as an avx512_bf16 CPU reports it under RLIMIT_DATA ("could not create a
-    primitive", a RuntimeError the CPU allocator's message does not match), raised in forward for any
-    micro-batch above `limit` samples (--task-arg limit=N; 0: always)."""
-    task = _regression_with(lambda call, loss: loss)
-    inner = task.model
-
-    class FailsInOneDNN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            if x.shape[0] > limit:
-                raise RuntimeError(ONEDNN_FAILURE)
-            return self.inner(x)
-
-    task.model = FailsInOneDNN()
-    return task
+    primitive", a RuntimeError the CPU allocator's message does not match), on every rank, above `limit`
+    samples (--task-arg limit=N; 0: always)."""
+    return _fails_above(limit, RuntimeError(ONEDNN_FAILURE))
 
 
 ACTIVATION_HEAVY = (64, 16384, 10)

@@ -113,7 +113,7 @@ def test_a_diverging_run_keeps_its_last_finite_checkpoint_and_resume_refuses_a_n
 def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):
     """Its checkpoints above all (a longer run's higher steps would outrank this run's), and its TensorBoard
     events, profiler traces, best weights and pretrained copy: nothing of it may pass for this run's."""
-    from ddp_amp.config import prepare_run_dir
+    from ddp_amp.launch.run_dir import prepare_run_dir
 
     earlier = {"model.pt": b"w", "metrics.jsonl": b"{}\\n", "summary.json": b"{}", "model_best.pt": b"b",
                "step_times.json": b"[]", "checkpoints/step-90.pt": b"c", "checkpoints/step-90.json": b"{}",

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ddp_amp.config import CONFIG_FILE, TrainConfig, prepare_run_dir, running_job
+from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
+from ddp_amp.launch.run_dir import prepare_run_dir, running_job
 from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
 
 RUNS_ROOT = Path("runs")
