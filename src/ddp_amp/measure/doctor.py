@@ -19,8 +19,10 @@ from typing import Any
 
 SLOW_SHARE = 0.10
 LINK_FACTOR = 2.0
-LATENCY_FLOOR_US = 100.0
-"""...and a round trip at least this much longer than the median: below it, a difference is the host's jitter."""
+LATENCY_FLOOR_US = 500.0
+"""...and a round trip at least this much longer than the median: below it, a difference is the host's own
+scheduling. A node under a CPU quota of half a core measured 274 us against a median of 132 us over healthy
+veths (its compute is what is slow, and doctor names that); a slow link adds milliseconds."""
 
 
 def slow_ranks(ranks: list[dict[str, Any]]) -> list[int]:
