@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -10,6 +11,10 @@ from pathlib import Path
 import pytest
 
 HELPER_TASKS = Path(__file__).with_name("helper_tasks.py")
+
+# --amp auto's measured answers go to a cache of this test session's own, not the user's ~/.cache: every run of
+# one task at one thread count in the session then trains in the same precision.
+os.environ["DDP_AMP_CACHE_DIR"] = tempfile.mkdtemp(prefix="ddp-amp-test-cache-")
 
 
 def run_cli(*args: str, timeout: float = 180, cwd: Path | None = None, env: dict | None = None):

@@ -10,11 +10,10 @@ from ddp_amp.precision import cuda_devices_have_native_bf16, cuda_has_native_bf1
 @pytest.mark.parametrize(
     ("device", "amp", "dtype", "cuda_bf16", "cpu_bf16", "expected"),
     [
-        ("cpu", "auto", "auto", False, "none", "fp32"),
-        ("cpu", "auto", "auto", False, "avx512_bf16", "fp32"),  # native, but slower than fp32 without AMX
-        ("cpu", "auto", "auto", False, "amx", "bf16"),
+        ("cpu", "auto", "auto", False, "none", "fp32"),  # provisional: rank 0's probe decides
+        ("cpu", "auto", "auto", False, "avx512_bf16", "fp32"),
         ("cpu", "on", "auto", False, "avx512_bf16", "bf16"),  # AMP asked for: the CPU's AMP dtype
-        ("cpu", "off", "auto", False, "amx", "fp32"),
+        ("cpu", "off", "auto", False, "avx512_bf16", "fp32"),
         ("cpu", "auto", "bf16", False, "none", "bf16"),  # an explicit dtype means on
         ("cuda", "auto", "auto", True, "none", "bf16"),
         ("cuda", "auto", "auto", False, "none", "fp16"),  # older GPUs
@@ -23,35 +22,18 @@ from ddp_amp.precision import cuda_devices_have_native_bf16, cuda_has_native_bf1
     ],
 )
 def test_resolution(device, amp, dtype, cuda_bf16, cpu_bf16, expected):
-    precision = resolve_precision(device, amp, dtype, cuda_bf16=cuda_bf16, cpu_native_bf16=cpu_bf16 != "none",
-                                  cpu_fast_bf16=cpu_bf16 == "amx")
+    precision = resolve_precision(device, amp, dtype, cuda_bf16=cuda_bf16, cpu_native_bf16=cpu_bf16 != "none")
     assert precision.name == expected
     assert precision.uses_scaler == (expected == "fp16")
     assert (precision.reason is not None) == (amp == "auto" and dtype == "auto" or device == "cuda" and
                                               amp != "off" and dtype == "auto")
+    # Only --amp auto on CPU is left to the measurement, whatever the CPU's flags.
+    assert precision.measured == (device == "cpu" and amp == "auto" and dtype == "auto")
 
 
 def test_auto_says_why_it_chose():
-    assert resolve_precision("cpu", "auto", "auto", cpu_native_bf16=True, cpu_fast_bf16=False).reason == (
-        "the faster on this CPU: its bf16 (avx512_bf16 without AMX) trains slower than fp32")
-    assert resolve_precision("cpu", "auto", "auto", cpu_native_bf16=False, cpu_fast_bf16=False).reason == (
-        "the faster on this CPU: it has no native bf16")
-    assert "AMX" in resolve_precision("cpu", "auto", "auto", cpu_native_bf16=True, cpu_fast_bf16=True).reason
+    assert "rank 0 measures faster" in resolve_precision("cpu", "auto", "auto", cpu_native_bf16=True).reason
     assert "GradScaler" in resolve_precision("cuda", "auto", "auto", cuda_bf16=False).reason
-
-
-@pytest.mark.parametrize(("flags", "expected"), [({"avx2"}, "fp32"), ({"avx512f", "avx512_bf16"}, "fp32"),
-                                                 ({"avx512_bf16", "amx_bf16", "amx_tile"}, "bf16")])
-def test_the_precision_a_cpu_rank_picks_from_its_own_flags(monkeypatch, flags, expected):
-    """The function each rank calls, on CPUs whose flags are those of an AVX2 AMD, an AVX-512 Xeon with
-    avx512_bf16 and no AMX, and a Sapphire Rapids."""
-    from ddp_amp import precision
-    from ddp_amp.config import TrainConfig
-    from ddp_amp.rank.setup import bf16_is_fast_here, precision_for
-
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags))
-    fast = bf16_is_fast_here(torch.device("cpu"))
-    assert precision_for(TrainConfig(amp="auto"), "cpu", fast).name == expected
 
 
 def test_emulated_cpu_bf16_warns_once_in_words():
@@ -76,7 +58,6 @@ def test_gpu_bf16_is_native_from_compute_capability_8(capability, native):
 
 
 def test_one_old_gpu_among_the_ranks_means_fp16_for_all(monkeypatch):
-    import torch
 
     capabilities = {0: (9, 0), 1: (7, 5)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])

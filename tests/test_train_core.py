@@ -297,14 +297,16 @@ def test_the_nonfinite_limit_counts_consecutive_steps(one_rank_group, tmp_path):
 def test_the_precision_the_ranks_agree_on_is_fp16_on_a_pre_ampere_gpu(monkeypatch):
     """The function each rank calls, with a capability of 7.5 (a T4): bf16 there is emulated, so --amp auto
     picks fp16."""
-    from ddp_amp.rank.setup import bf16_is_fast_here, precision_for
+    from ddp_amp.precision import resolve_precision
+    from ddp_amp.rank.setup import gpu_bf16_is_native
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    native = bf16_is_fast_here(torch.device("cuda", 0))
+    native = gpu_bf16_is_native(torch.device("cuda", 0))
     assert native is False
-    assert precision_for(TrainConfig(amp="auto"), "cuda", native).name == "fp16"
+    assert resolve_precision("cuda", "auto", "auto", cuda_bf16=native).name == "fp16"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert precision_for(TrainConfig(amp="auto"), "cuda", bf16_is_fast_here(torch.device("cuda", 0))).name == "bf16"
+    native = gpu_bf16_is_native(torch.device("cuda", 0))
+    assert resolve_precision("cuda", "auto", "auto", cuda_bf16=native).name == "bf16"
 
 
 def test_a_checkpoint_is_saved_after_its_steps_log_line(one_rank_group, tmp_path):

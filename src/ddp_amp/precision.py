@@ -1,13 +1,20 @@
 """Mixed precision: which dtype a run uses, and the autocast / GradScaler pieces that go with it.
 
-`resolve_precision` is pure (no torch) so the launcher can decide and report before any rank starts.
+`resolve_precision` is pure (no torch) so the launcher can decide and report before any rank starts. On CPU
+ranks `--amp auto` is decided by measurement instead (rank.amp_probe): the answers are cached here, per CPU
+model, torch version, threads per rank and the task's layer shapes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 from ddp_amp.errors import UsageError
 
@@ -21,6 +28,8 @@ class Precision:
     reason: str | None = None
     """Why --amp auto (or --amp on without --dtype) chose it, for the start line and `ddp-amp env`: "the faster
     on this CPU: ..."; None when the flags chose."""
+    measured: bool = False
+    """--amp auto on CPU ranks: the name is provisional (fp32) until rank 0's probe decides (rank.amp_probe)."""
 
     @property
     def enabled(self) -> bool:
@@ -50,16 +59,32 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model as /proc/cpuinfo names it, with family, model and stepping: a virtual machine's name alone
+    ("Intel(R) Xeon(R) Processor") can stand for CPUs whose bf16 speeds differ."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    import platform
+
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" in fields:
+        name += (f" (family {fields['cpu family']} model {fields.get('model', '?')} "
+                 f"stepping {fields.get('stepping', '?')})")
+    return name
+
+
 def cpu_has_native_bf16() -> bool:
     """True on CPUs with bf16 instructions (AVX512-BF16 or AMX); elsewhere bf16 matmuls are emulated and slow."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True where bf16 trains faster than fp32: CPUs with AMX tiles (amx_bf16). With avx512_bf16 alone the
-    bf16 matmuls are native but slower than fp32's (0.81x on the bench's task, an AVX-512 Xeon without AMX),
-    so --amp auto keeps fp32 there."""
-    return "amx_bf16" in cpu_flags()
 
 
 def cpu_has_native_fp16() -> bool:
@@ -88,19 +113,18 @@ def cuda_devices_have_native_bf16(device_indices) -> bool:
 
 def resolve_precision(
     device_type: str, amp: str, dtype: str, *, cuda_bf16: bool = False, cpu_native_bf16: bool | None = None,
-    cpu_fast_bf16: bool | None = None, cpu_native_fp16: bool | None = None,
+    cpu_native_fp16: bool | None = None,
 ) -> Precision:
     """Turn --amp/--dtype into a concrete precision for a device type ("cpu" or "cuda").
 
-    auto: the faster precision. On GPUs bf16 where it is native (Ampere on), fp16 on older ones; on CPUs bf16
-    only where it beats fp32 (AMX), fp32 elsewhere. An explicit --dtype with --amp auto means "on with that
-    dtype". `cuda_bf16`: every GPU of the job computes bf16 natively; `cpu_native_bf16`: this CPU has bf16
-    instructions (no emulation warning); `cpu_fast_bf16`: they are faster than fp32 (AMX).
+    auto: the faster precision. On GPUs bf16 where it is native (Ampere on), fp16 on older ones. On CPUs no
+    flag predicts it (avx512_bf16 without AMX measured 0.81x fp32 on one Xeon and 1.10x on an EPYC Zen 4), so
+    the answer is `measured`: fp32 until rank 0's probe says otherwise. An explicit --dtype with --amp auto
+    means "on with that dtype". `cuda_bf16`: every GPU of the job computes bf16 natively; `cpu_native_bf16`:
+    this CPU has bf16 instructions (no emulation warning).
     """
     if cpu_native_bf16 is None:
         cpu_native_bf16 = cpu_has_native_bf16()
-    if cpu_fast_bf16 is None:
-        cpu_fast_bf16 = cpu_has_fast_bf16()
     if cpu_native_fp16 is None:
         cpu_native_fp16 = cpu_has_native_fp16()
     if amp == "off":
@@ -117,12 +141,9 @@ def resolve_precision(
         return Precision(dtype)
     # CPU
     if dtype == "auto":
-        if cpu_fast_bf16 and amp == "auto":
-            return Precision("bf16", reason="the faster on this CPU: it has AMX (amx_bf16)")
         if amp == "auto":
-            why = ("its bf16 (avx512_bf16 without AMX) trains slower than fp32" if cpu_native_bf16
-                   else "it has no native bf16")
-            return Precision("fp32", reason=f"the faster on this CPU: {why}")
+            return Precision("fp32", reason="bf16 or fp32, whichever rank 0 measures faster at the task's layer "
+                             "shapes", measured=True)
         dtype = "bf16"  # --amp on asked for AMP: bf16 is the CPU's AMP dtype
     if dtype == "bf16" and not cpu_native_bf16:
         return Precision(
@@ -162,3 +183,43 @@ def grad_scaler(precision: Precision, device_type: str):
     import torch
 
     return torch.amp.GradScaler(device_type, enabled=precision.uses_scaler)
+
+
+# --amp auto's measured answers on CPU ranks, one JSON file per user: {key: entry}.
+AMP_CACHE_FILE = "amp-auto.json"
+
+
+def amp_cache_path() -> Path:
+    """$DDP_AMP_CACHE_DIR, else $XDG_CACHE_HOME/ddp-amp, else ~/.cache/ddp-amp."""
+    root = os.environ.get("DDP_AMP_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
+                                                        Path.home() / ".cache") / "ddp-amp"
+    return Path(root) / AMP_CACHE_FILE
+
+
+def amp_cache_key(torch_version: str, threads: int, shapes: list[tuple[int, int, int]]) -> str:
+    """What the answer depends on: the CPU, torch (its kernels), the threads per rank and the GEMM shapes
+    (a tiny model's answer need not be a wide one's)."""
+    digest = hashlib.sha256(json.dumps(sorted(shapes)).encode()).hexdigest()[:12]
+    return f"{cpu_model()} | torch {torch_version} | {threads} threads | shapes {digest}"
+
+
+def cached_amp_choices() -> dict[str, dict[str, Any]]:
+    """Every cached answer (none when the file is missing or unreadable: the probe then runs again)."""
+    try:
+        entries = json.loads(amp_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def remember_amp_choice(key: str, entry: dict[str, Any]) -> None:
+    """Add one answer to the cache, atomically (a concurrent run reads the old file or the new one). A cache that
+    cannot be written is no error: the next run probes again."""
+    from ddp_amp.files import atomic_write
+
+    path = amp_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, (json.dumps({**cached_amp_choices(), key: entry}, indent=1, sort_keys=True) + "\n").encode())
+    except OSError:
+        pass

@@ -103,6 +103,9 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         if job == "doctor":
             return _doctor(config, env, device, precision, ready_at=time.time())
         task = setup.build_checked_task(config, env)
+        precision, amp_probe = setup.measured_precision(precision, config, task, env, device)
+        if amp_probe is not None:
+            reporter.precision_chosen(precision)
         initial = setup.load_initial_weights(task, config)
         reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
         trainer = Trainer(config, env, device, precision, task, reporter, time_steps=job == "bench",
@@ -117,6 +120,8 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
             result = trainer.train()
         memory = peak_memory(device)  # of training: before rank 0's evaluation
         summary = _finish_training(trainer, result, memory, bench=job == "bench")
+        if amp_probe is not None:
+            summary["amp_auto"] = _probe_summary(amp_probe, precision)
         summary.update(restarts=restarts, threads_per_rank=threads, tf32=config.tf32, flush_denormal=flushing,
                        worker_start_s=started - (config.launch_time or started),
                        **({"resumed_from": resumed} if resumed is not None else {}),  # its step: resumed_from_step
@@ -131,6 +136,12 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         reporter.done(summary, memory)
         _wait_for_own_agent(config, trainer)
         return summary if env.writes_run_dir else None
+
+
+def _probe_summary(probe: dict[str, Any], precision) -> dict[str, Any]:
+    """summary.json's amp_auto: the choice, the measured ratio and whether it came from the cache."""
+    keep = ("choice", "bf16_speedup", "fp32_pass_s", "bf16_pass_s", "probe_s", "cached", "why", "key")
+    return {**{k: probe[k] for k in keep if k in probe}, "reason": precision.reason}
 
 
 def _wait_for_own_agent(config: TrainConfig, trainer: Trainer) -> None:

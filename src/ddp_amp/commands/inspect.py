@@ -73,9 +73,17 @@ def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON objec
     typer.echo(f"cores {report['cores']}, torch threads {threads['torch']} (OMP_NUM_THREADS "
                f"{threads['OMP_NUM_THREADS'] or 'unset'}), CPU native bf16: "
                f"{'yes' if report['cpu_native_bf16'] else 'no (emulated)'}, AMX: "
-               f"{'yes' if report['cpu_fast_bf16'] else 'no'}")
+               f"{'yes' if report['cpu_amx_bf16'] else 'no'}")
     for device, choice in report["amp_auto"].items():
-        typer.echo(f"--amp auto on {device}: {choice['precision']} ({choice['reason']})")
+        if device == "cpu":
+            typer.echo("--amp auto on cpu: bf16 or fp32, measured by rank 0 at a run's start")
+        else:
+            typer.echo(f"--amp auto on {device}: {choice['precision']} ({choice['reason']})")
+    cache = report["amp_auto_cpu_cache"]
+    typer.echo(f"--amp auto's measured answers ({cache['path']}): {len(cache['answers']) or 'none yet'}")
+    for key, answer in sorted(cache["answers"].items()):
+        typer.echo(f"  {answer.get('choice')}: bf16 {answer.get('bf16_speedup', float('nan')):.2f}x fp32, "
+                   f"{answer.get('measured_at', '?')}: {key}")
     typer.echo(f"CUDA devices: {len(report['gpus'])}")
     for gpu in report["gpus"]:
         native = "native" if gpu["native_bf16"] else "no (emulated; --amp auto uses fp16)"

@@ -125,7 +125,8 @@ def _announce(launch: Launch) -> None:
         say(f"ddp-amp: torchrun's agent in-process, as {launch.job.torchrun_command(plan.config_path).shell()}")
     tf32 = f", tf32 {config.tf32}" if config.tf32 and plan.device_type == "cuda" else ""
     why = f" (--amp {config.amp}: {plan.precision.reason})" if plan.precision.reason else ""
-    say(f"ddp-amp: {launch.nproc} rank(s) on {plan.device_type}, precision {plan.precision.name}{why}{tf32}, "
+    name = "measured at start-up" if plan.precision.measured else plan.precision.name  # a line follows
+    say(f"ddp-amp: {launch.nproc} rank(s) on {plan.device_type}, precision {name}{why}{tf32}, "
         f"task {config.task}, run dir {config.run_dir}")
     if plan.precision.warning:
         say(f"ddp-amp: warning: {plan.precision.warning}")

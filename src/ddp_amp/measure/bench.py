@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,14 +158,9 @@ def flags_that_matter() -> list[str]:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    from ddp_amp.precision import cpu_model
+
+    return cpu_model()
 
 
 def environment(device_type: str, nproc: int, summary: dict[str, Any], tf32: bool | None) -> dict[str, Any]:
@@ -200,7 +194,14 @@ def environment_report() -> dict[str, Any]:
     import torch.distributed as dist
 
     from ddp_amp import __version__
-    from ddp_amp.precision import cpu_has_fast_bf16, cpu_has_native_bf16, cuda_has_native_bf16, resolve_precision
+    from ddp_amp.precision import (
+        amp_cache_path,
+        cached_amp_choices,
+        cpu_flags,
+        cpu_has_native_bf16,
+        cuda_has_native_bf16,
+        resolve_precision,
+    )
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = []
@@ -227,7 +228,8 @@ def environment_report() -> dict[str, Any]:
         "gpus": gpus,
         "cpu": cpu_name(),
         "cpu_native_bf16": cpu_has_native_bf16(),
-        "cpu_fast_bf16": cpu_has_fast_bf16(),
+        "cpu_amx_bf16": "amx_bf16" in cpu_flags(),
+        "amp_auto_cpu_cache": {"path": str(amp_cache_path()), "answers": cached_amp_choices()},
         "amp_auto": {device: {"precision": choice.name, "reason": choice.reason}
                      for device, choice in amp_auto.items()},
         "cores": usable_cores(),

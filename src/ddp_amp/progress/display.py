@@ -278,6 +278,8 @@ class RichDisplay:
 
     def handle(self, event: dict[str, Any]) -> None:
         self.model.apply(event)
+        if event["type"] == "precision":  # a line above the live table, once
+            self.console.print(plain_line(event), highlight=False, markup=False)
 
     def render(self):
         from rich.console import Group

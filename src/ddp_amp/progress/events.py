@@ -7,11 +7,12 @@ Every event has "type" and "rank"; the rest depends on the type:
     log    step, total_steps, epoch, loss (this rank's, over the interval), global_loss (all ranks), lr,
            samples_per_s (this rank), global_samples_per_s, items_per_s / item_name, loss_scale, skipped_steps,
            micro_batch_size (with --micro-batch), slow (this rank holds the others back: train.stragglers)
-    done   steps, samples_per_s (this rank's mean), peak_memory_mb (GPU: reserved; CPU: peak RSS), on a GPU
-           peak_memory_allocated_mb, final_loss, stopped (by a stop signal,
+    done   steps, samples_per_s (this rank's mean), precision (this rank's), peak_memory_mb (GPU: reserved;
+           CPU: peak RSS), on a GPU peak_memory_allocated_mb, final_loss, stopped (by a stop signal,
            before the last step), plus the run summary on the
            node's writer (wall_s, time_to_first_step_s, model_path, summary_path)
     error  traceback (the failing rank's, sent once)
+    precision  precision, reason: --amp auto's answer on CPU ranks, measured by rank 0 (sent by rank 0 once)
     heartbeat  step (optimizer steps done), micro, phase_index, phase (data, forward, backward, step, log):
            where the rank's loop is, sent every second; stall_after_s
     stalled    step, phase, silent_s: made by the launcher when no rank's loop has moved for a while, for the
@@ -56,6 +57,8 @@ def plain_line(event: dict[str, Any]) -> str | None:
                 f"peak memory {event['peak_memory_mb']:.0f} MB, final loss {loss}")
     if kind == "error":
         return f"[rank {rank}] failed:\n{event['traceback']}"
+    if kind == "precision":
+        return f"ddp-amp: --amp auto chose {event['precision']}: {event['reason']}"
     if kind == "stalled":
         return (f"[rank {rank}] stalled: no progress for {event['silent_s']:.0f}s in step {event['step']} "
                 f"({event['phase']}); the other ranks are waiting for it")

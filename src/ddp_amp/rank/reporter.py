@@ -53,6 +53,11 @@ class WorkerReporter:
         self._send({"type": "state", "status": status, "local_rank": self.env.local_rank,
                     "node": int(os.environ.get("GROUP_RANK", "0")), "world_size": self.env.world_size, **extra})
 
+    def precision_chosen(self, precision) -> None:
+        """--amp auto's measured answer, once (rank 0's, which every rank took)."""
+        if self.env.rank == 0:
+            self._send({"type": "precision", "precision": precision.name, "reason": precision.reason})
+
     def on_log(self, record: dict[str, Any]) -> None:
         if self.env.writes_run_dir:
             outputs.append_metrics(self.run_dir, {k: v for k, v in record.items() if not k.startswith("rank_")})
@@ -79,7 +84,7 @@ class WorkerReporter:
     def done(self, summary: dict[str, Any], memory: dict[str, float]) -> None:
         """`memory`: train.metrics.peak_memory of the training, measured before any evaluation."""
         event = {"type": "done", "steps": summary["steps"], "samples_per_s": summary["rank_samples_per_s"],
-                 **memory, "final_loss": self.last_loss,
+                 **memory, "final_loss": self.last_loss, "precision": summary["precision"],
                  "stopped": "stopped_at_step" in summary}
         if self.env.writes_run_dir:
             event["summary"] = summary

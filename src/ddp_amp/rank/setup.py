@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, resolve_device, set_cpu_threads
 from ddp_amp.errors import RankSetupError, RankUsageError
-from ddp_amp.precision import Precision, cpu_has_fast_bf16, cuda_has_native_bf16, resolve_precision
+from ddp_amp.precision import Precision, cuda_has_native_bf16, resolve_precision
 from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
 from ddp_amp.train.data import is_iterable
@@ -87,26 +87,32 @@ def nccl_watchdog_environment(run_dir: Path) -> None:
         os.environ.setdefault(key, value)
 
 
-def bf16_is_fast_here(device: torch.device) -> bool:
-    """This rank's own answer to "would --amp auto pick bf16 here": a GPU of compute capability 8.0 or newer
-    (bf16 native, not emulated), a CPU with AMX (where bf16 beats fp32)."""
-    if device.type == "cuda":
-        return cuda_has_native_bf16(torch.cuda.get_device_capability(device))
-    return cpu_has_fast_bf16()
-
-
-def precision_for(config: TrainConfig, device_type: str, fast_everywhere: bool) -> Precision:
-    return resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=fast_everywhere,
-                             cpu_fast_bf16=fast_everywhere if device_type == "cpu" else None)
-
-
 def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:
     """The precision every rank uses, decided from each rank's own device and agreed on by all of them: with
-    --amp auto a job whose GPUs are mixed trains in fp16 everywhere, and one whose CPUs are mixed in fp32,
-    since ranks in one DDP job must step the same way."""
-    flag = torch.tensor([1.0 if bf16_is_fast_here(device) else 0.0], device=device)
+    --amp auto a job whose GPUs are mixed trains in fp16 everywhere, since ranks in one DDP job must step the
+    same way. On CPU ranks --amp auto's answer is still `measured` (provisional): see measured_precision."""
+    if device.type != "cuda":
+        return resolve_precision(device.type, config.amp, config.dtype)
+    flag = torch.tensor([1.0 if gpu_bf16_is_native(device) else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # once, at start-up
-    return precision_for(config, device.type, fast_everywhere=bool(flag.item()))
+    return resolve_precision(device.type, config.amp, config.dtype, cuda_bf16=bool(flag.item()))
+
+
+def gpu_bf16_is_native(device: torch.device) -> bool:
+    """This rank's own GPU computes bf16 natively (compute capability 8.0 or newer, not emulated)."""
+    return cuda_has_native_bf16(torch.cuda.get_device_capability(device))
+
+
+def measured_precision(precision: Precision, config: TrainConfig, task: Task, env: DistEnv,
+                       device: torch.device) -> tuple[Precision, dict[str, Any] | None]:
+    """--amp auto on CPU ranks: rank 0's probe (rank.amp_probe) decides, for every rank; with what it measured,
+    for summary.json. Any other precision is returned as it is."""
+    if not precision.measured:
+        return precision, None
+    from ddp_amp.rank.amp_probe import measured_precision as probe
+
+    micro = config.micro_batch if config.micro_batch not in (None, "auto") else config.batch_size
+    return probe(task, env, device, samples=int(micro))
 
 
 def seed_rank_randomness(seed: int) -> None:

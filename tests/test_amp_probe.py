@@ -1,0 +1,155 @@
+"""--amp auto on CPU ranks: rank 0 measures fp32 against bf16 at the task's layer shapes, every rank takes its
+answer, and the answer is cached (rank.amp_probe, precision's cache)."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from ddp_amp import precision
+from ddp_amp.rank import amp_probe
+
+from conftest import read_summary, run_cli
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_AMP_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize(("fp32_s", "bf16_s", "expected"), [
+    (1.0, 1.0, "fp32"), (1.04, 1.0, "fp32"), (1.06, 1.0, "bf16"), (0.5, 1.0, "fp32"), (2.0, 1.0, "bf16")])
+def test_bf16_must_be_more_than_five_percent_faster(fp32_s, bf16_s, expected):
+    assert amp_probe.decide(fp32_s, bf16_s) == expected
+
+
+def test_the_shapes_are_the_tasks_own_and_looking_changes_nothing():
+    """One forward of a micro-batch of the task's own data: the rows each nn.Linear saw. The model's weights and
+    buffers, its train mode and the global random state are as they were."""
+    from ddp_amp.tasks import build_task
+
+    torch.manual_seed(0)
+    task = build_task("mlp")
+    task.model.add_module("dropout", torch.nn.Dropout(0.5))  # would draw random numbers in train mode
+    before = {k: v.clone() for k, v in task.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    shapes = amp_probe.layer_shapes(task, 24, torch.device("cpu"))
+    linears = [m for m in task.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(shapes) == sorted({(24, m.in_features, m.out_features) for m in linears})
+    assert task.model.training
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in task.model.state_dict().items())
+
+
+def test_a_model_without_linear_layers_keeps_fp32():
+    from ddp_amp.tasks import Task
+
+    task = Task(model=torch.nn.Conv1d(1, 1, 3), dataset=[(torch.zeros(1, 8), torch.zeros(1, 6))] * 4)
+    assert amp_probe.layer_shapes(task, 2, torch.device("cpu")) == []
+    answer = amp_probe._rank0_answer(task, torch.device("cpu"), 2)
+    assert answer["choice"] == "fp32" and "no nn.Linear" in answer["why"]
+
+
+def test_the_gemm_timing_gives_both_precisions():
+    seconds = amp_probe.time_gemms([(16, 32, 64)], budget_s=0.05)
+    assert set(seconds) == {"fp32", "bf16"} and all(value > 0 for value in seconds.values())
+
+
+def test_the_cache_keeps_answers_per_cpu_torch_threads_and_shapes(cache_dir):
+    key = precision.amp_cache_key("2.13.0", 4, [(8, 32, 256)])
+    assert precision.cpu_model() in key and "torch 2.13.0" in key and "4 threads" in key
+    assert key != precision.amp_cache_key("2.13.0", 4, [(8, 256, 1024)])
+    assert key != precision.amp_cache_key("2.13.0", 2, [(8, 32, 256)])
+    assert key != precision.amp_cache_key("2.14.0", 4, [(8, 32, 256)])
+    assert precision.cached_amp_choices() == {}
+    precision.remember_amp_choice(key, {"choice": "bf16", "bf16_speedup": 1.3})
+    precision.remember_amp_choice("other", {"choice": "fp32", "bf16_speedup": 0.8})
+    assert precision.cached_amp_choices()[key] == {"choice": "bf16", "bf16_speedup": 1.3}
+    assert len(precision.cached_amp_choices()) == 2
+    (cache_dir / precision.AMP_CACHE_FILE).write_text("{not json")
+    assert precision.cached_amp_choices() == {}  # unreadable: probe again, no error
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agreement_rank(rank: int, port: int, cache_root: str, planted: tuple[str, str], out: str) -> None:
+    """One rank of a real 2-rank gloo group, with a cache of its own whose planted answer differs per rank."""
+    import torch.distributed as dist
+
+    from ddp_amp.dist import DistEnv
+    from ddp_amp.tasks import build_task
+
+    os.environ["DDP_AMP_CACHE_DIR"] = os.path.join(cache_root, str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        task = build_task("mlp")
+        shapes = amp_probe.layer_shapes(task, 8, torch.device("cpu"))
+        key = precision.amp_cache_key(torch.__version__, torch.get_num_threads(), shapes)
+        precision.remember_amp_choice(key, {"choice": planted[rank], "bf16_speedup": 1.0})
+        env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, master_addr="127.0.0.1",
+                      master_port=port)
+        chosen, found = amp_probe.measured_precision(task, env, torch.device("cpu"), samples=8)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"precision": chosen.name, "cached": found["cached"]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_takes_rank_0s_answer(tmp_path):
+    """Rank 0's cache says bf16 and rank 1's fp32: both ranks train in bf16."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agreement_rank, args=(_free_port(), str(tmp_path / "caches"), ("bf16", "fp32"), str(tmp_path)),
+             nprocs=2)
+    answers = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [a["precision"] for a in answers] == ["bf16", "bf16"]
+    assert all(a["cached"] for a in answers)
+
+
+def _done_events(stdout: str) -> dict[int, dict]:
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return {e["rank"]: e for e in events if e["type"] == "done"}
+
+
+@pytest.mark.slow
+def test_a_run_measures_reports_and_caches_then_the_next_run_uses_the_cache(tmp_path, cache_dir):
+    args = ["spawn", "-n", "2", "--device", "cpu", "--task", "mlp", "--steps", "3", "--batch-size", "16",
+            "--amp", "auto", "--log-format", "json"]
+    first = run_cli(*args, "--run-dir", str(tmp_path / "first"))
+    assert first.returncode == 0, first.stderr
+    summary = read_summary(tmp_path / "first")
+    probe = summary["amp_auto"]
+    assert probe["cached"] is False and probe["choice"] in ("fp32", "bf16")
+    assert probe["fp32_pass_s"] > 0 and probe["bf16_pass_s"] > 0
+    assert probe["bf16_speedup"] == pytest.approx(probe["fp32_pass_s"] / probe["bf16_pass_s"])
+    assert summary["precision"] == probe["choice"] == amp_probe.decide(probe["fp32_pass_s"], probe["bf16_pass_s"])
+    assert f"{probe['bf16_speedup']:.2f}x fp32" in probe["reason"]
+    assert "precision measured at start-up" in first.stderr + first.stdout
+    events = [json.loads(line) for line in first.stdout.splitlines() if line.startswith("{")]
+    assert [e["precision"] for e in events if e["type"] == "precision"] == [probe["choice"]]
+    assert {r: e["precision"] for r, e in _done_events(first.stdout).items()} == {0: probe["choice"],
+                                                                                  1: probe["choice"]}
+    cache = json.loads((cache_dir / precision.AMP_CACHE_FILE).read_text())
+    assert list(cache) == [probe["key"]] and cache[probe["key"]]["choice"] == probe["choice"]
+
+    # The answer flipped in the cache: a second run takes it as it is, without probing.
+    flipped = {"fp32": "bf16", "bf16": "fp32"}[probe["choice"]]
+    cache[probe["key"]]["choice"] = flipped
+    (cache_dir / precision.AMP_CACHE_FILE).write_text(json.dumps(cache))
+    second = run_cli(*args, "--run-dir", str(tmp_path / "second"))
+    assert second.returncode == 0, second.stderr
+    summary = read_summary(tmp_path / "second")
+    assert summary["amp_auto"]["cached"] is True
+    assert summary["precision"] == flipped and "(cached)" in summary["amp_auto"]["reason"]
+    assert {r: e["precision"] for r, e in _done_events(second.stdout).items()} == {0: flipped, 1: flipped}
+
+    shown = run_cli("env")
+    assert shown.returncode == 0 and probe["key"] in shown.stdout and f"{flipped}: bf16" in shown.stdout
