@@ -556,3 +556,17 @@ def extra_all_reduce_on_rank1() -> Task:
         return loss
 
     return _regression_with(on_call)
+
+
+def dies_in_evaluation_once() -> Task:
+    """Rank 0 SIGKILLs itself in its evaluation after training, in the first attempt of a torchrun job only:
+    the other rank has finished by then and waits, in torch's wrapper, for its agent to let it go."""
+    task = _regression_with(lambda call, loss: loss)
+
+    def evaluate(model):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"evaluated": 1.0}
+
+    task.evaluate = evaluate
+    return task

@@ -105,3 +105,31 @@ def test_a_launcher_killed_in_a_ranks_first_milliseconds_leaves_nothing_running(
         for pid in left:  # leave nothing behind for the next trial either way
             os.kill(pid, signal.SIGKILL)
         assert not left, f"trial {trial}, {delay * 1000:.0f} ms after the fork: {len(left)} processes left"
+
+
+def test_a_rank_killed_in_its_first_milliseconds_costs_run_a_plain_restart(tmp_path):
+    """Under `run`, the agent's answer to a dead rank is SIGTERM to the others and, 30 s later, SIGKILL. A peer
+    blocked in init_process_group (waiting at the store for the dead one) cannot run its Python handler: it
+    must still leave at that SIGTERM (process.BlockedWaitStops), so that torch never needs its SIGKILL."""
+    for trial in range(TRIALS):
+        run_dir = tmp_path / f"trial-{trial}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ddp_amp", "run", "-n", "2", "--device", "cpu", "--task", "linear", "--steps",
+             "5", "--batch-size", "8", "--max-restarts", "1", "--log-format", "json", "--run-dir", str(run_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        delay = DELAYS_S[trial % len(DELAYS_S)]
+        deadline = time.monotonic() + 120
+        forkserver = _forkserver_of(process.pid, deadline)
+        _first_rank_forked(forkserver, deadline)
+        time.sleep(delay)
+        os.kill(_children(forkserver)[0], signal.SIGKILL)
+        try:
+            _, stderr = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+        where = f"trial {trial}, {delay * 1000:.0f} ms after the fork"
+        assert process.returncode == 0, f"{where}: {stderr}"
+        assert "recovered after 1 restart" in stderr, f"{where}: {stderr}"
+        assert "forcefully exiting via SIGKILL" not in stderr, f"{where}: a rank ignored the agent's SIGTERM"
+        assert read_summary(run_dir)["restarts"] == 1

@@ -388,11 +388,25 @@ def test_torch_still_has_what_the_worker_context_patch_wraps():
     assert MultiprocessContext._close.lets_workers_leave
 
 
+class _Alive:
+    def __init__(self, alive=True):
+        self.alive = alive
+
+    def is_alive(self):
+        return self.alive
+
+
+class _Processes:
+    def __init__(self, *alive):
+        self.processes = [_Alive(a) for a in alive]
+
+
 class _ContextAsTorchHasIt:
-    def __init__(self):
+    def __init__(self, *alive):
         import threading
 
         self._worker_finished_event = threading.Event()
+        self._pc = _Processes(*(alive or (True, True)))
         self.closed_with = None
 
     def _close(self, death_sig, timeout: int = 30) -> None:
@@ -419,6 +433,52 @@ def test_the_patch_sets_the_finished_reading_event_before_torchs_close():
     context = _ContextAsTorchHasIt()
     context._close(15, 5)
     assert context.closed_with == (15, 5, True)
+
+
+def test_the_patch_leaves_the_event_alone_once_a_worker_has_died():
+    """multiprocessing's Event.set waits for every sleeper to wake: one killed while it slept never does."""
+    from ddp_amp.launch.agent import let_stopped_workers_leave
+
+    assert let_stopped_workers_leave(_ContextAsTorchHasIt) is True
+    context = _ContextAsTorchHasIt(True, False)
+    context._close(15, 5)
+    assert context.closed_with == (15, 5, False)  # torch's close still ran: it signals, waits and kills
+
+
+def _sleep_on(event):
+    event.wait()
+
+
+def test_releasing_workers_never_hangs_on_a_sleeper_that_was_killed():
+    """The race the alive check cannot close: a worker dies between the check and the set. The set is given
+    RELEASE_TIMEOUT_S and the close goes on without it."""
+    import multiprocessing
+    import signal
+    import time
+
+    from ddp_amp.launch.agent import release_waiting_workers
+
+    context = multiprocessing.get_context("fork")
+    event = context.Event()
+    sleeper = context.Process(target=_sleep_on, args=(event,))
+    sleeper.start()
+    time.sleep(0.5)  # asleep in the event's condition
+    os.kill(sleeper.pid, signal.SIGKILL)
+    sleeper.join()
+    assert release_waiting_workers(_ContextAsTorchHasIt(), event) is False  # returned: did not hang
+
+
+@pytest.mark.slow
+def test_a_finished_rank_leaves_at_the_agents_sigterm_when_a_peer_dies_after_training(tmp_path, helper_task):
+    """Rank 1 has finished and waits in torch's wrapper when rank 0 dies in its evaluation: the agent's SIGTERM
+    must let rank 1 go at once (without, torch SIGKILLs it 30 s later, and then hung for ever in the close)."""
+    result = run_cli("run", "--nproc-per-node", "2", "--max-restarts", "1", "--device", "cpu", "--task",
+                     helper_task("dies_in_evaluation_once"), "--steps", "4", "--run-dir", str(tmp_path),
+                     timeout=240)
+    assert_ok(result)
+    assert "forcefully exiting via SIGKILL" not in result.stderr, result.stderr
+    assert read_summary(tmp_path)["restarts"] == 1
+    assert read_summary(tmp_path)["eval"] == {"evaluated": 1.0}
 
 
 @pytest.mark.parametrize("context_class", [_ContextWithoutTheEvent, _ContextWithOtherParameters, object])

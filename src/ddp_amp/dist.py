@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp.network import is_loopback
-from ddp_amp.process import usable_cores
+from ddp_amp.process import BLOCKED_WAIT_STOPS, usable_cores
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -109,15 +109,16 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
     timeout = datetime.timedelta(seconds=timeout_s)
     common = {"backend": backend, "rank": env.rank, "world_size": env.world_size, "timeout": timeout,
               "device_id": device if device.type == "cuda" else None}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and is_loopback(env.master_addr):
-        if env.rank == 0:
-            store = loopback_store(env.master_port, world_size=env.world_size, timeout_s=timeout_s)
+    with BLOCKED_WAIT_STOPS.blocked_wait("waiting for the other ranks to join the process group"):
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and is_loopback(env.master_addr):
+            if env.rank == 0:
+                store = loopback_store(env.master_port, world_size=env.world_size, timeout_s=timeout_s)
+            else:
+                store = dist.TCPStore(LOOPBACK, env.master_port, world_size=env.world_size, is_master=False,
+                                      timeout=timeout)
+            dist.init_process_group(store=store, **common)
         else:
-            store = dist.TCPStore(LOOPBACK, env.master_port, world_size=env.world_size, is_master=False,
-                                  timeout=timeout)
-        dist.init_process_group(store=store, **common)
-    else:
-        dist.init_process_group(init_method="env://", **common)
+            dist.init_process_group(init_method="env://", **common)
     try:
         yield
     finally:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -64,6 +67,73 @@ class DeferredStops:
         self.previous = {}
         if self.arrived:
             signal.raise_signal(self.arrived.pop(0))
+
+
+STARTUP_STOP_GRACE_S = 5.0
+"""How long a stop signal may wait for a rank that is blocked in the start-up's rendezvous: the others join within
+milliseconds when they are alive (the fork server has torch imported already), and a peer that died at start-up
+never does."""
+
+
+class BlockedWaitStops:
+    """Stop signals noticed while the main thread is blocked in C++ (init_process_group waiting at the store for
+    peers), where Python cannot run its handler until the wait returns: which, with a peer killed at start-up,
+    is the store's timeout, and torchrun's agent SIGKILLs the rank 30 s after its SIGTERM. Python's C-level
+    handler writes each signal's number to a wake-up pipe at once; a thread reads it, and when the wait is still
+    blocked STARTUP_STOP_GRACE_S after both the stop and the wait began, ends the process with 128 + the
+    signal. Nothing is lost: no step has run before the group exists."""
+
+    def __init__(self) -> None:
+        self.stop: tuple[int, float] | None = None
+        self.waiting_since: float | None = None
+        self.what = ""
+        self._pipe: tuple[int, int] | None = None
+
+    def install(self) -> None:
+        """From the main thread, once its handlers are set and before it unblocks the stop signals (a pending one
+        is then written to the pipe too)."""
+        if self._pipe is not None:
+            return
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._pipe = (read, write)
+        threading.Thread(target=self._watch, name="ddp-amp-startup-stops", daemon=True).start()
+
+    def noticed(self, signum: int) -> None:
+        """A stop the handler already took (before the wait began)."""
+        if self.stop is None:
+            self.stop = (signum, time.monotonic())
+
+    @contextlib.contextmanager
+    def blocked_wait(self, what: str) -> Iterator[None]:
+        self.what, self.waiting_since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            self.waiting_since = None
+
+    def _watch(self) -> None:
+        stops = {int(sig) for sig in STOP_SIGNALS}
+        while True:
+            if select.select([self._pipe[0]], [], [], 0.2)[0]:
+                for signum in os.read(self._pipe[0], 64):
+                    if signum in stops:
+                        self.noticed(signum)
+            since = self.waiting_since
+            if self.stop is None or since is None:
+                continue
+            signum, stopped_at = self.stop
+            if time.monotonic() - max(stopped_at, since) > STARTUP_STOP_GRACE_S:
+                name = signal.Signals(signum).name
+                sys.stderr.write(f"ddp-amp: stopped by {name} while {self.what}, blocked for more than "
+                                 f"{STARTUP_STOP_GRACE_S:g}s (a peer that died at start-up never joins); no step "
+                                 "had run\n")
+                sys.stderr.flush()
+                os._exit(128 + signum)
+
+
+BLOCKED_WAIT_STOPS = BlockedWaitStops()
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:

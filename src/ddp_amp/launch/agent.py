@@ -39,6 +39,11 @@ def worker_entry(config_path: str, env: dict[str, str], kind: JobKind) -> None:
 
     try:
         main([config_path, kind])  # the agent's wrapper records a failure's traceback in its error file
+        # Done: torch's wrapper now waits for the agent to read the return value. When the agent instead stops
+        # this group (another rank failed), its SIGTERM must end the wait, or the agent waits 30 s to SIGKILL.
+        from ddp_amp.rank.signals import leave_once_stopped
+
+        leave_once_stopped()
     except BaseException:
         # The agent reports the first rank it sees exit. A rank killed by a signal exits at once, and its peers
         # fail ("connection closed") milliseconds later: lingering here lets the agent see the cause first.
@@ -71,12 +76,30 @@ def let_stopped_workers_leave(context_class: type | None = None) -> bool:
     def _close(self, death_sig, timeout: int = 30) -> None:
         finished_reading = getattr(self, "_worker_finished_event", None)
         if finished_reading is not None:
-            finished_reading.set()
+            release_waiting_workers(self, finished_reading)
         close(self, death_sig, timeout)
 
     _close.lets_workers_leave = True
     context_class._close = _close
     return True
+
+
+RELEASE_TIMEOUT_S = 2.0
+
+
+def release_waiting_workers(context, event) -> bool:
+    """Set the workers' finished-reading event; whether that was done. Only while every worker is alive:
+    multiprocessing's Event.set waits for each sleeper to wake, and a worker killed while it slept never does
+    (the agent would hang for ever). A worker can still die between the check and the set, so the set runs in
+    a thread waited on for at most RELEASE_TIMEOUT_S; a worker left waiting then leaves at the agent's signal
+    (rank.signals.leave_once_stopped)."""
+    processes = getattr(getattr(context, "_pc", None), "processes", None)
+    if not processes or not all(process.is_alive() for process in processes):
+        return False
+    setter = threading.Thread(target=event.set, name="ddp-amp-release-workers", daemon=True)
+    setter.start()
+    setter.join(RELEASE_TIMEOUT_S)
+    return not setter.is_alive()
 
 
 PATCHED_CLOSE_PARAMETERS = ["self", "death_sig", "timeout"]
