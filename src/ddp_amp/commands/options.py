@@ -191,7 +191,30 @@ def with_training_options(command=None, **defaults: Any):
 with_output_options = option_group(OUTPUT_OPTIONS, "output")
 
 
-NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm")
+K8S = "Kubernetes (with --emit-k8s)"
+K8S_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "emit_k8s": (None, Annotated[Path | None, typer.Option(
+        "--emit-k8s", rich_help_panel=K8S, help="Write a Kubernetes manifest running this on --nnodes pods, and "
+        "exit.")]),
+    "k8s_kind": ("trainjob", Annotated[Literal["trainjob", "pytorchjob", "jobset"], typer.Option(
+        "--k8s-kind", rich_help_panel=K8S, help="Kubeflow Trainer's TrainJob, Training Operator's PyTorchJob, "
+        "or a plain JobSet.")]),
+    "image": (None, Annotated[str | None, typer.Option("--image", rich_help_panel=K8S,
+                                                        help="The container image (with ddp-amp installed).")]),
+    "namespace": ("default", Annotated[str, typer.Option("--namespace", rich_help_panel=K8S)]),
+    "gpus_per_node": (None, Annotated[int | None, typer.Option(
+        "--gpus-per-node", rich_help_panel=K8S, help="nvidia.com/gpu per pod (and ranks per pod).")]),
+    "cpu": (None, Annotated[str | None, typer.Option("--cpu", rich_help_panel=K8S, help="CPU request per pod.")]),
+    "memory": (None, Annotated[str | None, typer.Option("--memory", rich_help_panel=K8S,
+                                                         help="Memory request per pod, e.g. 16Gi.")]),
+    "pvc": (None, Annotated[str | None, typer.Option(
+        "--pvc", rich_help_panel=K8S, help="A PersistentVolumeClaim for the run dir, so checkpoints outlive pods.")]),
+}
+"""multinode --emit-k8s: what the manifest asks of the cluster (launch.kubernetes)."""
+with_k8s_options = option_group(K8S_OPTIONS, "k8s")
+
+
+NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm", "from_env", *K8S_OPTIONS)
 """What --config files do not set and --print-config does not print: actions, not options."""
 
 

@@ -22,6 +22,7 @@ from ddp_amp.commands.options import (
     check_rendezvous_timeout,
     config_toml,
     with_config_file,
+    with_k8s_options,
     with_output_options,
     with_training_options,
 )
@@ -82,12 +83,17 @@ def run(
 @with_config_file
 @with_training_options
 @with_output_options
+@with_k8s_options
 def multinode(
     train: dict,
     output: dict,
     resolved: dict,
-    nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic range.")],
-    endpoint: Endpoint,
+    k8s: dict,
+    nnodes: Annotated[str | None, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic range.")] = None,
+    endpoint: Endpoint = None,
+    from_env: Annotated[bool, typer.Option("--from-env", help="Read --nnodes, --endpoint, --node-rank and "
+                                           "--nproc-per-node from what a TrainJob, PyTorchJob or ddp-amp's JobSet "
+                                           "injects (PET_*, MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK).")] = False,
     nproc_per_node: NprocPerNode = "1",
     node_rank: Annotated[int | None, typer.Option("--node-rank", help="This node's rank (optional with c10d).")] = None,
     rdzv_id: RdzvId = None,
@@ -112,16 +118,23 @@ def multinode(
     from ddp_amp.launch import torchrun
 
     check_torchrun_numbers(max_restarts, monitor_interval)
+    nnodes, endpoint, node_rank, nproc_per_node = _where_nodes_meet(from_env, nnodes, endpoint, node_rank,
+                                                                    nproc_per_node)
     nodes = torchrun.parse_nnodes(nnodes)
     if node_rank is not None and not 0 <= node_rank < nodes.max:
         raise UsageError(f"--node-rank must be in 0..{nodes.max - 1} for --nnodes {nodes}, got {node_rank}")
     check_rendezvous_timeout(rdzv_timeout)
     if rdzv_last_call < 1:
         raise UsageError(f"--rdzv-last-call must be >= 1 second, got {rdzv_last_call}")
-    where = network.parse_endpoint(endpoint)
-    TrainConfig(**train)  # every cheap check before the network ones, which can wait up to --rdzv-timeout
     rendezvous = {"rdzv_timeout": rdzv_timeout, "rdzv_last_call": rdzv_last_call,
                   "monitor_interval": monitor_interval, "max_restarts": max_restarts}
+    if k8s["emit_k8s"] is not None:
+        config = TrainConfig(**train)
+        emit_k8s_manifest(k8s, train, output, nodes, nproc_per_node=nproc_per_node, max_restarts=max_restarts,
+                          stop_timeout=config.stop_timeout)
+        return
+    where = network.parse_endpoint(endpoint)
+    TrainConfig(**train)  # every cheap check before the network ones, which can wait up to --rdzv-timeout
     if emit_slurm is not None:
         emit_slurm_script(emit_slurm, train, output, nodes, where, nproc_per_node=nproc_per_node, ifname=ifname,
                           requeue_signal=requeue_signal, **rendezvous)
@@ -204,6 +217,58 @@ def emit_slurm_script(path: Path, train: dict, output: dict, nodes, where, *, np
                                    requeue_signal=requeue_signal)
     write_new_file(path, script, "--emit-slurm")
     typer.echo(f"ddp-amp: wrote {path}; submit it with sbatch {path}")
+
+
+def _where_nodes_meet(from_env: bool, nnodes, endpoint, node_rank, nproc_per_node):
+    """--nnodes, --endpoint, --node-rank, --nproc-per-node as given or, with --from-env, as a Kubernetes job
+    injected them (where the command line does not give its own)."""
+    import os
+
+    from ddp_amp.launch.kubernetes import rendezvous_from_env
+
+    if not from_env:
+        if nnodes is None:
+            raise UsageError("--nnodes is required (or --from-env inside a Kubernetes job)")
+        return nnodes, endpoint, node_rank, nproc_per_node
+    found = rendezvous_from_env(os.environ)
+    typer.echo(f"ddp-amp: --from-env: {found.source}", err=True)
+    return (nnodes or found.nnodes, endpoint or found.endpoint, found.node_rank if node_rank is None else node_rank,
+            found.nproc_per_node if nproc_per_node == "1" and found.nproc_per_node else nproc_per_node)
+
+
+def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_node: str, max_restarts: int,
+                      stop_timeout: float) -> None:
+    """--emit-k8s: the manifest (TrainJob, PyTorchJob or JobSet) that runs this on --nnodes pods; printed, then
+    written as YAML."""
+    from ddp_amp.launch import kubernetes
+
+    if not k8s["image"]:
+        raise UsageError("--emit-k8s needs --image: the container image the pods run (with ddp-amp installed)")
+    kubernetes.check_dns_name(k8s["namespace"], "--namespace")
+    if k8s["pvc"] is not None:
+        kubernetes.check_dns_name(k8s["pvc"], "--pvc")
+    gpus = k8s["gpus_per_node"]
+    if gpus is not None and (gpus < 1 or train["device"] == "cpu"):
+        raise UsageError(f"--gpus-per-node {gpus}: " + ("must be >= 1" if gpus < 1 else
+                         "--device cpu trains on CPUs; drop --gpus-per-node, or use --device cuda or auto"))
+    if nproc_per_node == "1" and gpus:
+        nproc_per_node = str(gpus)  # a rank per GPU, as --nproc-per-node gpu would
+    run_dir = (output["run_dir"] or "run").strip("/")
+    spec = kubernetes.PodSpec(
+        name=kubernetes.job_name(run_dir), image=k8s["image"], namespace=k8s["namespace"], nnodes_min=nodes.min,
+        nnodes_max=nodes.max, nproc_per_node=nproc_per_node,
+        args=[*training_args(train), "--log-format", output["log_format"]], run_dir=run_dir, pvc=k8s["pvc"],
+        gpus_per_node=gpus, cpu=k8s["cpu"], memory=k8s["memory"], stop_timeout=stop_timeout,
+        max_restarts=max_restarts)
+    import yaml
+
+    text = yaml.safe_dump(kubernetes.manifest(k8s["k8s_kind"], spec), sort_keys=False)
+    typer.echo(text, nl=False)
+    write_new_file(k8s["emit_k8s"], text, "--emit-k8s")
+    if k8s["pvc"] is None:
+        typer.echo("ddp-amp: warning: without --pvc the run dir is an emptyDir: checkpoints do not outlive a pod",
+                   err=True)
+    typer.echo(f"ddp-amp: wrote {k8s['emit_k8s']}; start it with kubectl apply -f {k8s['emit_k8s']}", err=True)
 
 
 def check_torchrun_numbers(max_restarts: int, monitor_interval: float) -> None:

@@ -1,0 +1,220 @@
+"""multinode on Kubernetes: the manifests `--emit-k8s` writes (Kubeflow Trainer's TrainJob, Training Operator's
+PyTorchJob, a plain JobSet), and `--from-env`, which reads the rendezvous each kind injects into its pods.
+
+Every pod runs `ddp-amp multinode --from-env ... --resume auto` as its container's command, so ddp-amp is the
+pod's PID 1: the SIGTERM the kubelet sends at preemption or deletion stops every rank at one agreed step with a
+checkpoint on the claim (terminationGracePeriodSeconds covers --stop-timeout), and a restarted pod resumes from
+the newest one. No torch here: the CLI writes manifests without importing it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ddp_amp.errors import UsageError
+
+KINDS = ("trainjob", "pytorchjob", "jobset")
+RUN_DIR_MOUNT = "/ddp-amp"
+"""Where the claim (or, without --pvc, an emptyDir) is mounted in every pod; the run dir lies below it."""
+RDZV_PORT = 29400
+GRACE_MARGIN_S = 30
+"""terminationGracePeriodSeconds beyond --stop-timeout: the launcher's own exit after its ranks stopped."""
+TRAINJOB_RUNTIME = "torch-distributed"
+TRAINJOB_CONTAINER = "node"
+"""The torch runtime's replicated job and container: a TrainJob's overrides name them."""
+PYTORCHJOB_CONTAINER = "pytorch"
+"""The container name the Training Operator looks for in a PyTorchJob."""
+DNS_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """What every pod of the job gets, whatever the kind."""
+
+    name: str
+    image: str
+    namespace: str
+    nnodes_min: int
+    nnodes_max: int
+    nproc_per_node: str
+    args: list[str]
+    """ddp-amp multinode's training options (the same on every pod)."""
+    run_dir: str
+    pvc: str | None
+    gpus_per_node: int | None
+    cpu: str | None
+    memory: str | None
+    stop_timeout: float
+    max_restarts: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.nnodes_min != self.nnodes_max
+
+
+def check_dns_name(value: str, flag: str) -> str:
+    """A Kubernetes object name (RFC 1123 label: lower-case letters, digits and '-', at most 63)."""
+    if len(value) > 63 or not DNS_1123_LABEL.fullmatch(value):
+        raise UsageError(f"{flag} {value!r} is not a valid Kubernetes name (RFC 1123: lower-case letters, digits "
+                         "and '-', starting and ending with a letter or digit, at most 63 characters)")
+    return value
+
+
+def job_name(run_dir: str) -> str:
+    """The job's name from its run directory's: ddp-amp-<name>, cut to a DNS label (room left for pod names)."""
+    base = re.sub(r"[^a-z0-9-]+", "-", run_dir.rstrip("/").rsplit("/", 1)[-1].lower()).strip("-") or "run"
+    return f"ddp-amp-{base}"[:40].rstrip("-")
+
+
+def pod_command(spec: PodSpec) -> list[str]:
+    return ["ddp-amp", "multinode", "--from-env", "--nproc-per-node", spec.nproc_per_node, *spec.args,
+            "--resume", "auto", "--run-dir", f"{RUN_DIR_MOUNT}/{spec.run_dir}"]
+
+
+def _volume(spec: PodSpec) -> dict[str, Any]:
+    if spec.pvc is not None:
+        return {"name": "run-dir", "persistentVolumeClaim": {"claimName": spec.pvc}}
+    return {"name": "run-dir", "emptyDir": {}}
+
+
+def _resources(spec: PodSpec) -> dict[str, Any]:
+    requests = {key: value for key, value in (("cpu", spec.cpu), ("memory", spec.memory)) if value}
+    resources: dict[str, Any] = {"requests": requests} if requests else {}
+    if spec.gpus_per_node:
+        resources["limits"] = {"nvidia.com/gpu": str(spec.gpus_per_node)}
+    return resources
+
+
+def _grace_s(spec: PodSpec) -> int:
+    return int(spec.stop_timeout) + GRACE_MARGIN_S
+
+
+def _container(spec: PodSpec, name: str, env: list[dict[str, Any]]) -> dict[str, Any]:
+    container = {"name": name, "image": spec.image, "command": pod_command(spec),
+                 "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, *env],
+                 "ports": [{"containerPort": RDZV_PORT, "name": "rendezvous"}],
+                 "volumeMounts": [{"name": "run-dir", "mountPath": RUN_DIR_MOUNT}]}
+    if resources := _resources(spec):
+        container["resources"] = resources
+    return container
+
+
+def _metadata(spec: PodSpec) -> dict[str, Any]:
+    return {"name": spec.name, "namespace": spec.namespace, "labels": {"app.kubernetes.io/managed-by": "ddp-amp"}}
+
+
+def trainjob(spec: PodSpec) -> dict[str, Any]:
+    """Kubeflow Trainer v2: the torch-distributed ClusterTrainingRuntime runs one pod per node and injects PET_*.
+    Its JobSet's failure policy restarts every pod when one fails (the runtime's maxRestarts)."""
+    pod_patch = {"terminationGracePeriodSeconds": _grace_s(spec), "volumes": [_volume(spec)],
+                 "containers": [{"name": TRAINJOB_CONTAINER,
+                                 "volumeMounts": [{"name": "run-dir", "mountPath": RUN_DIR_MOUNT}]}]}
+    trainer: dict[str, Any] = {"image": spec.image, "command": pod_command(spec), "numNodes": spec.nnodes_max,
+                               "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}
+    if resources := _resources(spec):
+        trainer["resourcesPerNode"] = resources
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": _metadata(spec),
+            "spec": {"runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
+                                    "name": TRAINJOB_RUNTIME},
+                     "trainer": trainer,
+                     "runtimePatches": [{"manager": "ddp-amp", "trainingRuntimeSpec": {"template": {"spec": {
+                         "replicatedJobs": [{"name": TRAINJOB_CONTAINER, "template": {"spec": {"template": {
+                             "spec": pod_patch}}}}]}}}}]}}
+
+
+def pytorchjob(spec: PodSpec) -> dict[str, Any]:
+    """Training Operator v1: Master + Workers (MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK), or, with --nnodes
+    MIN:MAX, Workers under an elasticPolicy (PET_RDZV_ENDPOINT, PET_NNODES=MIN:MAX). A failed pod is restarted
+    (OnFailure) and rejoins: every node's agent then restarts all ranks from the newest checkpoint."""
+    def replicas(count: int) -> dict[str, Any]:
+        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": {
+            "terminationGracePeriodSeconds": _grace_s(spec), "volumes": [_volume(spec)],
+            "containers": [_container(spec, PYTORCHJOB_CONTAINER, [])]}}}
+
+    body: dict[str, Any] = {"nprocPerNode": spec.nproc_per_node,
+                            "runPolicy": {"backoffLimit": spec.max_restarts, "cleanPodPolicy": "None"}}
+    if spec.elastic:
+        body["elasticPolicy"] = {"minReplicas": spec.nnodes_min, "maxReplicas": spec.nnodes_max,
+                                 "rdzvBackend": "c10d", "rdzvPort": RDZV_PORT, "maxRestarts": spec.max_restarts}
+        body["pytorchReplicaSpecs"] = {"Worker": replicas(spec.nnodes_max)}
+    else:
+        body["pytorchReplicaSpecs"] = {"Master": replicas(1)}
+        if spec.nnodes_max > 1:
+            body["pytorchReplicaSpecs"]["Worker"] = replicas(spec.nnodes_max - 1)
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(spec), "spec": body}
+
+
+def jobset(spec: PodSpec) -> dict[str, Any]:
+    """A JobSet for clusters without Kubeflow: one Indexed Job of --nnodes pods behind a headless service; each
+    pod's node rank is its completion index, and node 0's DNS name is the rendezvous. The failure policy
+    recreates every pod when one fails, up to --max-restarts times."""
+    master = f"{spec.name}-node-0-0.{spec.name}"  # <jobset>-<replicated job>-<job index>-<pod index>.<subdomain>
+    env = [{"name": "PET_NNODES", "value": str(spec.nnodes_max)},
+           {"name": "PET_NPROC_PER_NODE", "value": spec.nproc_per_node},
+           {"name": "PET_MASTER_ADDR", "value": master}, {"name": "PET_MASTER_PORT", "value": str(RDZV_PORT)},
+           {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {
+               "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": _grace_s(spec), "volumes": [_volume(spec)],
+           "containers": [_container(spec, "node", env)]}
+    job = {"parallelism": spec.nnodes_max, "completions": spec.nnodes_max, "completionMode": "Indexed",
+           "backoffLimit": 0, "template": {"spec": pod}}
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _metadata(spec),
+            "spec": {"failurePolicy": {"maxRestarts": spec.max_restarts},
+                     "network": {"enableDNSHostnames": True, "subdomain": spec.name},
+                     "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": job}}]}}
+
+
+BUILDERS = {"trainjob": trainjob, "pytorchjob": pytorchjob, "jobset": jobset}
+
+
+def manifest(kind: str, spec: PodSpec) -> dict[str, Any]:
+    return BUILDERS[kind](spec)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """What --from-env read: the values of --nnodes, --endpoint, --node-rank and --nproc-per-node."""
+
+    nnodes: str
+    endpoint: str
+    node_rank: int | None
+    nproc_per_node: str | None
+    source: str
+
+
+def rendezvous_from_env(environ: Mapping[str, str]) -> Rendezvous:
+    """The rendezvous a pod's controller injected: Kubeflow Trainer's torch runtime (PET_NNODES,
+    PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT), a PyTorchJob (MASTER_ADDR,
+    MASTER_PORT, WORLD_SIZE = pods, RANK = this pod; elastic: PET_RDZV_ENDPOINT and PET_NNODES=MIN:MAX), or
+    this tool's JobSet (PET_* from its own manifest; JOB_COMPLETION_INDEX as the node rank otherwise)."""
+    def get(*names: str) -> tuple[str, str] | None:
+        for name in names:
+            if environ.get(name):
+                return name, environ[name]
+        return None
+
+    nnodes = get("PET_NNODES", "WORLD_SIZE")
+    if nnodes is None:
+        raise UsageError("--from-env: neither PET_NNODES nor WORLD_SIZE is set (a TrainJob, PyTorchJob or "
+                         "ddp-amp's JobSet sets them); pass --nnodes and --endpoint instead")
+    endpoint = get("PET_RDZV_ENDPOINT")
+    if endpoint is None:
+        host, port = get("PET_MASTER_ADDR", "MASTER_ADDR"), get("PET_MASTER_PORT", "MASTER_PORT")
+        if host is None:
+            raise UsageError("--from-env: none of PET_RDZV_ENDPOINT, PET_MASTER_ADDR, MASTER_ADDR is set")
+        endpoint = (host[0], f"{host[1]}:{port[1] if port else RDZV_PORT}")
+    elastic = ":" in nnodes[1]
+    rank = None if elastic else get("PET_NODE_RANK", "RANK", "JOB_COMPLETION_INDEX")
+    node_rank = None
+    if rank is not None:
+        try:
+            node_rank = int(rank[1])
+        except ValueError:
+            raise UsageError(f"--from-env: {rank[0]}={rank[1]!r} is not a node rank") from None
+    nproc = get("PET_NPROC_PER_NODE")
+    names = [nnodes[0], endpoint[0], *([rank[0]] if rank else []), *([nproc[0]] if nproc else [])]
+    return Rendezvous(nnodes=nnodes[1], endpoint=endpoint[1], node_rank=node_rank,
+                      nproc_per_node=nproc[1] if nproc else None, source=", ".join(names))

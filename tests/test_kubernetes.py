@@ -1,0 +1,173 @@
+"""multinode --emit-k8s and --from-env: the manifests checked offline against the kinds' real schemas (Kubeflow
+Trainer's TrainJob and JobSet models, the Training Operator's PyTorchJob models, Kubernetes' own JSON schemas in
+strict mode), the rendezvous each kind injects, and the refusals."""
+
+import json
+
+import pytest
+import yaml
+
+from conftest import run_cli
+from ddp_amp.launch.kubernetes import rendezvous_from_env
+
+KUBERNETES = "1.30.0"  # a version whose schemas kubernetes-validate ships; the fields used are in every 1.2x too
+
+
+def emit(tmp_path, kind: str, *extra: str, run_dir: str = "runs/bert"):
+    path = tmp_path / f"{kind}.yaml"
+    result = run_cli("multinode", "--nnodes", "2", "--nproc-per-node", "2", "--device", "cpu", "--steps", "50",
+                     "--stop-timeout", "40", "--emit-k8s", str(path), "--k8s-kind", kind, "--image",
+                     "registry.example/ddp-amp:1", "--run-dir", run_dir, *extra)
+    assert result.returncode == 0, result.stderr
+    text = path.read_text()
+    assert text in result.stdout  # printed before use, like the torchrun line
+    return yaml.safe_load(text), result
+
+
+def contained(original, parsed, where="") -> list[str]:
+    """Every field of `original` is in `parsed` with the same value: a field the schema does not know is dropped
+    by the models, so it shows here (a schema's own defaults, added in `parsed`, are fine)."""
+    if isinstance(original, dict):
+        if not isinstance(parsed, dict):
+            return [f"{where}: not an object"]
+        return [problem for key, value in original.items()
+                for problem in (contained(value, parsed[key], f"{where}.{key}") if key in parsed
+                                else [f"{where}.{key}: not in the schema"])]
+    if isinstance(original, list):
+        if not isinstance(parsed, list) or len(parsed) != len(original):
+            return [f"{where}: a list of another length"]
+        return [p for i, (a, b) in enumerate(zip(original, parsed)) for p in contained(a, b, f"{where}[{i}]")]
+    return [] if original == parsed else [f"{where}: {original!r} became {parsed!r}"]
+
+
+def strict_kubernetes(resource: dict) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(resource, KUBERNETES, strict=True)
+
+
+def pod_template_as_pod(template: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": template["spec"]}
+
+
+def test_the_trainjob_validates_against_kubeflow_trainers_models(tmp_path):
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+    manifest, _ = emit(tmp_path, "trainjob", "--pvc", "checkpoints", "--cpu", "4", "--memory", "16Gi")
+    assert contained(manifest, TrainerV1alpha1TrainJob.from_dict(manifest).to_dict()) == []
+    spec = manifest["spec"]
+    assert spec["runtimeRef"]["name"] == "torch-distributed" and spec["trainer"]["numNodes"] == 2
+    assert spec["trainer"]["command"][:3] == ["ddp-amp", "multinode", "--from-env"]
+    assert spec["trainer"]["resourcesPerNode"] == {"requests": {"cpu": "4", "memory": "16Gi"}}
+    pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 40 + 30  # the stop agreement and checkpoint fit in
+    assert pod["volumes"] == [{"name": "run-dir", "persistentVolumeClaim": {"claimName": "checkpoints"}}]
+
+
+def test_the_jobset_validates_against_the_jobset_models_and_its_job_against_kubernetes(tmp_path):
+    from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
+
+    manifest, _ = emit(tmp_path, "jobset", "--pvc", "checkpoints", "--max-restarts", "3")
+    assert contained(manifest, JobsetV1alpha2JobSet.from_dict(manifest).to_dict()) == []
+    replicated = manifest["spec"]["replicatedJobs"][0]
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": replicated["template"]["spec"]}
+    strict_kubernetes(job)
+    assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 3}  # every pod recreated, up to 3 times
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # The headless service's name of pod 0: <jobset>-<replicated job>-<job index>-<pod index>.<subdomain>
+    assert env["PET_MASTER_ADDR"] == "ddp-amp-bert-node-0-0.ddp-amp-bert"
+    assert env["PET_NODE_RANK"] == {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+
+
+@pytest.mark.parametrize("nnodes", ["2", "1:3"])
+def test_the_pytorchjob_validates_against_the_training_operators_models(tmp_path, nnodes):
+    from kubeflow.training.api_client import ApiClient
+
+    path = tmp_path / "job.yaml"
+    result = run_cli("multinode", "--nnodes", nnodes, "--device", "cpu", "--emit-k8s", str(path), "--k8s-kind",
+                     "pytorchjob", "--image", "registry.example/ddp-amp:1", "--pvc", "ckpt")
+    assert result.returncode == 0, result.stderr
+    manifest = yaml.safe_load(path.read_text())
+
+    class Response:
+        data = json.dumps(manifest)
+
+    client = ApiClient()
+    parsed = client.sanitize_for_serialization(client.deserialize(Response(), "KubeflowOrgV1PyTorchJob"))
+    assert contained(manifest, parsed) == []
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    for replica in replicas.values():
+        strict_kubernetes(pod_template_as_pod(replica["template"]))
+        assert replica["template"]["spec"]["containers"][0]["name"] == "pytorch"
+    if nnodes == "2":
+        assert {k: v["replicas"] for k, v in replicas.items()} == {"Master": 1, "Worker": 1}
+    else:
+        assert manifest["spec"]["elasticPolicy"]["minReplicas"] == 1
+        assert manifest["spec"]["elasticPolicy"]["maxReplicas"] == 3 and list(replicas) == ["Worker"]
+
+
+def test_a_field_the_schema_does_not_know_fails_the_check(tmp_path):
+    """The check itself: a misspelt field is caught."""
+    from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
+
+    manifest, _ = emit(tmp_path, "jobset")
+    manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["terminationGracePeriod"] = 5
+    assert contained(manifest, JobsetV1alpha2JobSet.from_dict(manifest).to_dict()) != []
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--k8s-kind", "jobset"], "--image"),
+    (["--image", "i:1", "--pvc", "My_Claim"], "--pvc"),
+    (["--image", "i:1", "--namespace", "Team A"], "--namespace"),
+    (["--image", "i:1", "--gpus-per-node", "2"], "--gpus-per-node"),
+    (["--image", "i:1", "--k8s-kind", "mpijob"], "--k8s-kind"),
+])
+def test_bad_kubernetes_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, flag):
+    path = tmp_path / "job.yaml"
+    result = run_cli("multinode", "--nnodes", "2", "--device", "cpu", "--emit-k8s", str(path), *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert not path.exists()
+
+
+def test_without_a_claim_the_manifest_says_checkpoints_do_not_outlive_a_pod(tmp_path):
+    manifest, result = emit(tmp_path, "jobset")
+    assert "without --pvc" in result.stderr
+    assert manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"] == [
+        {"name": "run-dir", "emptyDir": {}}]
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    # Kubeflow Trainer's torch runtime
+    ({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-node-0-0.job",
+      "PET_MASTER_PORT": "29400"}, ("2", "job-node-0-0.job:29400", 1, "4")),
+    # PyTorchJob: WORLD_SIZE counts pods and RANK is this pod's
+    ({"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2"},
+     ("3", "job-master-0:23456", 2, None)),
+    # PyTorchJob with an elasticPolicy: no fixed node rank
+    ({"PET_RDZV_ENDPOINT": "job-worker-0:29400", "PET_NNODES": "1:3", "MASTER_ADDR": "x", "RANK": "0",
+      "WORLD_SIZE": "3"}, ("1:3", "job-worker-0:29400", None, None)),
+    # an Indexed Job's completion index
+    ({"PET_NNODES": "2", "PET_MASTER_ADDR": "m", "JOB_COMPLETION_INDEX": "1"}, ("2", "m:29400", 1, None)),
+])
+def test_from_env_reads_what_each_kind_injects(environ, expected):
+    found = rendezvous_from_env(environ)
+    assert (found.nnodes, found.endpoint, found.node_rank, found.nproc_per_node) == expected
+
+
+def test_from_env_without_a_rendezvous_is_one_line_exit_2():
+    result = run_cli("multinode", "--from-env", "--device", "cpu", env={"PET_NNODES": "", "WORLD_SIZE": ""})
+    assert result.returncode == 2 and "--from-env" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_from_env_reaches_torchrun(tmp_path):
+    result = run_cli("multinode", "--from-env", "--device", "cpu", "--dry-run", "--run-dir", str(tmp_path),
+                     env={"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
+                          "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "29999"})
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.splitlines()[0]
+    assert "--nnodes 2" in command and "--nproc-per-node 2" in command and "--node-rank 1" in command
+    assert "--rdzv-endpoint 127.0.0.1:29999" in command
