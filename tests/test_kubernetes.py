@@ -7,8 +7,9 @@ import json
 import pytest
 import yaml
 
-from conftest import run_cli
 from ddp_amp.launch.kubernetes import rendezvous_from_env
+
+from conftest import run_cli
 
 KUBERNETES = "1.30.0"  # a version whose schemas kubernetes-validate ships; the fields used are in every 1.2x too
 
@@ -74,7 +75,8 @@ def test_the_jobset_validates_against_the_jobset_models_and_its_job_against_kube
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": replicated["template"]["spec"]}
     strict_kubernetes(job)
     assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 3}  # every pod recreated, up to 3 times
-    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     # The headless service's name of pod 0: <jobset>-<replicated job>-<job index>-<pod index>.<subdomain>
     assert env["PET_MASTER_ADDR"] == "ddp-amp-bert-node-0-0.ddp-amp-bert"
     assert env["PET_NODE_RANK"] == {"fieldRef": {

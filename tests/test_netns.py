@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -205,3 +206,106 @@ def test_doctor_names_the_slow_node_link_and_the_slow_rank(three_hosts, cpu_quot
         assert judgement["slow_ranks"] == [r["rank"] for r in report["ranks"] if r["address"] == busy_addr], out
         assert "doctor --strict: " in err and "slow link" in err and "slow compute" in err
     print(outputs[0][0])
+
+
+def _pod_commands(manifest: dict, claim: Path, nodes: int) -> list[tuple[list[str], dict[str, str]]]:
+    """Each pod's command and environment as the JobSet's controller and kubelet would give them: the
+    container's command (ddp-amp run as `python -m ddp_amp`), its env with the completion index resolved, and
+    the claim's mount point replaced by a directory every "pod" shares."""
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    mount = container["volumeMounts"][0]["mountPath"]
+    command = [sys.executable, "-m", "ddp_amp",
+               *[part.replace(mount, str(claim)) for part in container["command"][1:]]]
+    pods = []
+    for index in range(nodes):
+        env = {e["name"]: e["value"] if "value" in e else str(index) for e in container["env"]}
+        env["JOB_COMPLETION_INDEX"] = str(index)
+        pods.append((command, env))
+    return pods
+
+
+def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(three_hosts, tmp_path):
+    """Two "pods" of the emitted JobSet, each a process group in its own network namespace with the environment
+    its controller injects and the hostnames its headless service gives (/etc/netns/<ns>/hosts, which `ip netns
+    exec` mounts over /etc/hosts): they train to spawn's weights; SIGTERM to each pod's PID 1 stops them at one
+    step with a checkpoint on the shared claim; "restarted" pods resume to the uninterrupted weights, bit for
+    bit."""
+    from ddp_amp.launch.kubernetes import job_name
+
+    hosts = three_hosts[:2]
+    training = ["--device", "cpu", "--task", f"{HELPER_TASKS}:resumable", "--steps", "120", "--batch-size", "8",
+                "--checkpoint-every", "1000", "--log-every", "10", "--log-format", "plain"]
+    reference = tmp_path / "spawn"
+    spawned = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *training, "--run-dir",
+                              str(reference)], capture_output=True, text=True, timeout=240)
+    assert spawned.returncode == 0, spawned.stderr
+    name = job_name("k8s")
+    # Pod 0's name under the headless service, and pod 1's: the DNS a JobSet gives them.
+    etc = []
+    try:
+        for ns, _ in hosts:
+            folder = Path("/etc/netns") / ns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
+                f"{address} {name}-node-0-{index}.{name} {name}-node-0-{index}\n"
+                for index, (_, address) in enumerate(hosts)))
+            etc.append(folder)
+        manifest_path = tmp_path / "jobset.yaml"
+        emitted = subprocess.run([sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", *training,
+                                  "--stop-timeout", "60", "--emit-k8s", str(manifest_path), "--k8s-kind", "jobset",
+                                  "--image", "ddp-amp:test", "--pvc", "claim", "--run-dir", "k8s"],
+                                 capture_output=True, text=True, timeout=60)
+        assert emitted.returncode == 0, emitted.stderr
+        import yaml
+
+        manifest = yaml.safe_load(manifest_path.read_text())
+
+        def start_pods(claim: Path, extra_env: dict[str, str]) -> list[subprocess.Popen]:
+            return [subprocess.Popen(["ip", "netns", "exec", ns, *command], env={**os.environ, **env, **extra_env},
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+                    for (ns, _), (command, env) in zip(hosts, _pod_commands(manifest, claim, 2))]
+
+        def finish(pods: list[subprocess.Popen]) -> list[tuple[str, str]]:
+            try:
+                return [pod.communicate(timeout=240) for pod in pods]
+            finally:
+                for pod in pods:
+                    if pod.poll() is None:
+                        os.killpg(pod.pid, 9)
+
+        # Uninterrupted: the pods' weights are spawn's.
+        whole = tmp_path / "whole"
+        pods = start_pods(whole, {})
+        for pod, (out, err) in zip(pods, finish(pods)):
+            assert pod.returncode == 0, out + err
+        run_dir = whole / "k8s"
+        assert read_summary(run_dir)["world_size"] == 2
+        assert (run_dir / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
+
+        # Preempted: SIGTERM to each pod's PID 1 (ddp-amp itself) while they train, as the kubelet sends it.
+        claim = tmp_path / "claim"
+        pods = start_pods(claim, {"DDP_AMP_TEST_STEP_SLEEP": "0.05"})
+        metrics = claim / "k8s" / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "the pods never trained"
+            time.sleep(0.1)
+        for pod in pods:
+            os.kill(pod.pid, 15)
+        for pod, (out, err) in zip(pods, finish(pods)):
+            assert pod.returncode == 143, out + err
+        summary = read_summary(claim / "k8s")
+        stopped_at = summary["stopped_at_step"]
+        assert 20 <= stopped_at < 120 and (claim / "k8s" / "checkpoints" / f"step-{stopped_at}.pt").exists()
+        # Restarted by the JobSet: the same commands (--resume auto) continue from the checkpoint on the claim.
+        pods = start_pods(claim, {})
+        for pod, (out, err) in zip(pods, finish(pods)):
+            assert pod.returncode == 0, out + err
+        resumed = read_summary(claim / "k8s")
+        assert resumed["resumed_from_step"] == stopped_at and resumed["steps"] == 120
+        assert (claim / "k8s" / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
+    finally:
+        for folder in etc:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -120,6 +120,8 @@ def multinode(
     check_torchrun_numbers(max_restarts, monitor_interval)
     nnodes, endpoint, node_rank, nproc_per_node = _where_nodes_meet(from_env, nnodes, endpoint, node_rank,
                                                                     nproc_per_node)
+    if from_env and k8s["emit_k8s"] is None:
+        _take_up_own_run_dir(train, output)
     nodes = torchrun.parse_nnodes(nnodes)
     if node_rank is not None and not 0 <= node_rank < nodes.max:
         raise UsageError(f"--node-rank must be in 0..{nodes.max - 1} for --nnodes {nodes}, got {node_rank}")
@@ -234,6 +236,20 @@ def _where_nodes_meet(from_env: bool, nnodes, endpoint, node_rank, nproc_per_nod
     typer.echo(f"ddp-amp: --from-env: {found.source}", err=True)
     return (nnodes or found.nnodes, endpoint or found.endpoint, found.node_rank if node_rank is None else node_rank,
             found.nproc_per_node if nproc_per_node == "1" and found.nproc_per_node else nproc_per_node)
+
+
+def _take_up_own_run_dir(train: dict, output: dict) -> None:
+    """--from-env: a pod its controller (re)started continues from the newest checkpoint on the claim, and an
+    attempt that left none starts over, as a requeued Slurm job does (launch.run_dir.restart_choice)."""
+    from ddp_amp.launch.run_dir import restart_choice
+
+    if output["run_dir"] is None or train["resume"] is not None or output["overwrite"]:
+        return
+    choice = restart_choice(Path(output["run_dir"]))
+    if choice == "resume":
+        train["resume"] = "auto"
+    elif choice == "overwrite":
+        output["overwrite"] = True
 
 
 def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_node: str, max_restarts: int,

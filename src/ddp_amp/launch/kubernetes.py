@@ -1,10 +1,11 @@
 """multinode on Kubernetes: the manifests `--emit-k8s` writes (Kubeflow Trainer's TrainJob, Training Operator's
 PyTorchJob, a plain JobSet), and `--from-env`, which reads the rendezvous each kind injects into its pods.
 
-Every pod runs `ddp-amp multinode --from-env ... --resume auto` as its container's command, so ddp-amp is the
+Every pod runs `ddp-amp multinode --from-env ...` as its container's command, so ddp-amp is the
 pod's PID 1: the SIGTERM the kubelet sends at preemption or deletion stops every rank at one agreed step with a
 checkpoint on the claim (terminationGracePeriodSeconds covers --stop-timeout), and a restarted pod resumes from
-the newest one. No torch here: the CLI writes manifests without importing it.
+the newest one (--from-env takes up the run dir as a requeued Slurm job does: launch.run_dir.restart_choice).
+No torch here: the CLI writes manifests without importing it.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def job_name(run_dir: str) -> str:
 
 
 def pod_command(spec: PodSpec) -> list[str]:
+    # --from-env also takes up the run dir as a restarted job should: from its newest checkpoint where there is one.
     return ["ddp-amp", "multinode", "--from-env", "--nproc-per-node", spec.nproc_per_node, *spec.args,
-            "--resume", "auto", "--run-dir", f"{RUN_DIR_MOUNT}/{spec.run_dir}"]
+            "--run-dir", f"{RUN_DIR_MOUNT}/{spec.run_dir}"]
 
 
 def _volume(spec: PodSpec) -> dict[str, Any]:

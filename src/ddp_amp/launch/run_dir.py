@@ -44,6 +44,17 @@ def clear_earlier_run(path: Path) -> None:
             shutil.rmtree(path / name)
 
 
+def restart_choice(path: Path) -> str | None:
+    """How a job that its scheduler restarts (a requeued Slurm job, a pod recreated by its controller) takes up its
+    own run dir: "resume" from the newest checkpoint where there is one; "overwrite" an unfinished attempt that
+    left none; None for a new or a finished run (whose model.pt is never overwritten: that is refused)."""
+    if any((path / "checkpoints").glob("step-*.pt")):
+        return "resume"
+    if (path / METRICS_FILE).exists() and not (path / MODEL_FILE).exists():
+        return "overwrite"
+    return None
+
+
 def running_job(path: Path) -> str | None:
     """The job id of the elastic multinode job whose config.json is in `path`, if any."""
     try:
