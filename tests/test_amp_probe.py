@@ -26,9 +26,10 @@ def test_bf16_must_be_more_than_five_percent_faster(fp32_s, bf16_s, expected):
     assert amp_probe.decide(fp32_s, bf16_s) == expected
 
 
-def test_the_shapes_are_the_tasks_own_and_looking_changes_nothing():
-    """One forward of a micro-batch of the task's own data: the rows each nn.Linear saw. The model's weights and
-    buffers, its train mode and the global random state are as they were."""
+def test_the_shapes_are_the_tasks_own_and_probing_changes_nothing(cache_dir):
+    """The rows each nn.Linear saw in a forward of a micro-batch of the task's own data; and the whole probe
+    (that forward, then the timed forward and backward passes on a copy) leaves the model's weights, buffers,
+    gradients, train mode and the global random state as they were."""
     from ddp_amp.tasks import build_task
 
     torch.manual_seed(0)
@@ -36,25 +37,31 @@ def test_the_shapes_are_the_tasks_own_and_looking_changes_nothing():
     task.model.add_module("dropout", torch.nn.Dropout(0.5))  # would draw random numbers in train mode
     before = {k: v.clone() for k, v in task.model.state_dict().items()}
     rng = torch.get_rng_state()
-    shapes = amp_probe.layer_shapes(task, 24, torch.device("cpu"))
+    shapes = amp_probe.layer_shapes(task, amp_probe._first_samples(task, 24), torch.device("cpu"))
     linears = [m for m in task.model.modules() if isinstance(m, torch.nn.Linear)]
     assert sorted(shapes) == sorted({(24, m.in_features, m.out_features) for m in linears})
+    answer = amp_probe._rank0_answer(task, torch.device("cpu"), 24, "mlp")
+    assert answer["choice"] in ("fp32", "bf16") and answer["fp32_pass_s"] > 0 and answer["bf16_pass_s"] > 0
     assert task.model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in task.model.state_dict().items())
+    assert all(p.grad is None for p in task.model.parameters())
 
 
-def test_a_model_without_linear_layers_keeps_fp32():
+def test_a_task_the_probe_cannot_run_keeps_fp32(cache_dir):
     from ddp_amp.tasks import Task
 
-    task = Task(model=torch.nn.Conv1d(1, 1, 3), dataset=[(torch.zeros(1, 8), torch.zeros(1, 6))] * 4)
-    assert amp_probe.layer_shapes(task, 2, torch.device("cpu")) == []
-    answer = amp_probe._rank0_answer(task, torch.device("cpu"), 2)
-    assert answer["choice"] == "fp32" and "no nn.Linear" in answer["why"]
+    task = Task(model=torch.nn.Linear(3, 1), dataset=[(torch.zeros(5), torch.zeros(1))] * 4)  # 5 features, not 3
+    answer = amp_probe._rank0_answer(task, torch.device("cpu"), 2, "broken")
+    assert answer["choice"] == "fp32" and "could not run" in answer["why"]
 
 
-def test_the_gemm_timing_gives_both_precisions():
-    seconds = amp_probe.time_gemms([(16, 32, 64)], budget_s=0.05)
+def test_the_timing_gives_both_precisions():
+    from ddp_amp.tasks import build_task
+
+    task = build_task("mlp")
+    batch = amp_probe._first_samples(task, 8)
+    seconds = amp_probe.time_training_passes(task, batch, torch.device("cpu"), budget_s=0.05)
     assert set(seconds) == {"fp32", "bf16"} and all(value > 0 for value in seconds.values())
 
 
@@ -62,6 +69,7 @@ def test_the_cache_keeps_answers_per_cpu_torch_threads_and_shapes(cache_dir):
     key = precision.amp_cache_key("2.13.0", 4, [(8, 32, 256)])
     assert precision.cpu_model() in key and "torch 2.13.0" in key and "4 threads" in key
     assert key != precision.amp_cache_key("2.13.0", 4, [(8, 256, 1024)])
+    assert key != precision.amp_cache_key("2.13.0", 4, [(8, 32, 256)], task="other x8")
     assert key != precision.amp_cache_key("2.13.0", 2, [(8, 32, 256)])
     assert key != precision.amp_cache_key("2.14.0", 4, [(8, 32, 256)])
     assert precision.cached_amp_choices() == {}
@@ -90,12 +98,12 @@ def _agreement_rank(rank: int, port: int, cache_root: str, planted: tuple[str, s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         task = build_task("mlp")
-        shapes = amp_probe.layer_shapes(task, 8, torch.device("cpu"))
-        key = precision.amp_cache_key(torch.__version__, torch.get_num_threads(), shapes)
+        shapes = amp_probe.layer_shapes(task, amp_probe._first_samples(task, 8), torch.device("cpu"))
+        key = precision.amp_cache_key(torch.__version__, torch.get_num_threads(), shapes, task="mlp x8")
         precision.remember_amp_choice(key, {"choice": planted[rank], "bf16_speedup": 1.0})
         env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                       master_port=port)
-        chosen, found = amp_probe.measured_precision(task, env, torch.device("cpu"), samples=8)
+        chosen, found = amp_probe.measured_precision(task, env, torch.device("cpu"), samples=8, spec="mlp")
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"precision": chosen.name, "cached": found["cached"]}, f)
     finally:
@@ -131,7 +139,7 @@ def test_a_run_measures_reports_and_caches_then_the_next_run_uses_the_cache(tmp_
     assert probe["fp32_pass_s"] > 0 and probe["bf16_pass_s"] > 0
     assert probe["bf16_speedup"] == pytest.approx(probe["fp32_pass_s"] / probe["bf16_pass_s"])
     assert summary["precision"] == probe["choice"] == amp_probe.decide(probe["fp32_pass_s"], probe["bf16_pass_s"])
-    assert f"{probe['bf16_speedup']:.2f}x fp32" in probe["reason"]
+    assert f"at {probe['bf16_speedup']:.2f}x fp32's speed" in probe["reason"]
     assert "precision measured at start-up" in first.stderr + first.stdout
     events = [json.loads(line) for line in first.stdout.splitlines() if line.startswith("{")]
     assert [e["precision"] for e in events if e["type"] == "precision"] == [probe["choice"]]

@@ -32,7 +32,7 @@ def test_resolution(device, amp, dtype, cuda_bf16, cpu_bf16, expected):
 
 
 def test_auto_says_why_it_chose():
-    assert "rank 0 measures faster" in resolve_precision("cpu", "auto", "auto", cpu_native_bf16=True).reason
+    assert "faster on rank 0" in resolve_precision("cpu", "auto", "auto", cpu_native_bf16=True).reason
     assert "GradScaler" in resolve_precision("cuda", "auto", "auto", cuda_bf16=False).reason
 
 

@@ -142,8 +142,8 @@ def resolve_precision(
     # CPU
     if dtype == "auto":
         if amp == "auto":
-            return Precision("fp32", reason="bf16 or fp32, whichever rank 0 measures faster at the task's layer "
-                             "shapes", measured=True)
+            return Precision("fp32", reason="bf16 or fp32, whichever trains the task faster on rank 0",
+                             measured=True)
         dtype = "bf16"  # --amp on asked for AMP: bf16 is the CPU's AMP dtype
     if dtype == "bf16" and not cpu_native_bf16:
         return Precision(
@@ -196,10 +196,10 @@ def amp_cache_path() -> Path:
     return Path(root) / AMP_CACHE_FILE
 
 
-def amp_cache_key(torch_version: str, threads: int, shapes: list[tuple[int, int, int]]) -> str:
-    """What the answer depends on: the CPU, torch (its kernels), the threads per rank and the GEMM shapes
-    (a tiny model's answer need not be a wide one's)."""
-    digest = hashlib.sha256(json.dumps(sorted(shapes)).encode()).hexdigest()[:12]
+def amp_cache_key(torch_version: str, threads: int, shapes: list[tuple[int, int, int]], task: str = "") -> str:
+    """What the answer depends on: the CPU, torch (its kernels), the threads per rank, the task and micro-batch
+    and the shapes its layers saw (a tiny model's answer need not be a wide one's)."""
+    digest = hashlib.sha256(json.dumps([task, sorted(shapes)]).encode()).hexdigest()[:12]
     return f"{cpu_model()} | torch {torch_version} | {threads} threads | shapes {digest}"
 
 

@@ -1,16 +1,19 @@
 """--amp auto on CPU ranks: bf16 or fp32, decided by measuring both at the task's own layer shapes.
 
 No CPU flag predicts the answer: avx512_bf16 without AMX trained at 0.81x fp32 on one Xeon and at 1.10x on an
-EPYC Zen 4. So rank 0 times the GEMMs the task's training step runs (each nn.Linear's forward, input-gradient
-and weight-gradient products, at the rows one micro-batch gives it), in fp32 and in bf16 (with autocast's casts
-of weights and inputs), interleaved, on its own thread, whose subnormal handling (--flush-denormal) is already
-the run's. bf16 wins only when it is more than 5% faster; every rank takes rank 0's answer (ranks of one DDP
-job must step alike); the answer is cached (precision.amp_cache_path) so that a second run starts without
-probing.
+EPYC Zen 4. Nor do the GEMMs alone: on a Xeon with AMX the wide MLP's GEMMs ran 1.31x faster in bf16 while its
+whole step ran at 0.95x (autocast's casts and the bf16 element-wise ops ate the gain). So rank 0 times the
+task's own forward and backward on one micro-batch of its first samples, in fp32 and under bf16 autocast,
+interleaved, on a copy of the model (the run's weights, buffers, gradients and random state stay as they were),
+on its own thread, whose subnormal handling (--flush-denormal) is already the run's. bf16 wins only when it is
+more than 5% faster; every rank takes rank 0's answer (ranks of one DDP job must step alike); the answer is
+cached (precision.amp_cache_path), keyed by the task and the shapes its layers saw, so that a second run starts
+without probing.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import statistics
 import time
@@ -21,23 +24,22 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from ddp_amp.dist import DistEnv
-from ddp_amp.precision import Precision, amp_cache_key, cached_amp_choices, remember_amp_choice
-from ddp_amp.tasks import Task, forward
+from ddp_amp.precision import Precision, amp_cache_key, autocast, cached_amp_choices, remember_amp_choice
+from ddp_amp.tasks import Task, batch_loss, forward
+from ddp_amp.train.data import to_device
 
 BF16_MARGIN = 0.05
 """bf16 must beat fp32 by more than this (a ratio within +-5% keeps fp32: full precision for no loss of speed)."""
 PROBE_BUDGET_S = 0.6
-"""The timing's share of the probe (both precisions together): the probe stays under a second."""
-MAX_ROWS = 4096
-"""Rows per GEMM at most: a larger micro-batch's GEMMs are timed at this many rows (the ratio barely moves)."""
+"""The timing's share of the probe (both precisions together): under a second, unless one pass alone is longer
+(at least 3 of each are timed)."""
 MAX_SHAPES = 16
 
 
-def layer_shapes(task: Task, samples: int, device: torch.device) -> list[tuple[int, int, int]]:
-    """(rows, in_features, out_features) of every nn.Linear call in one forward of a micro-batch of the task's
-    own data, the largest MAX_SHAPES by work. The forward runs in eval mode, without gradients, with the
-    random state forked and on samples taken apart from the training data's order: nothing of the run's own
-    state (weights, buffers, randomness, data cursor) changes."""
+def layer_shapes(task: Task, batch: Any, device: torch.device) -> list[tuple[int, int, int]]:
+    """(rows, in_features, out_features) of every nn.Linear call in one forward of `batch`, the largest
+    MAX_SHAPES by work: what the cache keys the answer by. The forward runs in eval mode, without gradients,
+    with the random state forked: nothing of the run's own state changes."""
     seen: list[tuple[int, int, int]] = []
 
     def record(module: torch.nn.Linear, inputs: tuple[Any, ...], _output: Any) -> None:
@@ -45,22 +47,16 @@ def layer_shapes(task: Task, samples: int, device: torch.device) -> list[tuple[i
 
     model = task.model
     hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not hooks:
-        return []
     was_training = model.training
     try:
-        batch = _first_samples(task, samples)
-        from ddp_amp.train.data import to_device
-
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model.eval()
-            forward(model, to_device(batch, device))
+            forward(model, batch)
     finally:
         model.train(was_training)
         for hook in hooks:
             hook.remove()
-    shapes = sorted({(min(rows, MAX_ROWS), n_in, n_out) for rows, n_in, n_out in seen},
-                    key=lambda s: s[0] * s[1] * s[2], reverse=True)
+    shapes = sorted(set(seen), key=lambda s: s[0] * s[1] * s[2], reverse=True)
     return shapes[:MAX_SHAPES]
 
 
@@ -73,32 +69,29 @@ def _first_samples(task: Task, count: int) -> Any:
     return (task.collate_fn or default_collate)(samples)
 
 
-def _one_pass(operands: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> float:
-    """Seconds for the training step's three GEMMs of every shape: y = x w^T, dx = dy w, dw = dy^T x."""
-    start = time.perf_counter()
-    for x, w, dy in operands:
-        if dtype != torch.float32:  # autocast casts the fp32 weights and inputs at every forward
-            x, w, dy = x.to(dtype), w.to(dtype), dy.to(dtype)
-        x @ w.t()
-        dy @ w
-        dy.t() @ x
-    return time.perf_counter() - start
+def time_training_passes(task: Task, batch: Any, device: torch.device,
+                         budget_s: float = PROBE_BUDGET_S) -> dict[str, float]:
+    """Median seconds of one forward and backward of `batch` in fp32 and under bf16 autocast, interleaved pass by
+    pass (a load that comes and goes falls on both), after one warm-up pass each, on a copy of the model."""
+    model = copy.deepcopy(task.model).train()
 
+    def one_pass(precision: Precision) -> float:
+        start = time.perf_counter()
+        with autocast(precision, device.type):
+            loss = batch_loss(model, batch, task.loss_fn)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
-def time_gemms(shapes: list[tuple[int, int, int]], budget_s: float = PROBE_BUDGET_S) -> dict[str, float]:
-    """Median seconds of one pass of the GEMMs in fp32 and in bf16, interleaved pass by pass (a load that comes
-    and goes falls on both), after one warm-up pass each."""
-    generator = torch.Generator().manual_seed(0)  # the run's own random state untouched
-    operands = [(torch.randn(rows, n_in, generator=generator), torch.randn(n_out, n_in, generator=generator),
-                 torch.randn(rows, n_out, generator=generator)) for rows, n_in, n_out in shapes]
-    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    for dtype in dtypes.values():
-        _one_pass(operands, dtype)  # warm-up: oneDNN builds its kernels on first use
-    deadline = time.perf_counter() + budget_s
-    while len(times["fp32"]) < 3 or (time.perf_counter() < deadline and len(times["fp32"]) < 200):
-        for name, dtype in dtypes.items():
-            times[name].append(_one_pass(operands, dtype))
+    precisions = {"fp32": Precision("fp32"), "bf16": Precision("bf16")}
+    times: dict[str, list[float]] = {name: [] for name in precisions}
+    with torch.random.fork_rng(devices=[]):  # dropout draws from a stream of its own
+        for precision in precisions.values():
+            one_pass(precision)  # warm-up: oneDNN builds its kernels on first use
+        deadline = time.perf_counter() + budget_s
+        while len(times["fp32"]) < 3 or (time.perf_counter() < deadline and len(times["fp32"]) < 200):
+            for name, precision in precisions.items():
+                times[name].append(one_pass(precision))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -107,13 +100,13 @@ def decide(fp32_s: float, bf16_s: float) -> str:
     return "bf16" if fp32_s / bf16_s > 1 + BF16_MARGIN else "fp32"
 
 
-def measured_precision(task: Task, env: DistEnv, device: torch.device,
-                       samples: int) -> tuple[Precision, dict[str, Any]]:
+def measured_precision(task: Task, env: DistEnv, device: torch.device, samples: int,
+                       spec: str = "") -> tuple[Precision, dict[str, Any]]:
     """Rank 0's answer (cached or measured now), shared with every rank: the precision, and what summary.json
     and the progress line report of it."""
     answer: list[dict[str, Any] | None] = [None]
     if env.rank == 0:
-        answer[0] = _rank0_answer(task, device, samples)
+        answer[0] = _rank0_answer(task, device, samples, spec)
     dist.broadcast_object_list(answer, src=0)
     found = answer[0]
     assert found is not None
@@ -122,24 +115,26 @@ def measured_precision(task: Task, env: DistEnv, device: torch.device,
         reason = f"fp32: {found['why']}"
     else:
         verdict = "more than 5% faster" if found["choice"] == "bf16" else "not more than 5% faster"
-        reason = (f"bf16 GEMMs at the task's layer shapes ran {ratio:.2f}x fp32 on rank 0, {verdict}"
+        reason = (f"bf16 ran the task's forward and backward at {ratio:.2f}x fp32's speed on rank 0, {verdict}"
                   f"{' (cached)' if found.get('cached') else ''}")
     return Precision(found["choice"], reason=reason), found
 
 
-def _rank0_answer(task: Task, device: torch.device, samples: int) -> dict[str, Any]:
+def _rank0_answer(task: Task, device: torch.device, samples: int, spec: str) -> dict[str, Any]:
     started = time.perf_counter()
     try:
-        shapes = layer_shapes(task, samples, device)
+        batch = to_device(_first_samples(task, samples), device)
+        shapes = layer_shapes(task, batch, device)
     except Exception as exc:  # the probe is an optimisation: a task it cannot look into trains in fp32
         return {"choice": "fp32", "why": f"the probe could not run the task's forward ({type(exc).__name__})"}
-    if not shapes:
-        return {"choice": "fp32", "why": "the model has no nn.Linear layers to measure"}
-    key = amp_cache_key(torch.__version__, torch.get_num_threads(), shapes)
+    key = amp_cache_key(torch.__version__, torch.get_num_threads(), shapes, task=f"{spec} x{samples}")
     cached = cached_amp_choices().get(key)
     if cached is not None and cached.get("choice") in ("fp32", "bf16"):
         return {**cached, "cached": True, "key": key}
-    seconds = time_gemms(shapes)
+    try:
+        seconds = time_training_passes(task, batch, device)
+    except Exception as exc:
+        return {"choice": "fp32", "why": f"the probe could not train the task in bf16 ({type(exc).__name__})"}
     entry = {"choice": decide(seconds["fp32"], seconds["bf16"]), "bf16_speedup": seconds["fp32"] / seconds["bf16"],
              "fp32_pass_s": seconds["fp32"], "bf16_pass_s": seconds["bf16"], "shapes": [list(s) for s in shapes],
              "probe_s": time.perf_counter() - started, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -112,7 +112,7 @@ def measured_precision(precision: Precision, config: TrainConfig, task: Task, en
     from ddp_amp.rank.amp_probe import measured_precision as probe
 
     micro = config.micro_batch if config.micro_batch not in (None, "auto") else config.batch_size
-    return probe(task, env, device, samples=int(micro))
+    return probe(task, env, device, samples=int(micro), spec=config.task)
 
 
 def seed_rank_randomness(seed: int) -> None:
