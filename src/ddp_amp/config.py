@@ -22,10 +22,11 @@ TF32_MODES = ("on", "off")
 FLUSH_DENORMAL_MODES = ("auto", "on", "off")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
+SHARD_MODES = ("none", "optimizer")
 DEFAULT_STEPS = 100
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
            "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
-           "grad_compression": GRAD_COMPRESSIONS}
+           "grad_compression": GRAD_COMPRESSIONS, "shard": SHARD_MODES}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
 JobKind = Literal["train", "bench", "max-batch", "doctor"]
 """What the ranks of a launch do with the config: train (spawn, run, multinode); train timing every step on
@@ -151,6 +152,9 @@ class TrainConfig:
     loop (one parameter at a time, torch's default on CPU); auto: fused, or foreach under fp16's GradScaler."""
     grad_compression: str = "none"
     """Compress gradients for DDP's all-reduce with its built-in hook: none, fp16 or bf16 (bf16 needs nccl)."""
+    shard: str = "none"
+    """none: every rank keeps the whole optimizer state (DDP); optimizer: each rank keeps and updates the state of
+    its share of the parameters and broadcasts them after the step (ZeRO-1, ZeroRedundancyOptimizer)."""
     bucket_mb: float = 25.0
     """Size of DDP's gradient buckets in MB (DDP's bucket_cap_mb): an all-reduce starts when one is full."""
     bucket_view: bool = True
@@ -190,7 +194,7 @@ class TrainConfig:
             ("--device", self.device, DEVICES), ("--amp", self.amp, AMP_MODES), ("--dtype", self.dtype, DTYPES),
             ("--schedule", self.schedule, SCHEDULES), ("--optimizer", self.optimizer, OPTIMIZERS),
             ("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS),
-            ("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS),
+            ("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS), ("--shard", self.shard, SHARD_MODES),
             ("--flush-denormal", self.flush_denormal, FLUSH_DENORMAL_MODES)) if value not in allowed]
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             problems.append(f"--bucket-mb must be a finite number > 0, got {self.bucket_mb}")

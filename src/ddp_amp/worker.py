@@ -33,7 +33,7 @@ from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
 from ddp_amp.rank.reporter import WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals, wait_for_own_stop_signal
 from ddp_amp.tasks import Task
-from ddp_amp.train.metrics import peak_memory
+from ddp_amp.train.metrics import memory_now_mb, peak_memory
 from ddp_amp.train.step import PHASES
 from ddp_amp.train.trainer import Trainer, TrainResult
 
@@ -102,6 +102,7 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         precision = setup.agreed_precision(config, device)
         if job == "doctor":
             return _doctor(config, env, device, precision, ready_at=time.time())
+        baseline = memory_now_mb(device)  # before the model exists: the peak less it is the training state's
         task = setup.build_checked_task(config, env)
         precision, amp_probe = setup.measured_precision(precision, config, task, env, device)
         if amp_probe is not None:
@@ -122,7 +123,8 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         summary = _finish_training(trainer, result, memory, bench=job == "bench")
         if amp_probe is not None:
             summary["amp_auto"] = _probe_summary(amp_probe, precision)
-        summary.update(restarts=restarts, threads_per_rank=threads, tf32=config.tf32, flush_denormal=flushing,
+        summary.update(restarts=restarts, baseline_memory_mb=baseline, threads_per_rank=threads, tf32=config.tf32,
+                       flush_denormal=flushing,
                        worker_start_s=started - (config.launch_time or started),
                        **({"resumed_from": resumed} if resumed is not None else {}),  # its step: resumed_from_step
                        **({"init_from": {**initial, "used": resumed is None}} if initial is not None else {}))

@@ -48,6 +48,17 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux reports KiB
 
 
+def memory_now_mb(device: torch.device) -> float:
+    """This rank's memory right now, measured as peak_memory's peak is: on a GPU what the caching allocator holds
+    reserved, on a CPU the process's resident set. Taken before the model is built, it is summary.json's
+    baseline_memory_mb: the training state's memory is the peak less it."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / 2**20
+    with open("/proc/self/statm", encoding="ascii") as f:
+        resident_pages = int(f.read().split()[1])
+    return resident_pages * resource.getpagesize() / 2**20
+
+
 def _subnormal_share(tensors) -> tuple[int, int]:
     """(subnormal values, values) among the floating tensors: non-zero and below the dtype's smallest normal
     (1.2e-38 in fp32 and bf16, 6.1e-5 in fp16)."""

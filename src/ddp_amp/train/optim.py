@@ -22,13 +22,40 @@ def optimizer_impl(config: TrainConfig, precision: Precision) -> str:
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, impl: str = "loop") -> torch.optim.Optimizer:
+    """The optimizer over the trainable parameters; under --shard optimizer a ZeroRedundancyOptimizer, whose
+    rank keeps and updates the state of its share of them. Its step uses the same all-reduced gradients and the
+    same update: the weights are bit for bit --shard none's (tests/test_shard.py), and its consolidated
+    state_dict has the plain optimizer's format, so checkpoints pass between the modes and world sizes."""
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
     # Frozen parameters (requires_grad=False) stay out: no state for them, and weight decay never moves them.
     params = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay, **kind)
-    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, **kind)
+        cls, options = torch.optim.SGD, {"lr": config.lr, "momentum": config.momentum,
+                                         "weight_decay": config.weight_decay, **kind}
+    else:
+        cls, options = torch.optim.AdamW, {"lr": config.lr, "weight_decay": config.weight_decay, **kind}
+    if config.shard == "optimizer":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **options)
+    return cls(params, **options)
+
+
+def gather_optimizer_state(optimizer: torch.optim.Optimizer, writers: list[int]) -> None:
+    """Before a checkpoint, on every rank: a sharded optimizer's state gathered whole on each rank that writes
+    one (a collective per writer). A plain optimizer has it all already."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        for rank in writers:
+            optimizer.consolidate_state_dict(to=rank)
+
+
+def optimizer_state_mb(optimizer: torch.optim.Optimizer) -> float:
+    """The optimizer state (moments, momentum buffers) this rank holds, in MB: what --shard optimizer divides.
+    ZeroRedundancyOptimizer gives each rank whole parameter tensors, so the shares follow the tensors' sizes
+    (one large matrix lands on one rank)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's own optimizer
+    return sum(t.numel() * t.element_size() for state in local.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor)) / 2**20
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:

@@ -31,7 +31,7 @@ from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.evaluation import BestKeeper, Validation
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
-from ddp_amp.train.optim import build_optimizer, optimizer_impl, parameter_counts, wrap_ddp
+from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts, wrap_ddp
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
 from ddp_amp.train.step import LOG, AmpStep
@@ -137,6 +137,12 @@ class Trainer:
             raise ValueError(f"--warmup-steps {config.warmup_steps} must be smaller than the run's "
                              f"{total} optimizer steps")
         return total
+
+    def _optimizer_state_per_rank(self) -> list[float]:
+        """Each rank's optimizer state in MB (a collective, once, at the end: every rank builds its summary)."""
+        shares: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(shares, optimizer_state_mb(self.optimizer))
+        return shares
 
     def probe_numerics(self) -> dict[str, Any]:
         """train.metrics.probe_numerics on the data set's first batch: for bench, after training."""
@@ -295,7 +301,8 @@ class Trainer:
             "batch_size": config.batch_size, "global_batch_size": config.batch_size * config.grad_accum * world_size,
             "precision": self.precision.name, "device": str(self.device.type), "backend": dist.get_backend(),
             "skipped_steps": self.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0], "seed": config.seed,
-            "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl,
+            "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl, "shard": config.shard,
+            "optimizer_state_mb": self._optimizer_state_per_rank(),
             "ddp": {"bucket_mb": config.bucket_mb, "bucket_view": config.bucket_view,
                     "static_graph": config.static_graph, "grad_compression": config.grad_compression,
                     "find_unused_parameters": config.find_unused_parameters,
