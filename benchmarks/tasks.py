@@ -11,12 +11,20 @@ WIDE = (1024, 4096, 1024, 1024)
 gradients to all-reduce per step)."""
 
 
-def wide_regression(samples: int = 8192, seed: int = 1234) -> Task:
+BIG = (1024, 4096, 4096, 1024)
+"""25 M parameters: a checkpoint with AdamW's moments of about 300 MB (benchmarks/checkpoint_blocking.py)."""
+
+
+def big_regression(samples: int = 1024) -> Task:
+    return wide_regression(samples, widths=BIG)
+
+
+def wide_regression(samples: int = 8192, seed: int = 1234, widths: tuple[int, ...] = WIDE) -> Task:
     gen = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(samples, WIDE[0], generator=gen)
-    teacher = torch.randn(WIDE[0], WIDE[-1], generator=gen) / WIDE[0] ** 0.5
+    inputs = torch.randn(samples, widths[0], generator=gen)
+    teacher = torch.randn(widths[0], widths[-1], generator=gen) / widths[0] ** 0.5
     layers: list[nn.Module] = []
-    for width_in, width_out in zip(WIDE, WIDE[1:]):
+    for width_in, width_out in zip(widths, widths[1:]):
         layers += [nn.Linear(width_in, width_out), nn.GELU()]
     model = nn.Sequential(*layers[:-1])
     return Task(model=model, dataset=TensorDataset(inputs, inputs @ teacher), loss_fn=nn.functional.mse_loss)

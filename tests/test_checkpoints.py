@@ -127,3 +127,19 @@ def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):
     prepared.lock.release()
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if not p.name.startswith("."))
     assert left == [], left
+
+
+@pytest.mark.slow
+def test_the_time_a_checkpoint_blocks_training_is_in_the_summary(tmp_path):
+    """Each save blocks the loop only while the state is gathered and copied to host memory (and while the
+    previous write, if still going, finishes: at most one is in flight); the write runs in the background."""
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", "mlp-wide", "--amp", "off", "--steps", "20",
+                     "--checkpoint-every", "5", "--run-dir", str(tmp_path / "saved"))
+    assert result.returncode == 0, result.stderr
+    summary = read_summary(tmp_path / "saved")
+    assert 0 < summary["checkpoint_blocked_s"] <= summary["checkpoint_blocked_max_s"]
+    assert summary["checkpoint_write_s"] > 0
+    assert 0 <= summary["checkpoint_waits"] <= 3  # 4 saves: the first never waits
+    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--steps", "5", "--run-dir", str(tmp_path / "none"))
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint_blocked_s" not in read_summary(tmp_path / "none")

@@ -168,6 +168,7 @@ def _finish_training(trainer: Trainer, result: TrainResult, memory: dict[str, fl
     summary = {**result.summary, **memory, **numerics}
     if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
         summary["slurm_restart_count"] = int(os.environ["SLURM_RESTART_COUNT"])
+    summary.update(checkpointer.figures())
     if checkpointer.last_path is not None:
         summary["checkpoint"] = str(checkpointer.last_path)
     if checkpointer.nonfinite_steps:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,13 @@ class CheckpointManager:
         """Steps whose state held inf/NaN: no checkpoint written (it would have replaced a good one)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.blocked_s: list[float] = []
+        """Per checkpoint, the seconds the training loop waited (gathering the state, waiting for the previous
+        write if it was still going, copying to host memory): what a save costs the loop."""
+        self.write_s: list[float] = []
+        """Per checkpoint written, the background write's seconds (pickling, temporary file, fsync, rename)."""
+        self.waits = 0
+        """Saves that had to wait for the previous checkpoint's write (at most one is ever in flight)."""
 
     def due(self, step: int) -> bool:
         return bool(self.config.checkpoint_every) and step % self.config.checkpoint_every == 0
@@ -44,6 +52,13 @@ class CheckpointManager:
         return self.last_step == step
 
     def save(self, trainer: Trainer, step: int) -> None:
+        started = time.perf_counter()
+        try:
+            self._save(trainer, step)
+        finally:
+            self.blocked_s.append(time.perf_counter() - started)
+
+    def _save(self, trainer: Trainer, step: int) -> None:
         ranks = [None] * self.env.world_size
         # A collective: every rank, every time. Each rank's RNG states and, for iterable data, its position.
         dist.all_gather_object(ranks, (fileformat.rng_state(self.device), trainer.data.rank_state(),
@@ -52,6 +67,8 @@ class CheckpointManager:
         self.last_step = step
         if not self.env.writes_run_dir:
             return
+        if self._thread is not None and self._thread.is_alive():
+            self.waits += 1
         self.wait()
         rng, data_ranks = [r for r, _, _ in ranks], [d for _, d, _ in ranks]
         state = {"step": step, "trainer": _to_host(trainer.state_dict()), "rng": rng,
@@ -69,6 +86,7 @@ class CheckpointManager:
     def _write(self, state: dict[str, Any]) -> None:
         """In the background: the finiteness check runs on the host copy, off the training thread, and a
         diverged state is never written (pruning would otherwise delete the last good checkpoints for it)."""
+        started = time.perf_counter()
         try:
             if bad := fileformat.nonfinite_tensors(state["trainer"]):
                 print(f"warning: no checkpoint at step {state['step']}: inf/NaN in {bad[0].lstrip('.')}", flush=True)
@@ -76,6 +94,7 @@ class CheckpointManager:
                 return
             best = (state["trainer"].get("best") or {}).get("step")
             self.last_path = fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep, protect_step=best)
+            self.write_s.append(time.perf_counter() - started)
         except BaseException as exc:  # re-raised in the training thread, at the next save or at close
             self._error = exc
 
@@ -90,6 +109,17 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+
+    def figures(self) -> dict[str, Any]:
+        """summary.json's account of the saves (after close): the loop's blocked seconds per checkpoint (mean and
+        most), the background writes' seconds (mean), and how many saves waited for the previous write."""
+        if not self.blocked_s:
+            return {}
+        figures = {"checkpoint_blocked_s": sum(self.blocked_s) / len(self.blocked_s),
+                   "checkpoint_blocked_max_s": max(self.blocked_s), "checkpoint_waits": self.waits}
+        if self.write_s:
+            figures["checkpoint_write_s"] = sum(self.write_s) / len(self.write_s)
+        return figures
 
     def load(self, trainer: Trainer) -> str | None:
         """Continue from the newest checkpoint this launch wrote (after torchrun restarted the workers, for a
