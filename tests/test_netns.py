@@ -228,9 +228,9 @@ def _pod_commands(manifest: dict, claim: Path, nodes: int) -> list[tuple[list[st
 def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(three_hosts, tmp_path):
     """Two "pods" of the emitted JobSet, each a process group in its own network namespace with the environment
     its controller injects and the hostnames its headless service gives (/etc/netns/<ns>/hosts, which `ip netns
-    exec` mounts over /etc/hosts): they train to spawn's weights; SIGTERM to each pod's PID 1 stops them at one
-    step with a checkpoint on the shared claim; "restarted" pods resume to the uninterrupted weights, bit for
-    bit."""
+    exec` mounts over /etc/hosts) and a pid namespace in which ddp-amp is PID 1: they train to spawn's weights;
+    SIGTERM to each pod's PID 1 stops them at one step with a checkpoint on the shared claim; "restarted" pods
+    resume to the uninterrupted weights, bit for bit."""
     from ddp_amp.launch.kubernetes import job_name
 
     hosts = three_hosts[:2]
@@ -262,10 +262,20 @@ def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(t
         manifest = yaml.safe_load(manifest_path.read_text())
 
         def start_pods(claim: Path, extra_env: dict[str, str]) -> list[subprocess.Popen]:
-            return [subprocess.Popen(["ip", "netns", "exec", ns, *command], env={**os.environ, **env, **extra_env},
+            # A pid namespace of its own too, with its own /proc: ddp-amp is PID 1 there, as in a container.
+            return [subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--mount-proc",
+                                      "--kill-child", *command], env={**os.environ, **env, **extra_env},
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
                     for (ns, _), (command, env) in zip(hosts, _pod_commands(manifest, claim, 2))]
+
+        def pid_1(pod: subprocess.Popen) -> int:
+            """The host's pid of the pod's PID 1 (unshare's one child), to signal it as the kubelet does."""
+            children = Path(f"/proc/{pod.pid}/task/{pod.pid}/children").read_text().split()
+            assert len(children) == 1, children
+            with open(f"/proc/{children[0]}/status") as f:
+                assert [line.split()[-1] for line in f if line.startswith("NSpid:")] == ["1"]
+            return int(children[0])
 
         def finish(pods: list[subprocess.Popen]) -> list[tuple[str, str]]:
             try:
@@ -293,9 +303,9 @@ def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(t
             assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "the pods never trained"
             time.sleep(0.1)
         for pod in pods:
-            os.kill(pod.pid, 15)
+            os.kill(pid_1(pod), 15)
         for pod, (out, err) in zip(pods, finish(pods)):
-            assert pod.returncode == 143, out + err
+            assert pod.returncode == 143, out + err  # unshare exits with its child's code
         summary = read_summary(claim / "k8s")
         stopped_at = summary["stopped_at_step"]
         assert 20 <= stopped_at < 120 and (claim / "k8s" / "checkpoints" / f"step-{stopped_at}.pt").exists()
