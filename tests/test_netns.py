@@ -208,114 +208,162 @@ def test_doctor_names_the_slow_node_link_and_the_slow_rank(three_hosts, cpu_quot
     print(outputs[0][0])
 
 
-def _pod_commands(manifest: dict, claim: Path, nodes: int) -> list[tuple[list[str], dict[str, str]]]:
-    """Each pod's command and environment as the JobSet's controller and kubelet would give them: the
-    container's command (ddp-amp run as `python -m ddp_amp`), its env with the completion index resolved, and
-    the claim's mount point replaced by a directory every "pod" shares."""
-    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    mount = container["volumeMounts"][0]["mountPath"]
-    command = [sys.executable, "-m", "ddp_amp",
-               *[part.replace(mount, str(claim)) for part in container["command"][1:]]]
+POD_TRAINING = ["--device", "cpu", "--task", f"{HELPER_TASKS}:resumable", "--steps", "120", "--batch-size", "8",
+                "--checkpoint-every", "1000", "--log-every", "10", "--log-format", "plain"]
+
+
+def _pod_commands(kind: str, manifest: dict, claim: Path, nodes: int) -> tuple[list, list[str]]:
+    """Each pod's (command, environment) as its kind's controller and the kubelet would give them, and each pod's
+    hostname (what its service resolves). The container's command runs as `python -m ddp_amp`, with the claim's
+    mount point replaced by a directory every "pod" shares."""
+    name = manifest["metadata"]["name"]
+    if kind == "pytorchjob":
+        replicas = manifest["spec"]["pytorchReplicaSpecs"]
+        containers = [replicas["Master"]["template"]["spec"]["containers"][0],
+                      *[replicas["Worker"]["template"]["spec"]["containers"][0]] * (nodes - 1)]
+        hostnames = [f"{name}-master-0", *[f"{name}-worker-{i}" for i in range(nodes - 1)]]
+        # The Training Operator's env: the master's service, the pods' count and this pod's rank.
+        injected = [{"MASTER_ADDR": hostnames[0], "MASTER_PORT": "23456", "WORLD_SIZE": str(nodes), "RANK": str(i)}
+                    for i in range(nodes)]
+        mounts = [c["volumeMounts"][0]["mountPath"] for c in containers]
+        commands, envs = [c["command"] for c in containers], [c["env"] for c in containers]
+    else:
+        hostnames = [f"{name}-node-0-{i}.{name}" for i in range(nodes)]  # <jobset>-<job>-<job index>-<pod index>
+        if kind == "jobset":
+            pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+            container = pod["containers"][0]
+            command, env, mount = container["command"], container["env"], container["volumeMounts"][0]["mountPath"]
+            injected = [{"JOB_COMPLETION_INDEX": str(i)} for i in range(nodes)]
+        else:  # trainjob: the torch runtime injects PET_*
+            trainer = manifest["spec"]["trainer"]
+            patch = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+            pod = patch["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+            command, env = trainer["command"], trainer["env"]
+            mount = pod["containers"][0]["volumeMounts"][0]["mountPath"]
+            injected = [{"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(i),
+                         "PET_MASTER_ADDR": hostnames[0], "PET_MASTER_PORT": "29400"} for i in range(nodes)]
+        commands, envs, mounts = [command] * nodes, [env] * nodes, [mount] * nodes
     pods = []
     for index in range(nodes):
-        env = {e["name"]: e["value"] if "value" in e else str(index) for e in container["env"]}
-        env["JOB_COMPLETION_INDEX"] = str(index)
-        pods.append((command, env))
-    return pods
+        # A valueFrom is the completion index (the only one the manifests use), resolved as the kubelet would.
+        env = {e["name"]: e["value"] if "value" in e else str(index) for e in envs[index]}
+        command = [sys.executable, "-m", "ddp_amp",
+                   *[part.replace(mounts[index], str(claim)) for part in commands[index][1:]]]
+        pods.append((command, {**env, **injected[index]}))
+    return pods, hostnames
+
+
+class _Pods:
+    """The "pods" of one manifest in the test's namespaces: each its own network namespace (the hostnames in
+    /etc/netns/<ns>/hosts, which `ip netns exec` mounts over /etc/hosts) and its own pid namespace, in which
+    ddp-amp is PID 1 as in a container."""
+
+    def __init__(self, kind: str, hosts, tmp_path: Path, *extra: str) -> None:
+        import yaml
+
+        self.kind, self.hosts, self.folders = kind, hosts, []
+        path = tmp_path / f"{kind}.yaml"
+        emitted = subprocess.run([sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", str(len(hosts)),
+                                  *POD_TRAINING, *extra, "--emit-k8s", str(path), "--k8s-kind", kind, "--image",
+                                  "ddp-amp:test", "--pvc", "claim", "--run-dir", "k8s"],
+                                 capture_output=True, text=True, timeout=60)
+        assert emitted.returncode == 0, emitted.stderr
+        self.manifest = yaml.safe_load(path.read_text())
+
+    def __enter__(self) -> "_Pods":
+        _, hostnames = _pod_commands(self.kind, self.manifest, Path("/"), len(self.hosts))
+        lines = "".join(f"{address} {hostname} {hostname.split('.')[0]}\n"
+                        for (_, address), hostname in zip(self.hosts, hostnames))
+        for ns, _ in self.hosts:
+            folder = Path("/etc/netns") / ns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text("127.0.0.1 localhost\n" + lines)
+            self.folders.append(folder)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def start(self, claim: Path, extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+        pods, _ = _pod_commands(self.kind, self.manifest, claim, len(self.hosts))
+        return [subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--mount-proc",
+                                  "--kill-child", *command], env={**os.environ, **env, **(extra_env or {})},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                for (ns, _), (command, env) in zip(self.hosts, pods)]
+
+    @staticmethod
+    def finish(pods: list[subprocess.Popen]) -> list[tuple[str, str]]:
+        try:
+            return [pod.communicate(timeout=240) for pod in pods]
+        finally:
+            for pod in pods:
+                if pod.poll() is None:
+                    os.killpg(pod.pid, 9)
+
+    @staticmethod
+    def pid_1(pod: subprocess.Popen) -> int:
+        """The host's pid of the pod's PID 1 (unshare's one child), to signal it as the kubelet does."""
+        children = Path(f"/proc/{pod.pid}/task/{pod.pid}/children").read_text().split()
+        assert len(children) == 1, children
+        with open(f"/proc/{children[0]}/status") as f:
+            assert [line.split()[-1] for line in f if line.startswith("NSpid:")] == ["1"]
+        return int(children[0])
+
+
+def _spawned(tmp_path: Path) -> Path:
+    reference = tmp_path / "spawn"
+    spawned = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *POD_TRAINING, "--run-dir",
+                              str(reference)], capture_output=True, text=True, timeout=240)
+    assert spawned.returncode == 0, spawned.stderr
+    return reference
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_kubernetes_pods_of_each_kind_train_like_spawn(three_hosts, tmp_path, kind):
+    """The TrainJob's and the PyTorchJob's pods, with the rendezvous each kind's controller injects (PET_*;
+    MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK) and its hostnames: spawn's weights, bit for bit."""
+    reference = _spawned(tmp_path)
+    with _Pods(kind, three_hosts[:2], tmp_path) as pods:
+        started = pods.start(tmp_path / "claim")
+        for pod, (out, err) in zip(started, pods.finish(started)):
+            assert pod.returncode == 0, out + err
+    assert read_summary(tmp_path / "claim" / "k8s")["world_size"] == 2
+    assert (tmp_path / "claim" / "k8s" / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
 
 
 def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(three_hosts, tmp_path):
-    """Two "pods" of the emitted JobSet, each a process group in its own network namespace with the environment
-    its controller injects and the hostnames its headless service gives (/etc/netns/<ns>/hosts, which `ip netns
-    exec` mounts over /etc/hosts) and a pid namespace in which ddp-amp is PID 1: they train to spawn's weights;
-    SIGTERM to each pod's PID 1 stops them at one step with a checkpoint on the shared claim; "restarted" pods
-    resume to the uninterrupted weights, bit for bit."""
-    from ddp_amp.launch.kubernetes import job_name
-
-    hosts = three_hosts[:2]
-    training = ["--device", "cpu", "--task", f"{HELPER_TASKS}:resumable", "--steps", "120", "--batch-size", "8",
-                "--checkpoint-every", "1000", "--log-every", "10", "--log-format", "plain"]
-    reference = tmp_path / "spawn"
-    spawned = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *training, "--run-dir",
-                              str(reference)], capture_output=True, text=True, timeout=240)
-    assert spawned.returncode == 0, spawned.stderr
-    name = job_name("k8s")
-    # Pod 0's name under the headless service, and pod 1's: the DNS a JobSet gives them.
-    etc = []
-    try:
-        for ns, _ in hosts:
-            folder = Path("/etc/netns") / ns
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
-                f"{address} {name}-node-0-{index}.{name} {name}-node-0-{index}\n"
-                for index, (_, address) in enumerate(hosts)))
-            etc.append(folder)
-        manifest_path = tmp_path / "jobset.yaml"
-        emitted = subprocess.run([sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", *training,
-                                  "--stop-timeout", "60", "--emit-k8s", str(manifest_path), "--k8s-kind", "jobset",
-                                  "--image", "ddp-amp:test", "--pvc", "claim", "--run-dir", "k8s"],
-                                 capture_output=True, text=True, timeout=60)
-        assert emitted.returncode == 0, emitted.stderr
-        import yaml
-
-        manifest = yaml.safe_load(manifest_path.read_text())
-
-        def start_pods(claim: Path, extra_env: dict[str, str]) -> list[subprocess.Popen]:
-            # A pid namespace of its own too, with its own /proc: ddp-amp is PID 1 there, as in a container.
-            return [subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--mount-proc",
-                                      "--kill-child", *command], env={**os.environ, **env, **extra_env},
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-                    for (ns, _), (command, env) in zip(hosts, _pod_commands(manifest, claim, 2))]
-
-        def pid_1(pod: subprocess.Popen) -> int:
-            """The host's pid of the pod's PID 1 (unshare's one child), to signal it as the kubelet does."""
-            children = Path(f"/proc/{pod.pid}/task/{pod.pid}/children").read_text().split()
-            assert len(children) == 1, children
-            with open(f"/proc/{children[0]}/status") as f:
-                assert [line.split()[-1] for line in f if line.startswith("NSpid:")] == ["1"]
-            return int(children[0])
-
-        def finish(pods: list[subprocess.Popen]) -> list[tuple[str, str]]:
-            try:
-                return [pod.communicate(timeout=240) for pod in pods]
-            finally:
-                for pod in pods:
-                    if pod.poll() is None:
-                        os.killpg(pod.pid, 9)
-
+    """Two "pods" of the emitted JobSet (see _Pods): they train to spawn's weights; SIGTERM to each pod's PID 1
+    stops them at one step with a checkpoint on the shared claim; "restarted" pods resume to the uninterrupted
+    weights, bit for bit."""
+    reference = _spawned(tmp_path)
+    with _Pods("jobset", three_hosts[:2], tmp_path, "--stop-timeout", "60") as pods:
         # Uninterrupted: the pods' weights are spawn's.
-        whole = tmp_path / "whole"
-        pods = start_pods(whole, {})
-        for pod, (out, err) in zip(pods, finish(pods)):
+        started = pods.start(tmp_path / "whole")
+        for pod, (out, err) in zip(started, pods.finish(started)):
             assert pod.returncode == 0, out + err
-        run_dir = whole / "k8s"
+        run_dir = tmp_path / "whole" / "k8s"
         assert read_summary(run_dir)["world_size"] == 2
         assert (run_dir / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
 
         # Preempted: SIGTERM to each pod's PID 1 (ddp-amp itself) while they train, as the kubelet sends it.
         claim = tmp_path / "claim"
-        pods = start_pods(claim, {"DDP_AMP_TEST_STEP_SLEEP": "0.05"})
+        started = pods.start(claim, {"DDP_AMP_TEST_STEP_SLEEP": "0.05"})
         metrics = claim / "k8s" / "metrics.jsonl"
         deadline = time.monotonic() + 180
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in pods), "the pods never trained"
+            assert time.monotonic() < deadline and all(p.poll() is None for p in started), "the pods never trained"
             time.sleep(0.1)
-        for pod in pods:
-            os.kill(pid_1(pod), 15)
-        for pod, (out, err) in zip(pods, finish(pods)):
+        for pod in started:
+            os.kill(pods.pid_1(pod), 15)
+        for pod, (out, err) in zip(started, pods.finish(started)):
             assert pod.returncode == 143, out + err  # unshare exits with its child's code
-        summary = read_summary(claim / "k8s")
-        stopped_at = summary["stopped_at_step"]
+        stopped_at = read_summary(claim / "k8s")["stopped_at_step"]
         assert 20 <= stopped_at < 120 and (claim / "k8s" / "checkpoints" / f"step-{stopped_at}.pt").exists()
-        # Restarted by the JobSet: the same commands (--resume auto) continue from the checkpoint on the claim.
-        pods = start_pods(claim, {})
-        for pod, (out, err) in zip(pods, finish(pods)):
+        # Restarted by the JobSet: the same commands; --from-env continues from the checkpoint on the claim.
+        started = pods.start(claim)
+        for pod, (out, err) in zip(started, pods.finish(started)):
             assert pod.returncode == 0, out + err
-        resumed = read_summary(claim / "k8s")
-        assert resumed["resumed_from_step"] == stopped_at and resumed["steps"] == 120
-        assert (claim / "k8s" / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
-    finally:
-        for folder in etc:
-            shutil.rmtree(folder, ignore_errors=True)
+    resumed = read_summary(claim / "k8s")
+    assert resumed["resumed_from_step"] == stopped_at and resumed["steps"] == 120
+    assert (claim / "k8s" / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
