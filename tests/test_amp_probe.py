@@ -35,9 +35,20 @@ def test_the_shapes_are_the_tasks_own_and_probing_changes_nothing(cache_dir):
     torch.manual_seed(0)
     task = build_task("mlp")
     task.model.add_module("dropout", torch.nn.Dropout(0.5))  # would draw random numbers in train mode
+
+    class Counting(torch.nn.Module):  # state a module keeps
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.inner(x)
+
+    task.model = Counting(task.model)
     before = {k: v.clone() for k, v in task.model.state_dict().items()}
     rng = torch.get_rng_state()
-    shapes = amp_probe.layer_shapes(task, amp_probe._first_samples(task, 24), torch.device("cpu"))
+    shapes = amp_probe.layer_shapes(task.model, amp_probe._first_samples(task, 24))
     linears = [m for m in task.model.modules() if isinstance(m, torch.nn.Linear)]
     assert sorted(shapes) == sorted({(24, m.in_features, m.out_features) for m in linears})
     answer = amp_probe._rank0_answer(task, torch.device("cpu"), 24, "mlp")
@@ -46,6 +57,7 @@ def test_the_shapes_are_the_tasks_own_and_probing_changes_nothing(cache_dir):
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in task.model.state_dict().items())
     assert all(p.grad is None for p in task.model.parameters())
+    assert task.model.calls == 1  # the forward for the shapes above ran on the model itself; the probe's on a copy
 
 
 def test_a_task_the_probe_cannot_run_keeps_fp32(cache_dir):
@@ -61,7 +73,7 @@ def test_the_timing_gives_both_precisions():
 
     task = build_task("mlp")
     batch = amp_probe._first_samples(task, 8)
-    seconds = amp_probe.time_training_passes(task, batch, torch.device("cpu"), budget_s=0.05)
+    seconds = amp_probe.time_training_passes(task.model, task, batch, torch.device("cpu"), budget_s=0.05)
     assert set(seconds) == {"fp32", "bf16"} and all(value > 0 for value in seconds.values())
 
 
@@ -98,7 +110,7 @@ def _agreement_rank(rank: int, port: int, cache_root: str, planted: tuple[str, s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         task = build_task("mlp")
-        shapes = amp_probe.layer_shapes(task, amp_probe._first_samples(task, 8), torch.device("cpu"))
+        shapes = amp_probe.layer_shapes(task.model, amp_probe._first_samples(task, 8))
         key = precision.amp_cache_key(torch.__version__, torch.get_num_threads(), shapes, task="mlp x8")
         precision.remember_amp_choice(key, {"choice": planted[rank], "bf16_speedup": 1.0})
         env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, master_addr="127.0.0.1",

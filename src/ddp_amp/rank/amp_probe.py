@@ -36,16 +36,15 @@ PROBE_BUDGET_S = 0.6
 MAX_SHAPES = 16
 
 
-def layer_shapes(task: Task, batch: Any, device: torch.device) -> list[tuple[int, int, int]]:
+def layer_shapes(model: torch.nn.Module, batch: Any) -> list[tuple[int, int, int]]:
     """(rows, in_features, out_features) of every nn.Linear call in one forward of `batch`, the largest
     MAX_SHAPES by work: what the cache keys the answer by. The forward runs in eval mode, without gradients,
-    with the random state forked: nothing of the run's own state changes."""
+    with the random state forked."""
     seen: list[tuple[int, int, int]] = []
 
     def record(module: torch.nn.Linear, inputs: tuple[Any, ...], _output: Any) -> None:
         seen.append((max(1, inputs[0].numel() // module.in_features), module.in_features, module.out_features))
 
-    model = task.model
     hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     was_training = model.training
     try:
@@ -69,11 +68,11 @@ def _first_samples(task: Task, count: int) -> Any:
     return (task.collate_fn or default_collate)(samples)
 
 
-def time_training_passes(task: Task, batch: Any, device: torch.device,
+def time_training_passes(model: torch.nn.Module, task: Task, batch: Any, device: torch.device,
                          budget_s: float = PROBE_BUDGET_S) -> dict[str, float]:
     """Median seconds of one forward and backward of `batch` in fp32 and under bf16 autocast, interleaved pass by
-    pass (a load that comes and goes falls on both), after one warm-up pass each, on a copy of the model."""
-    model = copy.deepcopy(task.model).train()
+    pass (a load that comes and goes falls on both), after one warm-up pass each."""
+    model.train()
 
     def one_pass(precision: Precision) -> float:
         start = time.perf_counter()
@@ -135,7 +134,9 @@ def _rank0_answer(task: Task, device: torch.device, samples: int, spec: str) -> 
     started = time.perf_counter()
     try:
         batch = to_device(_first_samples(task, samples), device)
-        shapes = layer_shapes(task, batch, device)
+        # A copy: the run's model (its weights, buffers, gradients and any state its modules keep) is not touched.
+        model = copy.deepcopy(task.model)
+        shapes = layer_shapes(model, batch)
     except Exception as exc:  # the probe is an optimisation: a task it cannot look into trains in fp32
         return {"choice": "fp32", "why": f"the probe could not run the task's forward ({type(exc).__name__})"}
     key = amp_cache_key(torch.__version__, torch.get_num_threads(), shapes, task=f"{spec} x{samples}")
@@ -143,7 +144,7 @@ def _rank0_answer(task: Task, device: torch.device, samples: int, spec: str) -> 
     if cached is not None and cached.get("choice") in ("fp32", "bf16"):
         return {**cached, "cached": True, "key": key}
     try:
-        seconds = time_training_passes(task, batch, device)
+        seconds = time_training_passes(model, task, batch, device)
     except Exception as exc:
         return {"choice": "fp32", "why": f"the probe could not train the task in bf16 ({type(exc).__name__})"}
     entry = {"choice": decide(seconds["fp32"], seconds["bf16"]), "bf16_speedup": seconds["fp32"] / seconds["bf16"],
