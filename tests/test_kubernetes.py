@@ -58,6 +58,8 @@ def test_the_trainjob_validates_against_kubeflow_trainers_models(tmp_path):
     assert contained(manifest, TrainerV1alpha1TrainJob.from_dict(manifest).to_dict()) == []
     spec = manifest["spec"]
     assert spec["runtimeRef"]["name"] == "torch-distributed" and spec["trainer"]["numNodes"] == 2
+    # The runtime injects numProcPerNode as PET_NPROC_PER_NODE (auto when unset): it must be the command's count.
+    assert spec["trainer"]["numProcPerNode"] == 2 and "--nproc-per-node" in spec["trainer"]["command"]
     assert spec["trainer"]["command"][:3] == ["ddp-amp", "multinode", "--from-env"]
     assert spec["trainer"]["resourcesPerNode"] == {"requests": {"cpu": "4", "memory": "16Gi"}}
     pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][

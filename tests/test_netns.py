@@ -240,7 +240,8 @@ def _pod_commands(kind: str, manifest: dict, claim: Path, nodes: int) -> tuple[l
             pod = patch["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
             command, env = trainer["command"], trainer["env"]
             mount = pod["containers"][0]["volumeMounts"][0]["mountPath"]
-            injected = [{"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(i),
+            injected = [{"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+                         "PET_NODE_RANK": str(i),
                          "PET_MASTER_ADDR": hostnames[0], "PET_MASTER_PORT": "29400"} for i in range(nodes)]
         commands, envs, mounts = [command] * nodes, [env] * nodes, [mount] * nodes
     pods = []

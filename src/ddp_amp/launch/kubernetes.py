@@ -116,6 +116,10 @@ def trainjob(spec: PodSpec) -> dict[str, Any]:
                                  "volumeMounts": [{"name": "run-dir", "mountPath": RUN_DIR_MOUNT}]}]}
     trainer: dict[str, Any] = {"image": spec.image, "command": pod_command(spec), "numNodes": spec.nnodes_max,
                                "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}
+    if spec.nproc_per_node.isdigit():
+        # The torch runtime's default is auto, injected as PET_NPROC_PER_NODE, which --from-env reads where
+        # --nproc-per-node is left at 1: the same count in both places.
+        trainer["numProcPerNode"] = int(spec.nproc_per_node)
     if resources := _resources(spec):
         trainer["resourcesPerNode"] = resources
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": _metadata(spec),
