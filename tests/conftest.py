@@ -81,7 +81,8 @@ def parent_of(pid: int) -> int:
 
 
 class LongRun:
-    """A launch that would train for a long time, returned once it is training (`ready` exists in the run dir).
+    """A launch that would train for a long time, returned once it is training (a file matching the glob `ready`
+    exists in the run dir: a pattern, since a checkpoint that --keep prunes can come and go between two polls).
 
     `prefix`: a command the launch runs under (`timeout`); `own_session`: in a session and process group of its
     own, as `setsid` starts it, so that a signal can be sent to the whole group the way the system sends it."""
@@ -95,7 +96,7 @@ class LongRun:
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=own_session,
             env={**os.environ, MARK_VAR: self.mark})
         deadline = time.monotonic() + 120
-        while not (run_dir / ready).exists():
+        while not any(run_dir.glob(ready)):
             assert self.process.poll() is None, self.process.stderr.read()
             assert time.monotonic() < deadline, "the run never started training"
             time.sleep(0.2)

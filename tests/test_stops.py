@@ -19,6 +19,8 @@ pytestmark = pytest.mark.slow
 QUIET_RUN = ["--device", "cpu", "--task", "linear", "--steps", "1000000", "--log-every", "1000000",
              "--log-format", "plain", "--stop-timeout", "60"]
 TRAINING = ["--checkpoint-every", "100", "--keep", "1"]  # the first checkpoint tells the test training began
+# Any step's: at hundreds of steps a second, --keep 1 can prune step-100 before a poll sees it.
+FIRST_CHECKPOINT = "checkpoints/step-*.pt"
 
 
 def assert_stopped_with_checkpoint(run, signum: int) -> None:
@@ -45,7 +47,7 @@ def assert_stopped_with_checkpoint(run, signum: int) -> None:
 def test_a_signal_to_the_whole_process_group_stops_at_one_step_with_a_checkpoint(command, signum, long_run):
     """Every process of the run receives it at once: the fork server and the resource tracker must survive it
     (they ignore it), the launcher and every rank must take it as a stop."""
-    run = long_run(command, args=[*QUIET_RUN, *TRAINING], own_session=True, ready="checkpoints/step-100.pt")
+    run = long_run(command, args=[*QUIET_RUN, *TRAINING], own_session=True, ready=FIRST_CHECKPOINT)
     assert len(run.ranks()) == 2
     os.killpg(run.pid, signum)  # the launcher leads its own group, as under setsid
     assert_stopped_with_checkpoint(run, signum)
@@ -68,7 +70,7 @@ def test_gnu_timeout_stops_the_run_with_a_checkpoint(long_run):
     """timeout signals its command and then its whole process group. It is signalled here rather than left to
     expire (no wall-clock race with the start-up); it passes a received signal on exactly as its own."""
     run = long_run("spawn", args=[*QUIET_RUN, *TRAINING], prefix=["timeout", "-s", "TERM", "600"],
-                   ready="checkpoints/step-100.pt")
+                   ready=FIRST_CHECKPOINT)
     run.process.send_signal(signal.SIGTERM)  # to timeout, which sends it on to ddp-amp and to its group
     assert_stopped_with_checkpoint(run, signal.SIGTERM)
 
@@ -77,7 +79,7 @@ def test_gnu_timeout_stops_the_run_with_a_checkpoint(long_run):
 def test_sigusr1_to_one_rank_alone_stops_every_rank(command, long_run):
     """As a scheduler's warning aimed at one process: the other ranks and the launcher learn of it through the
     stop agreement, and the run still ends as a stop (not as a success without model.pt)."""
-    run = long_run(command, args=[*QUIET_RUN, *TRAINING], ready="checkpoints/step-100.pt")
+    run = long_run(command, args=[*QUIET_RUN, *TRAINING], ready=FIRST_CHECKPOINT)
     ranks = run.ranks()
     assert len(ranks) == 2
     os.kill(ranks[-1], signal.SIGUSR1)
