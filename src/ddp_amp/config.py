@@ -22,7 +22,7 @@ TF32_MODES = ("on", "off")
 FLUSH_DENORMAL_MODES = ("auto", "on", "off")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
-SHARD_MODES = ("none", "optimizer")
+SHARD_MODES = ("none", "optimizer", "full")
 DEFAULT_STEPS = 100
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
            "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
@@ -154,7 +154,8 @@ class TrainConfig:
     """Compress gradients for DDP's all-reduce with its built-in hook: none, fp16 or bf16 (bf16 needs nccl)."""
     shard: str = "none"
     """none: every rank keeps the whole optimizer state (DDP); optimizer: each rank keeps and updates the state of
-    its share of the parameters and broadcasts them after the step (ZeRO-1, ZeroRedundancyOptimizer)."""
+    its share of the parameters and broadcasts them after the step (ZeRO-1, ZeroRedundancyOptimizer); full:
+    parameters, gradients and optimizer state sharded across the ranks (FSDP2's fully_shard, per block)."""
     bucket_mb: float = 25.0
     """Size of DDP's gradient buckets in MB (DDP's bucket_cap_mb): an all-reduce starts when one is full."""
     bucket_view: bool = True
@@ -182,7 +183,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.task_arg = tuple(self.task_arg or ())
         problems = [*self._choice_problems(), *self._optimization_problems(), *self._length_problems(),
-                    *self._memory_problems(), *self._run_problems()]
+                    *self._memory_problems(), *self._run_problems(), *self._shard_problems()]
         if problems:
             raise UsageError(*problems)
         if self.steps is None and self.epochs is None:
@@ -298,6 +299,24 @@ class TrainConfig:
                             "graph fails under no_sync); drop one of them")
         if self.max_memory is not None and not (math.isfinite(self.max_memory) and self.max_memory > 0):
             problems.append(f"--max-memory must be a finite number of GB > 0, got {self.max_memory}")
+        return problems
+
+    def _shard_problems(self) -> list[str]:
+        """The DDP options that have no meaning without DDP (--shard full trains without it)."""
+        if self.shard != "full":
+            return []
+        ddp_only = [flag for flag, given in (
+            ("--static-graph", self.static_graph), ("--find-unused-parameters", self.find_unused_parameters),
+            (f"--grad-compression {self.grad_compression}", self.grad_compression != "none"),
+            ("--sync-batchnorm", self.sync_batchnorm)) if given]
+        problems = [f"{flag} is an option of DDP's, and --shard full trains without DDP (FSDP2 reduce-scatters "
+                    f"the gradients); drop {flag.split()[0]} or use --shard none|optimizer" for flag in ddp_only]
+        if self.micro_batch is not None:
+            problems.append("--micro-batch cannot be combined with --shard full yet (its pieces reduce gradients "
+                            "the way DDP does); use --grad-accum for smaller passes, or --shard none|optimizer")
+        if self.compile:
+            problems.append("--compile cannot be combined with --shard full yet (the model is compiled inside "
+                            "DDP); drop one of them")
         return problems
 
     def to_json(self) -> str:

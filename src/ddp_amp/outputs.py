@@ -25,11 +25,11 @@ BEST_MODEL_FILE = "model_best.pt"  # --keep-best: the weights of the best evalua
 PRETRAINED_DIR = "pretrained"  # a model with save_pretrained: its own format, written at the end
 
 
-def save_weights(run_dir: Path, model: Any, name: str = MODEL_FILE) -> Path:
-    """The plain state_dict (no DDP `module.` prefix, CPU tensors), loadable with weights_only=True."""
+def save_weights(run_dir: Path, state_dict: dict[str, Any], name: str = MODEL_FILE) -> Path:
+    """A model's plain state_dict (no DDP `module.` prefix, CPU tensors), loadable with weights_only=True."""
     import torch
 
-    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    state = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = run_dir / name

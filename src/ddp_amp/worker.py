@@ -164,6 +164,8 @@ def _finish_training(trainer: Trainer, result: TrainResult, memory: dict[str, fl
     checkpointer = trainer.checkpointer
     checkpointer.save_at_stop(trainer)
     checkpointer.close()  # waits for the write in flight
+    if trainer.sharded and "diverged" not in result.summary and "stopped_at_step" not in result.summary:
+        result.model = trainer.plain_model()  # gathered (every rank): what model.pt and the evaluation need
     trainer.close()  # on success only: after a failure the launcher stops every rank anyway
     summary = {**result.summary, **memory, **numerics}
     if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
@@ -213,7 +215,7 @@ def write_results(config: TrainConfig, summary: dict[str, Any], result: TrainRes
     run_dir = Path(config.run_dir)
     finished = "diverged" not in summary and "stopped_at_step" not in summary
     if finished:
-        summary["model_path"] = str(outputs.save_weights(run_dir, result.model))
+        summary["model_path"] = str(outputs.save_weights(run_dir, result.model.state_dict()))
         # A Hugging Face model (or a task's wrapper of one, at .pretrained) also in its own format.
         if (pretrained := save_pretrained(result.model, run_dir / outputs.PRETRAINED_DIR)) is not None:
             summary["pretrained_path"] = str(pretrained)

@@ -21,7 +21,6 @@ from ddp_amp.checkpoint import fileformat
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankSetupError
-from ddp_amp.train.optim import gather_optimizer_state
 
 if TYPE_CHECKING:
     from ddp_amp.train.trainer import Trainer
@@ -63,7 +62,8 @@ class CheckpointManager:
         # A collective: every rank, every time. Each rank's RNG states and, for iterable data, its position.
         dist.all_gather_object(ranks, (fileformat.rng_state(self.device), trainer.data.rank_state(),
                                        self.env.writes_run_dir))
-        gather_optimizer_state(trainer.optimizer, [rank for rank, (*_, writes) in enumerate(ranks) if writes])
+        # Sharded state (--shard optimizer or full) is gathered whole on the writers: collective too.
+        trained = trainer.state_dict([rank for rank, (*_, writes) in enumerate(ranks) if writes])
         self.last_step = step
         if not self.env.writes_run_dir:
             return
@@ -71,7 +71,7 @@ class CheckpointManager:
             self.waits += 1
         self.wait()
         rng, data_ranks = [r for r, _, _ in ranks], [d for _, d, _ in ranks]
-        state = {"step": step, "trainer": _to_host(trainer.state_dict()), "rng": rng,
+        state = {"step": step, "trainer": _to_host(trained), "rng": rng,
                  **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
                  "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
         self._thread = threading.Thread(target=self._write, args=(state,), name="ddp-amp-checkpoint")

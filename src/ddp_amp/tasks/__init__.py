@@ -83,6 +83,10 @@ class Task:
     val_metrics: Callable[[Any, Any], dict[str, Any]] | None = None
     """Optional: `val_metrics(output, target_or_batch) -> {name: scalar tensor}`, means over the batch; logged as
     val_<name> beside val_loss."""
+    shard_units: Sequence[type | str] | None = None
+    """Optional, for --shard full: the module classes (or class names) whose instances FSDP shards as one unit
+    each, all-gathered for their own forward and backward. None: a Hugging Face model's `_no_split_modules`
+    (its decoder layer), else the repeated blocks of the model (train.sharding.unit_rule)."""
 
 
 def forward(model: Any, batch: Any) -> tuple[Any, Any]:

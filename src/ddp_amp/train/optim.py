@@ -52,10 +52,12 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, writers: list[int])
 def optimizer_state_mb(optimizer: torch.optim.Optimizer) -> float:
     """The optimizer state (moments, momentum buffers) this rank holds, in MB: what --shard optimizer divides.
     ZeroRedundancyOptimizer gives each rank whole parameter tensors, so the shares follow the tensors' sizes
-    (one large matrix lands on one rank)."""
+    (one large matrix lands on one rank); under --shard full each state tensor is a DTensor, of which this rank
+    holds its shard (to_local)."""
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's own optimizer
-    return sum(t.numel() * t.element_size() for state in local.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor)) / 2**20
+    held = [getattr(t, "to_local", lambda t=t: t)() for state in local.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in held) / 2**20
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:

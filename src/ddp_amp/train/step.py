@@ -33,6 +33,7 @@ from ddp_amp.train.microbatch import (
     split_batch,
 )
 from ddp_amp.train.optim import ddp_error_line
+from ddp_amp.train.sharding import gradient_sync_off, local
 
 PHASES = ("data", "forward", "backward", "step", "log")
 """Where the training loop can be, in order within one optimizer step; `AmpStep.position` names one."""
@@ -155,7 +156,7 @@ class AmpStep:
         (--micro-batch). Returns the loss, detached, fp32, on the device, unweighted."""
         if self.device.type != "cpu":
             batch = to_device(batch, self.device)
-        with contextlib.nullcontext() if sync else self.model.no_sync():
+        with contextlib.nullcontext() if sync else gradient_sync_off(self.model):
             self.position = (step, index, FORWARD)
             with autocast(self.precision, self.device.type):
                 loss = batch_loss(self.model, batch, self.loss_fn, self.task)
@@ -228,12 +229,13 @@ class AmpStep:
 
     def _unscale_and_clip(self) -> torch.Tensor:
         """The norm of the true gradients: unscaled first (a no-op without fp16), clipped after unscaling. The
-        gradients are all-reduced already, so this rank's norm is the global one; it stays on the device."""
+        gradients are all-reduced already, so this rank's norm is the global one; it stays on the device.
+        Sharded gradients (--shard full) are DTensors: torch's norm of them is the global one, replicated."""
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.clip_grad is not None:
-            return torch.nn.utils.clip_grad_norm_(params, self.clip_grad)
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
+            return local(torch.nn.utils.clip_grad_norm_(params, self.clip_grad))
+        return local(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     def optimizer_step(self) -> bool:
         """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""

@@ -31,9 +31,17 @@ from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.evaluation import BestKeeper, Validation
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
-from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts, wrap_ddp
+from ddp_amp.train.optim import (
+    build_optimizer,
+    gather_optimizer_state,
+    optimizer_impl,
+    optimizer_state_mb,
+    parameter_counts,
+    wrap_ddp,
+)
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
+from ddp_amp.train.sharding import full_state, load_full_state, plain_model, shard_fully, skeleton, unit_rule
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
 
@@ -76,10 +84,14 @@ class Trainer:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.module = model.to(device)
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
-        self.model = wrap_ddp(self.module, config, device)
+        self.sharded = config.shard == "full"
+        """FSDP2 instead of DDP: self.module and self.model are then one sharded module (train.sharding)."""
+        self.shell = skeleton(self.module) if self.sharded else None
+        self.model = (shard_fully(self.module, unit_rule(self.module, task.shard_units), device) if self.sharded
+                      else wrap_ddp(self.module, config, device))
         self.optimizer_impl = optimizer_impl(config, precision)
         self.optimizer = build_optimizer(self.module, config, self.optimizer_impl)
-        self.scaler = grad_scaler(precision, device.type)
+        self.scaler = grad_scaler(precision, device.type, sharded=self.sharded)
         workers = loader_workers(config.num_workers, device, env.local_world_size)
         if is_iterable(task.dataset):
             self.data: RankData | IterableRankData = IterableRankData(
@@ -119,6 +131,7 @@ class Trainer:
                                  "this task has none")
         self.best = BestKeeper(config.keep_best)
         self.last_validation: dict[str, float] | None = None
+        self._writers: list[int] | None = None
         self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
                                      Path(config.run_dir))
 
@@ -156,18 +169,54 @@ class Trainer:
         return largest_batch(self.step, self.task.dataset, self.device, self.env.world_size,
                              start=self.config.batch_size, collate_fn=self.task.collate_fn)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint)."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+    def state_dict(self, writers: list[int]) -> dict[str, Any] | None:
+        """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint), on
+        the ranks in `writers`; None on the others. Every rank calls it: gathering sharded state is collective."""
+        if self.sharded:
+            model, optimizer = full_state(self.module, self.optimizer, writers)
+        else:
+            gather_optimizer_state(self.optimizer, writers)
+            if self.env.rank in writers:
+                model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+        if self.env.rank not in writers:
+            return None
+        return {"model": model, "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 **self.data.state_dict(), "skipped_steps": self.skipped_steps, "best": self.best.best}
+
+    def model_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict on the run dir's writers (None elsewhere); every rank calls it."""
+        if self.sharded:
+            return full_state(self.module, None, self.writers)[0] or None
+        return self.module.state_dict() if self.env.writes_run_dir else None
+
+    @property
+    def writers(self) -> list[int]:
+        """The ranks that write the run dir (one per node without a shared file system), on every rank."""
+        if self._writers is None:
+            views: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(views, self.env.writes_run_dir)
+            self._writers = [rank for rank, writes in enumerate(views) if writes]
+        return self._writers
+
+    def plain_model(self) -> torch.nn.Module | None:
+        """The trained model as a plain module on the writers (model.pt, the model's own format, rank 0's
+        evaluation), None elsewhere; every rank calls it. Under --shard full its weights are gathered into the
+        skeleton kept from before sharding."""
+        if not self.sharded:
+            return self.module
+        state = self.model_state()
+        return plain_model(self.shell, state, self.device) if state is not None else None
 
     def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None,
                         data_ranks: list | None = None) -> None:
         """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks;
         `data_ranks`: every rank's position in iterable data."""
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])  # the loss scale and its growth tracker
@@ -263,8 +312,8 @@ class Trainer:
             return
         self.last_validation = values
         self.reporter.on_eval({"step": number, **values})
-        if self.best.offer(number, values) and self.env.writes_run_dir:
-            save_weights(Path(self.config.run_dir), self.module, BEST_MODEL_FILE)
+        if self.best.offer(number, values) and (state := self.model_state()) is not None:  # the same on every rank
+            save_weights(Path(self.config.run_dir), state, BEST_MODEL_FILE)
 
     def _summary(self, steps_done: int, figures: dict[str, Any], diverged: dict[str, Any] | None) -> dict[str, Any]:
         """summary.json's account of the loop: what ran, its figures, and how it ended."""

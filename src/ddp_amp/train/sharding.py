@@ -1,0 +1,159 @@
+"""--shard full: FSDP2 (torch.distributed.fsdp.fully_shard) in place of DDP, and the whole-model views the rest
+of ddp-amp needs of a sharded model: the plain state_dict checkpoints and model.pt hold, and a plain module for
+rank 0's evaluation and the model's own save format.
+
+Each rank keeps 1/N of every parameter, gradient and optimizer state (as DTensors on a one-dimensional mesh
+over all ranks); a unit's parameters are all-gathered for its forward and its backward and freed after, and
+its gradients are reduce-scattered. The units: every module whose class `Task.shard_units` names, else the
+class names of a Hugging Face model's `_no_split_modules` (its repeated decoder layer), else the repeated
+blocks (the children of each outermost ModuleList or Sequential whose children share one class and hold
+parameters); the root module always, for what is left (embeddings, final norm, head).
+
+Checkpoints keep the plain format (what --shard none writes: a state_dict and the optimizer's own state_dict
+keyed by parameter index): a sharded run resumes from an unsharded checkpoint and the other way round, at any
+world size, and export reads them as it reads any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def unit_rule(model: nn.Module, named: Sequence[type | str] | None) -> list[nn.Module]:
+    """The modules that become FSDP units (each all-gathered on its own), outermost first, never nested."""
+    names = _class_names(named) if named else _class_names(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    else:
+        found = [child for container in model.modules() if isinstance(container, (nn.ModuleList, nn.Sequential))
+                 for child in _repeated_blocks(container)]
+    chosen: list[nn.Module] = []
+    for module in found:  # a unit inside a unit already chosen would only split it further: the outer one wins
+        if not any(_contains(outer, module) for outer in chosen):
+            chosen.append(module)
+    return chosen
+
+
+def _class_names(named: Sequence[type | str]) -> set[str]:
+    return {item if isinstance(item, str) else item.__name__ for item in named}
+
+
+def _repeated_blocks(container: nn.Module) -> list[nn.Module]:
+    children = list(container.children())
+    if len(children) < 2 or len({type(c) for c in children}) != 1:
+        return []
+    return [c for c in children if any(True for _ in c.parameters())]
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device) -> nn.Module:
+    """fully_shard each unit, then the root, on a mesh of every rank; the model itself, sharded in place (its
+    parameters are DTensors from here on, its names unchanged)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """DDP's no_sync for either wrapper: the backward passes inside accumulate gradients locally, and the one
+    after reduces them. FSDP2 says it with set_requires_gradient_sync (its gradients stay unsharded until then)."""
+    if not is_sharded(model):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def local(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's value as a plain tensor (a replicated one is whole on every rank: a gradient norm)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _options(**changes: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **changes)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, writers: list[int]) -> tuple[dict, dict]:
+    """Every rank, collectively: the whole model's state_dict and the optimizer's (in the plain optimizer's
+    format: state keyed by parameter index), both whole on the ranks in `writers` (CPU tensors when rank 0 is
+    the only one: gathered one tensor at a time straight to host memory) and empty on the others."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    options = _options(cpu_offload=writers == [0])
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = {} if optimizer is None else get_optimizer_state_dict(model, optimizer, options=options)
+    if torch.distributed.get_rank() not in writers:
+        return {}, {}
+    return model_state, optimizer_state and _by_index(model, optimizer_state)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Every rank, from the whole state (a plain checkpoint's, on every rank): each takes its shards."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, model_state, options=_options())
+    set_optimizer_state_dict(model, optimizer, _by_name(model, optimizer_state), options=_options())
+
+
+def _trained_names(model: nn.Module) -> list[str]:
+    """The optimizer's parameters by name, in its order (optim.build_optimizer: the trainable ones)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _by_index(model: nn.Module, state: dict) -> dict:
+    index = {name: i for i, name in enumerate(_trained_names(model))}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _by_name(model: nn.Module, state: dict) -> dict:
+    names = _trained_names(model)
+    return {"state": {names[int(i)]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of the unsharded model on the meta device, taken before sharding, at no memory: its weights are
+    loaded from the gathered state at the end (plain_model), for what needs the model whole on one rank."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def plain_model(shell: nn.Module, state: dict, device: torch.device) -> nn.Module:
+    """The skeleton given the gathered weights, on `device`: the trained model as a plain module."""
+    shell = shell.to_empty(device=device)
+    shell.load_state_dict(state)
+    return shell
