@@ -1,13 +1,22 @@
-"""--shard optimizer (ZeRO-1): real 2- and 3-rank gloo runs. The weights are --shard none's bit for bit, the
-optimizer state is divided between the ranks, and checkpoints pass between modes and world sizes."""
+"""--shard optimizer (ZeRO-1) and full (FSDP2): real 2-, 3- and 4-rank gloo runs. ZeRO's weights are --shard
+none's bit for bit, FSDP's within 1e-5; the optimizer state is divided between the ranks, and checkpoints pass
+between modes and world sizes."""
 
+import os
 import shutil
+import subprocess
+import sys
+from collections import Counter
 
 import pytest
+import torch
+from torch import nn
 
-from conftest import assert_ok, read_summary, run_cli
+from conftest import HELPER_TASKS, assert_ok, read_metrics, read_summary, run_cli
+from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow
+USER_TASKS = HELPER_TASKS.with_name("user_tasks.py")
 ARGS = ["--device", "cpu", "--task", "mlp-wide", "--amp", "off", "--optimizer", "adamw", "--batch-size", "16",
         "--log-every", "10"]
 
@@ -36,16 +45,41 @@ def test_sharded_optimizer_state_trains_the_same_weights_bit_for_bit(unsharded, 
     assert max(shares) < whole[0] and min(shares) > 0
 
 
-def test_a_sharded_run_resumes_bit_exact_and_takes_an_unsharded_checkpoint(unsharded, tmp_path):
-    """From step 10: a sharded run's own checkpoint, and the unsharded run's (the optimizer state is saved
-    gathered, in the plain optimizer's format): both end on the uninterrupted weights."""
+def weights(run_dir) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def test_fully_sharded_training_matches_ddp_and_divides_the_state(unsharded, tmp_path):
+    """FSDP2 reduce-scatters per layer where DDP all-reduces buckets: the sums' order may differ, so not bit
+    for bit, but within 1e-5 after 30 AdamW steps (1.5e-8 measured). Each rank holds half of every tensor's
+    optimizer state (dim-0 shards), and model.pt is the whole model under its own names."""
+    summary = train(tmp_path, "--steps", "30", "--shard", "full")
+    assert summary["shard"] == "full"
+    assert largest_difference(weights(tmp_path), weights(unsharded)) < 1e-5
+    whole = read_summary(unsharded)["optimizer_state_mb"][0]
+    assert summary["optimizer_state_mb"] == pytest.approx([whole / 2, whole / 2], rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_a_sharded_run_resumes_bit_exact_and_takes_an_unsharded_checkpoint(unsharded, mode, tmp_path):
+    """From step 10: a sharded run's own checkpoint, and the unsharded run's (the state is saved gathered, in
+    the plain format): both end on the uninterrupted sharded run's weights (ZeRO's are none's too)."""
     own = tmp_path / "own"
-    train(own, "--steps", "30", "--checkpoint-every", "10", "--keep", "5", "--shard", "optimizer")
+    train(own, "--steps", "30", "--checkpoint-every", "10", "--keep", "5", "--shard", mode)
+    reference = unsharded if mode == "optimizer" else own
     for name, checkpoint in (("resumed", own / "checkpoints" / "step-10.pt"),
                              ("crossed", unsharded / "checkpoints" / "step-10.pt")):
-        summary = train(tmp_path / name, "--steps", "30", "--shard", "optimizer", "--resume", str(checkpoint))
+        summary = train(tmp_path / name, "--steps", "30", "--shard", mode, "--resume", str(checkpoint))
         assert summary["resumed_from_step"] == 10
-        assert (tmp_path / name / "model.pt").read_bytes() == (unsharded / "model.pt").read_bytes(), name
+        if name == "resumed" or mode == "optimizer":
+            assert (tmp_path / name / "model.pt").read_bytes() == (reference / "model.pt").read_bytes(), name
+        else:  # none's first 10 steps, then FSDP's 20: within FSDP's bound of none
+            assert largest_difference(weights(tmp_path / name), weights(own)) < 1e-5
 
 
 def test_a_sharded_checkpoint_continues_on_another_world_size(tmp_path):
@@ -58,3 +92,105 @@ def test_a_sharded_checkpoint_continues_on_another_world_size(tmp_path):
     summary = train(run_dir, "--steps", "30", "--shard", "optimizer", "--resume", "auto", nproc=3)
     assert summary["world_size"] == 3 and summary["resumed_from_step"] == 10 and summary["steps"] == 30
     assert len(summary["optimizer_state_mb"]) == 3 and min(summary["optimizer_state_mb"]) > 0
+
+
+def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A launch in a session of its own (the helper task signals its whole process group)."""
+    return subprocess.run([sys.executable, "-m", "ddp_amp", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def test_a_fully_sharded_run_goes_from_2_to_4_ranks_and_back_and_trains_each_sample_once(tmp_path):
+    """Stopped by SIGTERM on 2 ranks, continued by 4 and stopped again, finished by 2: each checkpoint is cut
+    into the new world size's shards, and over the 3 epochs every sample is trained exactly 3 times."""
+    epochs, indices, run_dir = 5, tmp_path / "indices", tmp_path / "run"
+    indices.mkdir()
+    common = ["--device", "cpu", "--task", f"{HELPER_TASKS}:records_indices", "--epochs", str(epochs),
+              "--batch-size", "8", "--log-every", "1", "--amp", "off", "--shard", "full", "--run-dir", str(run_dir)]
+    env = {"DDP_AMP_TEST_INDEX_LOG": str(indices), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
+    stops = []
+    for nproc, stop_at in ((2, "3"), (4, "2")):  # 30 steps of 2 ranks; the stops land a few steps after the signal
+        stopped = launch("spawn", "-n", str(nproc), *common, *(["--resume", "auto"] if stops else []),
+                         env={**env, "DDP_AMP_TEST_STOP_AT": stop_at})
+        assert stopped.returncode == 143, stopped.stderr
+        stops.append(read_summary(run_dir)["stopped_at_step"])
+    assert read_summary(run_dir)["world_size"] == 4
+    assert_ok(launch("spawn", "-n", "2", *common, "--resume", "auto", env=env))
+    seen = Counter(int(line) for path in indices.iterdir() for line in path.read_text().split())
+    assert seen == {index: epochs for index in range(INDEXED_SAMPLES)}, "a sample was skipped or repeated"
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 2 and summary["shard"] == "full"
+    # in the numbering of a 2-rank run, which ends at its 30th step as an unresized one does
+    assert summary["resumed_from_step"] > 0 and summary["steps"] == 30, (stops, summary["resumed_from_step"])
+    assert (run_dir / "model.pt").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--static-graph"], "--static-graph"), (["--find-unused-parameters"], "--find-unused-parameters"),
+    (["--grad-compression", "bf16"], "--grad-compression"), (["--sync-batchnorm"], "--sync-batchnorm")])
+def test_a_ddp_option_with_shard_full_is_one_line_and_launches_nothing(flags, named, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--shard", "full", *flags, "--run-dir", str(run_dir))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"ddp-amp: error: {' '.join(flags)} is an option of DDP's, and --shard full "
+                                     "trains without DDP (FSDP2 reduce-scatters the gradients); drop "
+                                     f"{named} or use --shard none|optimizer")
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("flags", [["--micro-batch", "auto"], ["--compile"]])
+def test_what_shard_full_does_not_support_yet_is_refused(flags, tmp_path):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--shard", "full", *flags, "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and flags[0] in lines[0] and "--shard full" in lines[0], result.stderr
+
+
+def test_validation_of_a_sharded_model_runs_in_lockstep_and_keeps_the_best(tmp_path):
+    """37 samples, batches of 3: rank 0 has 7 batches, rank 1 six. A sharded forward all-gathers, so rank 1
+    runs a seventh, counted zero times: the means are DDP's exactly, and --keep-best's model_best.pt (gathered
+    from the shards) is the best step's checkpointed model."""
+    args = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:with_validation", "--steps", "8",
+            "--batch-size", "3", "--eval-every", "2", "--checkpoint-every", "2", "--keep", "1",
+            "--keep-best", "val_loss", "--log-every", "4"]
+    for mode in ("none", "full"):
+        assert_ok(run_cli("spawn", "-n", "2", *args, "--shard", mode, "--run-dir", str(tmp_path / mode), timeout=300))
+    evaluations = {mode: [m for m in read_metrics(tmp_path / mode) if "val_loss" in m] for mode in ("none", "full")}
+    assert [m["step"] for m in evaluations["full"]] == [2, 4, 6, 8]
+    for ddp, fsdp in zip(evaluations["none"], evaluations["full"]):
+        assert fsdp["val_loss"] == pytest.approx(ddp["val_loss"], abs=1e-6)
+        assert fsdp["val_abs_error"] == pytest.approx(ddp["val_abs_error"], abs=1e-6)
+    best = read_summary(tmp_path / "full")["best"]["step"]
+    checkpoint = torch.load(tmp_path / "full" / "checkpoints" / f"step-{best}.pt", weights_only=True)
+    model_best = torch.load(tmp_path / "full" / "model_best.pt", weights_only=True)
+    assert sorted(model_best) == sorted(checkpoint["trainer"]["model"])
+    for name, value in checkpoint["trainer"]["model"].items():
+        assert torch.equal(model_best[name], value), name
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # repeated too, but inside a unit
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.layers = nn.ModuleList([_Block(), _Block(), _Block()])
+        self.head = nn.Linear(4, 4)
+
+
+def test_the_units_are_the_named_classes_else_the_repeated_blocks_else_the_top_level_children():
+    from ddp_amp.train.sharding import unit_rule
+
+    stack = _Stack()
+    assert unit_rule(stack, None) == list(stack.layers)  # the outermost repeated blocks, not their Linears
+    assert unit_rule(stack, ["Linear"]) == [stack.embed, *(b.inner[i] for b in stack.layers for i in (0, 1)),
+                                            stack.head]
+    assert unit_rule(stack, [_Block]) == list(stack.layers)
+    stack._no_split_modules = ["_Block"]  # a Hugging Face model's own declaration
+    assert unit_rule(stack, None) == list(stack.layers)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))  # no repeated class: its weighted children
+    assert unit_rule(mlp, None) == [mlp[0], mlp[2]]

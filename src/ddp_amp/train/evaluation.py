@@ -7,19 +7,21 @@ sample count and summed on the device; one all-reduce of the sums and the count 
 rank the means over the whole set, each sample counted once: the loss of one process over the whole set.
 
 The plain module is evaluated, not the DDP wrapper: its forward would broadcast buffers, a collective that
-ranks holding different numbers of batches would not all join. Eval mode, autocast, no gradients.
+ranks holding different numbers of batches would not all join. Eval mode, autocast, no gradients. A sharded
+model (--shard full) is the exception: each forward all-gathers its weights, so every rank runs as many as the
+rank with the most batches, the others on a batch of theirs again, counted zero times (`_lockstep`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Subset, default_collate
 
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankUsageError
@@ -38,8 +40,10 @@ def rank_share(dataset: Any, env: DistEnv, sharded: bool) -> Any:
 
 class Validation:
     def __init__(self, task: Task, env: DistEnv, device: torch.device, precision: Precision, *, batch_size: int,
-                 spec: str) -> None:
+                 spec: str, lockstep: bool = False) -> None:
         self.task, self.env, self.device, self.precision, self.spec = task, env, device, precision, spec
+        self.lockstep = lockstep
+        """Every rank runs each forward together (a sharded model's forward is a collective)."""
         self.loader = DataLoader(rank_share(task.val_dataset, env, task.data_sharded), batch_size=batch_size,
                                  collate_fn=task.collate_fn, pin_memory=device.type == "cuda")
         self.names: list[str] | None = None
@@ -48,12 +52,12 @@ class Validation:
 
     def _sums(self, module: torch.nn.Module, stop_requested: Callable[[], int | None]) -> dict[str, torch.Tensor]:
         sums: dict[str, torch.Tensor] = {}
-        for batch in self.loader:
-            if stop_requested():  # a stop signal: this rank's share is left unfinished, the evaluation dropped
+        for batch, counted in self._lockstep(stop_requested) if self.lockstep else ((b, True) for b in self.loader):
+            if stop_requested() and not self.lockstep:  # this rank's share left unfinished, the evaluation dropped
                 break
             if self.device.type != "cpu":
                 batch = to_device(batch, self.device)
-            n = batch_length(batch)
+            n = batch_length(batch) if counted else 0
             with autocast(self.precision, self.device.type):
                 output, target = forward(module, batch)
                 values = {"val_loss": output_loss(output, target, self.task.loss_fn, self.spec)}
@@ -65,6 +69,29 @@ class Validation:
                 sums[name] = sums[name] + total if name in sums else total
             sums["count"] = sums.get("count", torch.zeros((), dtype=torch.float64, device=self.device)) + n
         return sums
+
+    def _lockstep(self, stop_requested: Callable[[], int | None]) -> Iterator[tuple[Any, bool]]:
+        """This rank's batches and whether each counts, as many as the most any rank has: the ranks agree
+        before each forward (one all-reduce) whether any has a batch left, and whether any was asked to stop."""
+        batches, spare = iter(self.loader), None
+        while True:
+            batch = next(batches, None)
+            flags = torch.tensor([batch is not None, bool(stop_requested())], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            more, stopped = flags.tolist()
+            if not more or stopped:
+                return
+            if batch is None:  # this rank's share is done: a forward all the same, for the others' all-gathers
+                yield (spare if spare is not None else self._any_batch()), False
+            else:
+                spare = batch
+                yield batch, True
+
+    def _any_batch(self) -> Any:
+        """One batch of the validation set's first item, for a rank whose share is empty."""
+        dataset = self.task.val_dataset
+        first = next(iter(dataset)) if is_iterable(dataset) else dataset[0]
+        return (self.task.collate_fn or default_collate)([first])
 
     @torch.no_grad()
     def run(self, module: torch.nn.Module, stop_requested: Callable[[], int | None] = lambda: None) -> \

@@ -6,8 +6,9 @@ Each rank keeps 1/N of every parameter, gradient and optimizer state (as DTensor
 over all ranks); a unit's parameters are all-gathered for its forward and its backward and freed after, and
 its gradients are reduce-scattered. The units: every module whose class `Task.shard_units` names, else the
 class names of a Hugging Face model's `_no_split_modules` (its repeated decoder layer), else the repeated
-blocks (the children of each outermost ModuleList or Sequential whose children share one class and hold
-parameters); the root module always, for what is left (embeddings, final norm, head).
+blocks (the children of each ModuleList or Sequential whose children share one class and hold parameters),
+else each child of the model that holds parameters; the outermost of them, never one inside another; and the
+root module always, for what is left (embeddings, final norm, head).
 
 Checkpoints keep the plain format (what --shard none writes: a state_dict and the optimizer's own state_dict
 keyed by parameter index): a sharded run resumes from an unsharded checkpoint and the other way round, at any
@@ -33,6 +34,8 @@ def unit_rule(model: nn.Module, named: Sequence[type | str] | None) -> list[nn.M
     else:
         found = [child for container in model.modules() if isinstance(container, (nn.ModuleList, nn.Sequential))
                  for child in _repeated_blocks(container)]
+        if not found:  # no repeated block (an MLP's layers of several kinds): each top-level child with weights
+            found = [child for child in model.children() if any(True for _ in child.parameters())]
     chosen: list[nn.Module] = []
     for module in found:  # a unit inside a unit already chosen would only split it further: the outer one wins
         if not any(_contains(outer, module) for outer in chosen):
@@ -55,11 +58,36 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial threshold, kept fixed
+
+
+def return_freed_memory() -> None:
+    """On a CPU rank, allocations from 128 KiB on are mapped on their own and unmapped when freed.
+
+    glibc raises its mmap threshold to the size of each mapped block freed (up to 32 MiB), so after the first
+    all-gather buffer FSDP frees, the next ones come from the heap, whose freed blocks the process keeps: the
+    wide MLP's training-state RSS under --shard full was 512 MB against DDP's 223 MB, and 156 MB with the
+    threshold fixed (benchmarks/shard_cost.py). Fixing it is what M_MMAP_THRESHOLD (or MALLOC_MMAP_THRESHOLD_)
+    does; it does nothing on another C library."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc: nothing to fix
+        pass
+
+
 def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device) -> nn.Module:
     """fully_shard each unit, then the root, on a mesh of every rank; the model itself, sharded in place (its
     parameters are DTensors from here on, its names unchanged)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    if device.type == "cpu":
+        return_freed_memory()
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     for unit in units:
