@@ -1,8 +1,11 @@
-"""What --shard optimizer (ZeRO-1) buys and costs: --shard none and optimizer interleaved, AdamW, fp32, per launch
-rank 0's training-state memory (summary.json's peak_memory_mb less baseline_memory_mb), every rank's optimizer
-state (optimizer_state_mb) and the throughput.
+"""What --shard optimizer (ZeRO-1) and full (FSDP2) buy and cost against none (DDP): the three interleaved,
+AdamW, fp32, per launch rank 0's training-state memory (summary.json's peak_memory_mb less baseline_memory_mb),
+every rank's optimizer state (optimizer_state_mb) and the throughput, at each --nproc.
 
-    .venv/bin/python benchmarks/shard_cost.py [--task transformer] [--nproc 2] [--repeats 3] [--steps 40]
+The default task is benchmarks/tasks.py's wide regression MLP (1024-4096-1024-1024, 9.4 M parameters) with
+512 samples, so that the data set (built with the model, after the baseline) stays out of the figure.
+
+    .venv/bin/python benchmarks/shard_cost.py [--task T] [--task-arg K=V] [--nproc 2 4] [--repeats 3] [--steps 30]
 """
 
 import argparse
@@ -12,34 +15,48 @@ from pathlib import Path
 
 from common import run_ddp_amp, spread
 
+HERE = Path(__file__).resolve().parent
+MODES = ("none", "optimizer", "full")
+
+
+def training_state(run: dict) -> float:
+    return run["peak_memory_mb"] - run["baseline_memory_mb"]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="transformer")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--task", default=f"{HERE / 'tasks.py'}:wide_regression")
+    parser.add_argument("--task-arg", action="append", default=None)
+    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    base = ["spawn", "-n", str(args.nproc), "--device", "cpu", "--amp", "off", "--optimizer", "adamw", "--task",
-            args.task, "--steps", str(args.steps), "--quiet"]
-    rows: dict[str, list[dict]] = {"none": [], "optimizer": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for mode in rows:  # interleaved: drift on a shared machine hits both alike
-                rows[mode].append(run_ddp_amp([*base, "--shard", mode], Path(tmp) / f"{mode}-{repeat}"))
-    for mode, runs in rows.items():
-        state = spread([r["peak_memory_mb"] - r["baseline_memory_mb"] for r in runs], ".1f")
-        shares = [round(v, 1) for v in runs[0]["optimizer_state_mb"]]
-        speed = spread([r["samples_per_s"] for r in runs], ".0f")
-        print(f"--shard {mode}: rank 0's training state {state} MB, optimizer state per rank {shares} MB, "
-              f"{speed} samples/s")
-    pairs = list(zip(rows["optimizer"], rows["none"]))
-    memory = [(a["peak_memory_mb"] - a["baseline_memory_mb"]) / (b["peak_memory_mb"] - b["baseline_memory_mb"])
-              for a, b in pairs]
-    speed = [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]
-    largest = statistics.median(max(a["optimizer_state_mb"]) / max(b["optimizer_state_mb"]) for a, b in pairs)
-    print(f"optimizer / none: rank 0's training state {spread(memory, '.3f')}, the largest rank's optimizer state "
-          f"{largest:.3f}, throughput {spread(speed, '.3f')}")
+    task_args = args.task_arg if args.task_arg is not None else (
+        ["samples=512"] if args.task.endswith(":wide_regression") else [])
+    for nproc in args.nproc:
+        base = ["spawn", "-n", str(nproc), "--device", "cpu", "--amp", "off", "--optimizer", "adamw", "--task",
+                args.task, *(f for arg in task_args for f in ("--task-arg", arg)), "--steps", str(args.steps),
+                "--quiet"]
+        rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        with tempfile.TemporaryDirectory() as tmp:
+            for repeat in range(args.repeats):
+                for mode in rows:  # interleaved: drift on a shared machine hits every mode alike
+                    rows[mode].append(run_ddp_amp([*base, "--shard", mode], Path(tmp) / f"{mode}-{repeat}"))
+        print(f"{nproc} ranks:")
+        for mode, runs in rows.items():
+            state = spread([training_state(r) for r in runs], ".1f")
+            shares = [round(v, 1) for v in runs[0]["optimizer_state_mb"]]
+            speed = spread([r["samples_per_s"] for r in runs], ".0f")
+            print(f"  --shard {mode}: rank 0's training state {state} MB, optimizer state per rank {shares} MB, "
+                  f"{speed} samples/s")
+        for mode in MODES[1:]:
+            pairs = list(zip(rows[mode], rows["none"]))
+            memory = [training_state(a) / training_state(b) for a, b in pairs]
+            speed = [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]
+            largest = statistics.median(max(a["optimizer_state_mb"]) / max(b["optimizer_state_mb"]) for a, b in pairs)
+            print(f"  {mode} / none: rank 0's training state {spread(memory, '.3f')}, the largest rank's optimizer "
+                  f"state {largest:.3f}, throughput {spread(speed, '.3f')}")
+
 
 if __name__ == "__main__":
     main()

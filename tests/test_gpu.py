@@ -140,3 +140,24 @@ def test_bench_max_batch_on_a_gpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["max_batch"]["fp32"]["max_batch"] >= 1024
     assert report["max_batch_ratio"]["ratio"] > 1  # half-precision activations: a larger batch fits
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_shard_full_trains_on_gpus_with_autocast_and_the_sharded_scaler(tmp_path, dtype, helper_task):
+    """FSDP2 on nccl: bf16 or fp16 autocast over fp32 sharded parameters, clipping of sharded gradients, and
+    fp16's ShardedGradScaler skipping the step the task makes infinite on every rank alike."""
+    if dtype == "bf16" and not native_bf16():
+        pytest.skip("this GPU has no native bf16")
+    result = run_cli("spawn", "-n", str(RANKS), "--device", "cuda", "--task", "transformer", "--steps", "40",
+                     "--dtype", dtype, "--shard", "full", "--clip-grad", "1.0", "--checkpoint-every", "20",
+                     "--run-dir", str(tmp_path / "lm"), timeout=600)
+    assert_ok(result)
+    summary = read_summary(tmp_path / "lm")
+    assert summary["shard"] == "full" and summary["precision"] == dtype and summary["backend"] == "nccl"
+    assert summary["final_loss"] < 3.0 and load_weights(tmp_path / "lm")
+    if dtype == "fp16":
+        result = run_cli("spawn", "-n", str(RANKS), "--device", "cuda", "--dtype", "fp16", "--shard", "full",
+                         "--task", helper_task("inf_at_third_step"), "--steps", "8", "--log-every", "4",
+                         "--batch-size", "16", "--run-dir", str(tmp_path / "skip"), timeout=300)
+        assert_ok(result)
+        assert read_summary(tmp_path / "skip")["skipped_steps"] == 1

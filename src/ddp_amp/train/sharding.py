@@ -142,7 +142,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, writer
     return model_state, optimizer_state and _by_index(model, optimizer_state)
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                    optimizer_state: dict) -> None:
     """Every rank, from the whole state (a plain checkpoint's, on every rank): each takes its shards."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 

@@ -71,6 +71,27 @@ def micro_batches(config: TrainConfig) -> MicroBatches | None:
     return MicroBatches(config.batch_size if auto else int(config.micro_batch), auto)
 
 
+def wrap_model(module: torch.nn.Module, config: TrainConfig, device: torch.device,
+               task: Task) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(what the step trains, the unsharded skeleton): the DDP wrapper and None, or under --shard full the
+    module itself sharded and a meta-device copy of it taken before (train.sharding)."""
+    if config.shard != "full":
+        return wrap_ddp(module, config, device), None
+    shell = skeleton(module)
+    return shard_fully(module, unit_rule(module, task.shard_units), device), shell
+
+
+def rank_data(task: Task, config: TrainConfig, env: DistEnv, device: torch.device) -> RankData | IterableRankData:
+    """This rank's share of the training data, in batches (train.data)."""
+    workers = loader_workers(config.num_workers, device, env.local_world_size)
+    if is_iterable(task.dataset):
+        return IterableRankData(task.dataset, env, device, batch_size=config.batch_size, workers=workers,
+                                grad_accum=config.grad_accum, collate_fn=task.collate_fn, sharded=task.data_sharded,
+                                epochs=config.epochs)
+    return RankData(task.dataset, env, device, batch_size=config.batch_size, seed=config.seed, workers=workers,
+                    collate_fn=task.collate_fn)
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
                  reporter: Reporter, *, time_steps: bool = False,
@@ -86,21 +107,11 @@ class Trainer:
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
         self.sharded = config.shard == "full"
         """FSDP2 instead of DDP: self.module and self.model are then one sharded module (train.sharding)."""
-        self.shell = skeleton(self.module) if self.sharded else None
-        self.model = (shard_fully(self.module, unit_rule(self.module, task.shard_units), device) if self.sharded
-                      else wrap_ddp(self.module, config, device))
+        self.model, self.shell = wrap_model(self.module, config, device, task)
         self.optimizer_impl = optimizer_impl(config, precision)
         self.optimizer = build_optimizer(self.module, config, self.optimizer_impl)
         self.scaler = grad_scaler(precision, device.type, sharded=self.sharded)
-        workers = loader_workers(config.num_workers, device, env.local_world_size)
-        if is_iterable(task.dataset):
-            self.data: RankData | IterableRankData = IterableRankData(
-                task.dataset, env, device, batch_size=config.batch_size, workers=workers,
-                grad_accum=config.grad_accum, collate_fn=task.collate_fn, sharded=task.data_sharded,
-                epochs=config.epochs)
-        else:
-            self.data = RankData(task.dataset, env, device, batch_size=config.batch_size, seed=config.seed,
-                                 workers=workers, collate_fn=task.collate_fn)
+        self.data = rank_data(task, config, env, device)
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
                                          warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
