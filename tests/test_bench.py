@@ -22,6 +22,11 @@ BAD_INPUTS = [
     (["--tf32", "maybe"], "--tf32"),
     (["--json", "/no/such/dir/out.json"], "--json"),
     (["--lr", "0"], "--lr"),
+    (["--shard", "none,zero3"], "--shard"),
+    (["--shard", "full,full"], "--shard"),
+    (["--shard", "full", "--compile", "on"], "--compile"),
+    (["--max-batch", "--shard", "full"], "--shard full"),
+    (["--max-batch", "--shard", "none,optimizer"], "--shard"),
 ]
 
 
@@ -218,3 +223,27 @@ def test_bench_finds_subnormal_activations_unless_they_are_flushed(tmp_path, hel
     else:
         assert fp32["subnormal_fraction"]["activations"] == 0.0
         assert not any("were subnormal" in note for note in report["notes"])
+
+
+@pytest.mark.slow
+def test_shard_modes_are_interleaved_and_compared_with_the_first(tmp_path):
+    """bench --shard none,full: both launched in every round, the table and JSON are none's, and full is given
+    as ratios to it per interleaved pair: throughput, and rank 0's training-state memory (peak less baseline),
+    with each rank's optimizer state (FSDP: half of DDP's on each of 2 ranks)."""
+    out = tmp_path / "out.json"
+    result = run_cli("bench", "--amp", "off", "--shard", "none,full", "--steps", "4", "--warmup", "2", "--repeats",
+                     "2", "--nproc", "2", "--device", "cpu", "--task", "mlp-wide", "--json", str(out), "--run-dir",
+                     str(tmp_path / "runs"), env={"COLUMNS": "200"}, timeout=600)
+    assert_ok(result)
+    report = json.loads(out.read_text())
+    assert report["method"]["order"] == "interleaved off, off full" and report["method"]["shard"] == ["none", "full"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["off-0", "off-1", "off-full-0", "off-full-1"]
+    assert json.loads((tmp_path / "runs" / "off-full-1" / "summary.json").read_text())["shard"] == "full"
+    full = report["shards"]["full"]["fp32"]
+    assert report["shards"]["against"] == "none"
+    for figure in ("throughput", "training_state_memory"):
+        assert full[figure]["min"] <= full[figure]["median"] <= full[figure]["max"] and full[figure]["min"] > 0
+    whole = json.loads((tmp_path / "runs" / "off-0" / "summary.json").read_text())["optimizer_state_mb"][0]
+    assert full["optimizer_state_mb"] == pytest.approx([whole / 2, whole / 2], rel=1e-3)
+    median = full["throughput"]["median"]
+    assert f"--shard full / none (fp32): throughput {median:.2f}x" in result.stdout

@@ -263,6 +263,8 @@ class BenchOptions:
     launcher: str = "spawn"
     compile: str = "off"
     """off, on or both (eager and compiled runs of each precision, interleaved)."""
+    shards: tuple[str, ...] = ("none",)
+    """The --shard modes to run, interleaved; the figures of the others are compared with the first's."""
 
     def __post_init__(self) -> None:
         from ddp_amp.errors import UsageError
@@ -278,6 +280,13 @@ class BenchOptions:
             problems.append(f"--repeats must be >= 1, got {self.repeats}")
         if self.compile not in COMPILE_CHOICES:
             problems.append(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_CHOICES)}")
+        from ddp_amp.config import SHARD_MODES
+
+        if unknown := [mode for mode in self.shards if mode not in SHARD_MODES]:
+            problems.append(f"--shard {','.join(self.shards)}: {', '.join(unknown)} is not one of "
+                            f"{', '.join(SHARD_MODES)}")
+        elif len(set(self.shards)) != len(self.shards) or not self.shards:
+            problems.append(f"--shard {','.join(self.shards)}: name each mode once")
         if self.launcher not in LAUNCHERS:
             problems.append(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         if problems:
@@ -288,10 +297,40 @@ class BenchOptions:
         return ["off", "on"] if self.amp == "both" else [self.amp]
 
     @property
-    def variants(self) -> list[tuple[str, bool]]:
-        """(AMP mode, compiled) of each launch in one interleaved round."""
+    def variants(self) -> list[tuple[str, bool, str]]:
+        """(AMP mode, compiled, shard mode) of each launch in one interleaved round."""
         compiled = {"off": [False], "on": [True], "both": [False, True]}[self.compile]
-        return [(mode, flag) for mode in self.modes for flag in compiled]
+        return [(mode, flag, shard) for mode in self.modes for flag in compiled for shard in self.shards]
+
+
+def compare_shards(by_shard: dict[str, list[Measurement]]) -> dict[str, Any]:
+    """Per mode after the first and per precision: its throughput, rank 0's training-state memory (the peak
+    less the baseline, summary.json's) and the slowest rank's peak, over the first mode's, per interleaved pair
+    (medians, with the range)."""
+    (base, reference), *others = by_shard.items()
+
+    def state(m: Measurement) -> float:
+        return m.summary["peak_memory_mb"] - m.summary["baseline_memory_mb"]
+
+    def ratios(pairs: list[tuple[Measurement, Measurement]], figure) -> dict[str, float]:
+        values = [figure(a) / figure(b) for a, b in pairs]
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    comparison: dict[str, Any] = {"against": base}
+    for shard, runs in others:
+        for precision in dict.fromkeys(m.precision for m in runs):
+            pairs = [(a, b) for a, b in zip([m for m in runs if m.precision == precision],
+                                            [m for m in reference if m.precision == precision])]
+            comparison.setdefault(shard, {})[precision] = {
+                "throughput": ratios(pairs, lambda m: 1 / m.median_step_s),
+                "training_state_memory": ratios(pairs, state),
+                "training_state_mb": statistics.median(state(a) for a, _ in pairs),
+                "optimizer_state_mb": pairs[0][0].summary.get("optimizer_state_mb")}
+    return comparison
+
+
+def _variant_name(mode: str, compiled: bool, shard: str) -> str:
+    return f"{mode}{COMPILED if compiled else ''}{'' if shard == 'none' else ' ' + shard}"
 
 
 def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: int, run_root: Path,
@@ -300,25 +339,30 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     from ddp_amp.launch.session import launch_quietly
     from ddp_amp.measure.gpu_peaks import mfu
 
-    measurements, notes, summary, plan = [], [], None, None
+    notes, summary, plan = [], None, None
+    by_shard: dict[str, list[Measurement]] = {shard: [] for shard in options.shards}
     total = options.repeats * len(options.variants)
     for repeat in range(options.repeats):
-        for mode, compiled in options.variants:
+        for mode, compiled, shard in options.variants:
             run_options = {**train_options, "amp": mode, "steps": options.warmup + options.steps,
-                           "log_every": max(1, options.warmup + options.steps), "compile": compiled}
+                           "log_every": max(1, options.warmup + options.steps), "compile": compiled, "shard": shard}
             if mode == "off":
                 run_options["dtype"] = "auto"
-            run_dir = run_root / f"{mode}{'-compile' if compiled else ''}-{repeat}"
+            sharded = "" if shard == "none" else f"-{shard}"
+            run_dir = run_root / f"{mode}{'-compile' if compiled else ''}{sharded}-{repeat}"
             plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher, kind="bench")
             if plan.precision.warning and plan.precision.warning not in notes:
                 notes.append(plan.precision.warning)
             label = plan.precision.name + (COMPILED if compiled else "")
             measurement = Measurement.load(run_dir, label, repeat, options.warmup)
-            measurements.append(measurement)
+            by_shard[shard].append(measurement)
             summary = measurement.summary
-            status(f"bench: {len(measurements)}/{total} {label} repeat {repeat + 1}: "
-                   f"{measurement.median_step_s * 1e3:.2f} ms/step (median)")
-    report = analyse(measurements)
+            done = sum(map(len, by_shard.values()))
+            status(f"bench: {done}/{total} {label}{'' if shard == 'none' else ' --shard ' + shard} repeat "
+                   f"{repeat + 1}: {measurement.median_step_s * 1e3:.2f} ms/step (median)")
+    report = analyse(by_shard[options.shards[0]])  # the first mode's table; the others compared with it
+    if len(options.shards) > 1:
+        report["shards"] = compare_shards(by_shard)
     tf32 = train_options.get("tf32")
     env = environment(plan.device_type, nproc, summary, None if tf32 is None else tf32 == "on")
     flops = summary.get("model_flops_per_token")
@@ -332,7 +376,8 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     report["environment"] = env
     report["notes"] = notes + numerics_notes(report)
     report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,
-                        "order": "interleaved " + ", ".join(f"{m}{COMPILED if c else ''}" for m, c in options.variants),
+                        "order": "interleaved " + ", ".join(_variant_name(*v) for v in options.variants),
+                        "shard": list(options.shards),
                         "launcher": options.launcher,
                         "nproc": nproc, "task": train_options["task"], "run_root": str(run_root)}
     return report

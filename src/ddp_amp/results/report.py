@@ -36,6 +36,16 @@ def bench_table(report: dict[str, Any]):
                      f"(per repeat {gain['min']:.2f}x-{gain['max']:.2f}x)"
                      + (f"; compiling took {compile_s:.1f}s (the first step, not in the step times)"
                         if compile_s is not None else ""))
+    shards = report.get("shards", {})
+    for shard, entries in shards.items():
+        if shard == "against":
+            continue
+        for precision, entry in entries.items():
+            speed, memory = entry["throughput"], entry["training_state_memory"]
+            lines.append(f"--shard {shard} / {shards['against']} ({precision}): throughput {speed['median']:.2f}x "
+                         f"({speed['min']:.2f}x-{speed['max']:.2f}x), rank 0's training-state memory "
+                         f"{memory['median']:.2f}x ({entry['training_state_mb']:.0f} MB; peak less the memory "
+                         "before the model was built)")
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     env = report["environment"]
