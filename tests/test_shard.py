@@ -194,3 +194,17 @@ def test_the_units_are_the_named_classes_else_the_repeated_blocks_else_the_top_l
     assert unit_rule(stack, None) == list(stack.layers)
     mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))  # no repeated class: its weighted children
     assert unit_rule(mlp, None) == [mlp[0], mlp[2]]
+
+
+def test_a_hugging_face_model_shards_by_its_decoder_layer_and_saves_its_own_format_unchanged(tmp_path):
+    """A tiny BERT: the units are what its _no_split_modules names (its embeddings and each layer), and what save_pretrained writes after a
+    sharded run (gathered into the skeleton, with the trained model's config: its first forward set
+    problem_type) is byte for byte what the DDP run writes."""
+    args = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:bert_dict_items", "--steps", "6"]
+    for mode in ("none", "full"):
+        assert_ok(run_cli("spawn", "-n", "2", *args, "--shard", mode, "--run-dir", str(tmp_path / mode), timeout=300))
+    assert read_summary(tmp_path / "full")["shard_units"] == {"BertEmbeddings": 1, "BertLayer": 2}
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "full" / "pretrained" / name).read_bytes() == \
+            (tmp_path / "none" / "pretrained" / name).read_bytes(), name
+    assert largest_difference(weights(tmp_path / "full"), weights(tmp_path / "none")) == 0.0

@@ -181,8 +181,18 @@ def skeleton(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def plain_model(shell: nn.Module, state: dict, device: torch.device) -> nn.Module:
-    """The skeleton given the gathered weights, on `device`: the trained model as a plain module."""
+CONFIG_ATTRIBUTES = ("config", "generation_config")
+"""What a Hugging Face model keeps beside its tensors and may change while it trains (its first forward sets
+config.problem_type): the plain model takes the trained model's, so that save_pretrained writes the same."""
+
+
+def plain_model(shell: nn.Module, state: dict, device: torch.device, trained: nn.Module) -> nn.Module:
+    """The skeleton given the gathered weights, on `device`, and the trained model's configuration objects:
+    the trained model as a plain module."""
     shell = shell.to_empty(device=device)
     shell.load_state_dict(state)
+    for mine, theirs in zip(shell.modules(), trained.modules()):  # the same modules, in the same order
+        for name in CONFIG_ATTRIBUTES:
+            if hasattr(theirs, name):
+                setattr(mine, name, getattr(theirs, name))
     return shell

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import signal
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,13 +73,14 @@ def micro_batches(config: TrainConfig) -> MicroBatches | None:
 
 
 def wrap_model(module: torch.nn.Module, config: TrainConfig, device: torch.device,
-               task: Task) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """(what the step trains, the unsharded skeleton): the DDP wrapper and None, or under --shard full the
-    module itself sharded and a meta-device copy of it taken before (train.sharding)."""
+               task: Task) -> tuple[torch.nn.Module, torch.nn.Module | None, dict[str, int]]:
+    """(what the step trains, the unsharded skeleton, the FSDP units by class): the DDP wrapper, None and no
+    units, or under --shard full the module itself sharded and a meta-device copy of it taken before."""
     if config.shard != "full":
-        return wrap_ddp(module, config, device), None
-    shell = skeleton(module)
-    return shard_fully(module, unit_rule(module, task.shard_units), device), shell
+        return wrap_ddp(module, config, device), None, {}
+    shell, units = skeleton(module), unit_rule(module, task.shard_units)
+    by_class = dict(Counter(type(unit).__name__ for unit in units))  # before fully_shard renames the classes
+    return shard_fully(module, units, device), shell, by_class
 
 
 def rank_data(task: Task, config: TrainConfig, env: DistEnv, device: torch.device) -> RankData | IterableRankData:
@@ -107,7 +109,7 @@ class Trainer:
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
         self.sharded = config.shard == "full"
         """FSDP2 instead of DDP: self.module and self.model are then one sharded module (train.sharding)."""
-        self.model, self.shell = wrap_model(self.module, config, device, task)
+        self.model, self.shell, self.shard_units = wrap_model(self.module, config, device, task)
         self.optimizer_impl = optimizer_impl(config, precision)
         self.optimizer = build_optimizer(self.module, config, self.optimizer_impl)
         self.scaler = grad_scaler(precision, device.type, sharded=self.sharded)
@@ -218,7 +220,7 @@ class Trainer:
         if not self.sharded:
             return self.module
         state = self.model_state()
-        return plain_model(self.shell, state, self.device) if state is not None else None
+        return plain_model(self.shell, state, self.device, self.module) if state is not None else None
 
     def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None,
                         data_ranks: list | None = None) -> None:
@@ -363,6 +365,7 @@ class Trainer:
             "precision": self.precision.name, "device": str(self.device.type), "backend": dist.get_backend(),
             "skipped_steps": self.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0], "seed": config.seed,
             "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl, "shard": config.shard,
+            **({"shard_units": self.shard_units} if self.sharded else {}),
             "optimizer_state_mb": self._optimizer_state_per_rank(),
             "ddp": {"bucket_mb": config.bucket_mb, "bucket_view": config.bucket_view,
                     "static_graph": config.static_graph, "grad_compression": config.grad_compression,
