@@ -196,10 +196,10 @@ def test_the_units_are_the_named_classes_else_the_repeated_blocks_else_the_top_l
     assert unit_rule(mlp, None) == [mlp[0], mlp[2]]
 
 
-def test_a_hugging_face_model_shards_by_its_decoder_layer_and_saves_its_own_format_unchanged(tmp_path):
-    """A tiny BERT: the units are what its _no_split_modules names (its embeddings and each layer), and what save_pretrained writes after a
-    sharded run (gathered into the skeleton, with the trained model's config: its first forward set
-    problem_type) is byte for byte what the DDP run writes."""
+def test_a_hugging_face_model_shards_by_its_declared_layers_and_saves_its_own_format_unchanged(tmp_path):
+    """A tiny BERT: the units are what its _no_split_modules names (its embeddings and each layer), and what
+    save_pretrained writes after a sharded run (gathered into the skeleton, with the trained model's config:
+    its first forward set problem_type) is byte for byte what the DDP run writes."""
     args = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:bert_dict_items", "--steps", "6"]
     for mode in ("none", "full"):
         assert_ok(run_cli("spawn", "-n", "2", *args, "--shard", mode, "--run-dir", str(tmp_path / mode), timeout=300))
