@@ -124,6 +124,10 @@ class TrainConfig:
     """Write RUN_DIR/checkpoints/step-<N>.pt every this many optimizer steps (0: never)."""
     keep: int = 2
     """How many of the newest checkpoints to keep."""
+    async_checkpoint: bool = True
+    """Write each checkpoint from a background thread: the loop waits only while the state is copied to host
+    memory (and for the previous write, if it is still going; at most one is in flight). Off, the loop writes
+    it itself. The stop checkpoint is always complete before the run exits."""
     init_from: str | None = None
     """Initial weights before training: a state_dict file (.pt/.bin), a .safetensors file, a directory written by
     save_pretrained, a ddp-amp model.pt or checkpoint (its model). A --resume checkpoint wins over it."""

@@ -2,7 +2,9 @@
 `wait` for the write in flight and `close`.
 
 Saving gathers every rank's RNG state (a collective), copies the state to host memory and writes it from a
-background thread (atomically, see fileformat.save_checkpoint), so training waits for the copy only.
+background thread (atomically, see fileformat.save_checkpoint), so training waits for the copy only; with
+--no-async-checkpoint the loop writes it itself. Each save's blocked seconds, and whether it waited for the
+previous write, go into the next metrics.jsonl line (`checkpoints`) and, averaged, into summary.json.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class CheckpointManager:
         """Per checkpoint written, the background write's seconds (pickling, temporary file, fsync, rename)."""
         self.waits = 0
         """Saves that had to wait for the previous checkpoint's write (at most one is ever in flight)."""
+        self._unlogged: list[dict[str, Any]] = []
 
     def due(self, step: int) -> bool:
         return bool(self.config.checkpoint_every) and step % self.config.checkpoint_every == 0
@@ -51,11 +54,20 @@ class CheckpointManager:
         return self.last_step == step
 
     def save(self, trainer: Trainer, step: int) -> None:
-        started = time.perf_counter()
+        started, waits = time.perf_counter(), self.waits
         try:
             self._save(trainer, step)
         finally:
             self.blocked_s.append(time.perf_counter() - started)
+            if self.env.writes_run_dir:
+                self._unlogged.append({"step": step, "blocked_s": round(self.blocked_s[-1], 6),
+                                       "waited": self.waits > waits})
+
+    def take_unlogged(self) -> dict[str, Any]:
+        """The saves since the last metrics line, for the next one: {"checkpoints": [{step, blocked_s, waited}]}
+        on the ranks that write the run dir (a save comes after its step's line), else nothing."""
+        taken, self._unlogged = self._unlogged, []
+        return {"checkpoints": taken} if taken else {}
 
     def _save(self, trainer: Trainer, step: int) -> None:
         ranks = [None] * self.env.world_size
@@ -74,6 +86,10 @@ class CheckpointManager:
         state = {"step": step, "trainer": _to_host(trained), "rng": rng,
                  **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
                  "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
+        if not self.config.async_checkpoint:
+            self._write(state)
+            self.wait()  # its error, raised here
+            return
         self._thread = threading.Thread(target=self._write, args=(state,), name="ddp-amp-checkpoint")
         self._thread.start()
 

@@ -169,9 +169,10 @@ class MetricsProcessor:
             self.steady_at = time.perf_counter()
 
     def log(self, number: int, *, lr: float, epoch: int, skipped_steps: int, grad_norm: torch.Tensor | None,
-            flags: list[torch.Tensor]) -> list[float]:
+            flags: list[torch.Tensor], extra: dict[str, Any] | None = None) -> list[float]:
         """The interval's record, all-reduced, to the reporter. `flags`: one-element device tensors that ride
-        along in the same all-reduce (a stop request, a tripped divergence watch); returned summed over ranks."""
+        along in the same all-reduce (a stop request, a tripped divergence watch); returned summed over ranks.
+        `extra`: this rank's own figures for the line (the checkpoints saved since the last one)."""
         count = torch.tensor([float(self.loss_count)], device=self.device)
         times = self.stragglers.pack(self.phase_times(), self.device)  # every rank's row, summed: a table
         local = torch.cat([self.loss_sum.reshape(1), count, *flags, times])
@@ -198,6 +199,7 @@ class MetricsProcessor:
             record["micro_batch_size"] = self.micro.size
         if self.scaler.is_enabled():
             record["loss_scale"] = self.scaler.get_scale()  # a host sync, at log intervals only
+        record.update(extra or {})
         self.reporter.on_log(record)
         self.record = record
         self.loss_sum.zero_()

@@ -63,6 +63,8 @@ class Checkpointer(Protocol):
 
     def save(self, trainer: Trainer, step: int) -> None: ...
 
+    def take_unlogged(self) -> dict[str, Any]: ...
+
 
 def micro_batches(config: TrainConfig) -> MicroBatches | None:
     """--micro-batch: auto starts from the whole batch."""
@@ -295,7 +297,8 @@ class Trainer:
                 # A tripped divergence watch rides along with the log's all-reduce: every rank learns of it at
                 # the same step.
                 (tripped,) = metrics.log(number, lr=lr, epoch=self.data.epoch, skipped_steps=self.skipped_steps,
-                                         grad_norm=outcome.grad_norm, flags=[divergence.tripped()])
+                                         grad_norm=outcome.grad_norm, flags=[divergence.tripped()],
+                                         extra=self.checkpointer.take_unlogged() if self.checkpointer else None)
                 if tripped and diverged is None:
                     diverged = divergence.verdict(self.env)  # where and on which rank: the same on all
             if self.validation is not None and diverged is None and (
