@@ -315,9 +315,9 @@ class TrainConfig:
             ("--sync-batchnorm", self.sync_batchnorm)) if given]
         problems = [f"{flag} is an option of DDP's, and --shard full trains without DDP (FSDP2 reduce-scatters "
                     f"the gradients); drop {flag.split()[0]} or use --shard none|optimizer" for flag in ddp_only]
-        if self.micro_batch is not None:
-            problems.append("--micro-batch cannot be combined with --shard full yet (its pieces reduce gradients "
-                            "the way DDP does); use --grad-accum for smaller passes, or --shard none|optimizer")
+        if self.micro_batch == "auto":
+            problems.append("--micro-batch auto cannot be combined with --shard full yet (its search reduces "
+                            "gradients the way DDP does); give --micro-batch a size, or use --shard none|optimizer")
         if self.compile:
             problems.append("--compile cannot be combined with --shard full yet (the model is compiled inside "
                             "DDP); drop one of them")
