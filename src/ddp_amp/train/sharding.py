@@ -69,9 +69,14 @@ def return_freed_memory() -> None:
     all-gather buffer FSDP frees, the next ones come from the heap, whose freed blocks the process keeps: the
     wide MLP's training-state RSS under --shard full was 512 MB against DDP's 223 MB, and 156 MB with the
     threshold fixed (benchmarks/shard_cost.py). Fixing it is what M_MMAP_THRESHOLD (or MALLOC_MMAP_THRESHOLD_)
-    does; it does nothing on another C library."""
+    does; it does nothing on another C library. It costs speed (each buffer is a fresh mapping, its pages
+    faulted in: 345 -> 207 samples/s there): a MALLOC_MMAP_THRESHOLD_ the user set is left to rule."""
     import ctypes
     import ctypes.util
+    import os
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
