@@ -58,7 +58,12 @@ def test_fully_sharded_training_matches_ddp_and_divides_the_state(unsharded, tmp
     """FSDP2 reduce-scatters per layer where DDP all-reduces buckets: the sums' order may differ, so not bit
     for bit, but within 1e-5 after 30 AdamW steps (1.5e-8 measured). Each rank holds half of every tensor's
     optimizer state (dim-0 shards), and model.pt is the whole model under its own names."""
-    summary = train(tmp_path, "--steps", "30", "--shard", "full")
+    result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(tmp_path), "--steps", "30", "--shard", "full",
+                     timeout=300)
+    assert_ok(result)
+    assert "rank(s) on cpu, precision fp32, parameters, gradients and optimizer state sharded (FSDP2)" \
+        in result.stderr
+    summary = read_summary(tmp_path)
     assert summary["shard"] == "full"
     assert largest_difference(weights(tmp_path), weights(unsharded)) < 1e-5
     whole = read_summary(unsharded)["optimizer_state_mb"][0]

@@ -126,7 +126,9 @@ def _announce(launch: Launch) -> None:
     tf32 = f", tf32 {config.tf32}" if config.tf32 and plan.device_type == "cuda" else ""
     why = f" (--amp {config.amp}: {plan.precision.reason})" if plan.precision.reason else ""
     name = "measured at start-up" if plan.precision.measured else plan.precision.name  # a line follows
-    say(f"ddp-amp: {launch.nproc} rank(s) on {plan.device_type}, precision {name}{why}{tf32}, "
+    sharding = {"none": "", "optimizer": ", optimizer state sharded (ZeRO-1)",
+                "full": ", parameters, gradients and optimizer state sharded (FSDP2)"}[config.shard]
+    say(f"ddp-amp: {launch.nproc} rank(s) on {plan.device_type}, precision {name}{why}{tf32}{sharding}, "
         f"task {config.task}, run dir {config.run_dir}")
     if plan.precision.warning:
         say(f"ddp-amp: warning: {plan.precision.warning}")
