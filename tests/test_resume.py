@@ -186,3 +186,30 @@ def test_a_restart_never_continues_from_an_earlier_runs_checkpoint(tmp_path):
     written_by(2000.0, 10)
     path, state = checkpoint_to_continue(this_launch, tmp_path)
     assert path.name == "step-10.pt" and state["step"] == 10  # not the earlier run's newer step-40
+
+
+def test_the_newest_checkpoint_is_the_latest_saved_not_the_highest_step(tmp_path):
+    """A run continued on another world size counts its steps as a run of that size would: 2 ranks stopped at
+    step 7, 4 ranks continued from their step 3 and stopped at 6. step-6.pt is the newer, for --resume auto,
+    for a restart's choice and for pruning, whether the 4 ranks were another launch or the same one resized."""
+    import dataclasses
+
+    from ddp_amp.checkpoint.fileformat import checkpoints, newest_valid_checkpoint, save_checkpoint
+    from ddp_amp.config import TrainConfig
+
+    def written(run_dir, launch_time: float, step: int, saved_at: float, world_size: int, keep: int = 5) -> None:
+        config = TrainConfig(run_dir=str(run_dir), launch_time=launch_time)
+        save_checkpoint(run_dir, {"step": step, "saved_at": saved_at, "trainer": {}, "rng": [],
+                                  "world_size": world_size, "config": dataclasses.asdict(config)}, keep=keep)
+
+    relaunched, resized = tmp_path / "relaunched", tmp_path / "resized"
+    written(relaunched, 1000.0, 7, 1010.0, 2)
+    written(relaunched, 2000.0, 6, 2010.0, 4)
+    written(resized, 1000.0, 7, 1010.0, 2)
+    written(resized, 1000.0, 6, 1020.0, 4)  # an elastic job that grew within one launch
+    for run_dir in (relaunched, resized):
+        assert [p.name for p in checkpoints(run_dir)] == ["step-6.pt", "step-7.pt"]
+        path, state = newest_valid_checkpoint(run_dir)
+        assert path.name == "step-6.pt" and state["world_size"] == 4
+    written(resized, 1000.0, 5, 1030.0, 4, keep=2)  # pruning keeps the two latest saved: 5 and 6
+    assert [p.name for p in checkpoints(resized)] == ["step-5.pt", "step-6.pt"]

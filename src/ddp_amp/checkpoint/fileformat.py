@@ -23,8 +23,9 @@ MUST_MATCH = ("task", "batch_size", "grad_accum", "schedule", "warmup_steps", "m
               "optimizer", "lr", "seed")
 
 
-METADATA = ("step", "world_size", "config")
-"""What choosing a checkpoint needs, kept in its sidecar (the config holds the launch time)."""
+METADATA = ("step", "world_size", "config", "saved_at")
+"""What choosing a checkpoint needs, kept in its sidecar (the config holds the launch time; saved_at, the
+time.time() of the save, is absent from checkpoints written before it was)."""
 
 
 class CheckpointError(Exception):
@@ -36,12 +37,22 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:
-    """The run's checkpoints, newest (highest step) first."""
+    """The run's checkpoints, newest first: the latest launch's, then the latest saved, then the highest step.
+
+    A step number alone does not say which is newer: a run continued on another world size counts its steps
+    as a run of that size would (2 ranks stopped at step 7, continued by 4 from their step 3 and stopped at 6:
+    step-7.pt is the older). The launch time and the save time (metadata) order them; a checkpoint whose
+    metadata cannot be read ranks last."""
     found = []
     for path in checkpoint_dir(run_dir).glob("step-*.pt"):
         if match := _CHECKPOINT_NAME.match(path.name):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found, reverse=True)]
+            try:
+                metadata = read_metadata(path)
+                when = (metadata["config"].get("launch_time") or 0.0, metadata.get("saved_at") or 0.0)
+            except (CheckpointError, KeyError, TypeError, AttributeError):
+                when = (-1.0, -1.0)
+            found.append((when, int(match.group(1)), path))
+    return [path for *_, path in sorted(found, key=lambda item: item[:2], reverse=True)]
 
 
 def sidecar(path: Path) -> Path:
@@ -50,7 +61,7 @@ def sidecar(path: Path) -> Path:
 
 
 def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
-    return {key: state[key] for key in METADATA}
+    return {key: state.get(key) for key in METADATA}
 
 
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int, protect_step: int | None = None) -> Path:

@@ -83,7 +83,7 @@ class CheckpointManager:
             self.waits += 1
         self.wait()
         rng, data_ranks = [r for r, _, _ in ranks], [d for _, d, _ in ranks]
-        state = {"step": step, "trainer": _to_host(trained), "rng": rng,
+        state = {"step": step, "saved_at": time.time(), "trainer": _to_host(trained), "rng": rng,
                  **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
                  "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
         if not self.config.async_checkpoint:
