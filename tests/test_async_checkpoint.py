@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 USER_TASKS = HELPER_TASKS.with_name("user_tasks.py")
 # 3.6 M parameters: a 43 MB checkpoint with AdamW's moments, whose pickling, write and fsync outlast a step.
 HEAVY = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:sized", "--task-arg", "width=400000",
-         "--batch-size", "8"]
+         "--batch-size", "1"]
 
 
 def spawn(run_dir, *args, wait: bool = True):
@@ -33,7 +33,8 @@ def spawn(run_dir, *args, wait: bool = True):
 
 
 def temporary_files(run_dir):
-    return sorted((run_dir / "checkpoints").glob(".step-*.tmp")) if (run_dir / "checkpoints").is_dir() else []
+    """Checkpoints being written (atomic_write's `.step-N.pt.HOST.PID.*.tmp`; not the sidecars', written after)."""
+    return sorted((run_dir / "checkpoints").glob(".step-*.pt.*.tmp")) if (run_dir / "checkpoints").is_dir() else []
 
 
 def wait_for_a_write_in_flight(process, run_dir, after_step: int) -> None:
@@ -70,9 +71,10 @@ def test_background_and_synchronous_saves_write_the_same_checkpoints_and_report_
         # Each save on the line after its step's (a save follows its step's line); the last one in summary.json only
         saves = [save for line in read_metrics(run) for save in line.get("checkpoints", [])]
         assert [save["step"] for save in saves] == [5, 10, 15]
-        assert all(save["blocked_s"] > 0 and save["waited"] is False for save in saves)
+        assert all(save["blocked_s"] > 0 for save in saves)
         summary = read_summary(run)
-        assert summary["checkpoint_blocked_s"] > 0 and summary["checkpoint_waits"] == 0
+        assert summary["checkpoint_blocked_s"] > 0 and summary["checkpoint_waits"] >= sum(s["waited"] for s in saves)
+    assert read_summary(synchronous)["checkpoint_waits"] == 0  # nothing is ever in flight when the loop writes
     # The loop that writes itself is blocked for each write, so its mean blocked time holds its mean write time.
     summary = read_summary(synchronous)
     assert summary["checkpoint_blocked_s"] >= summary["checkpoint_write_s"]
@@ -95,18 +97,22 @@ def test_a_kill_9_during_a_background_write_leaves_the_previous_checkpoint_to_re
     """SIGKILL to the whole run (as the OOM killer or a lost node ends it) while a checkpoint's temporary file is
     being written: the newest complete checkpoint loads, the partial file is never taken for one, and the next
     launch removes it and resumes from that checkpoint."""
-    # 12 steps: 6 writes, each outlasting the steps to the next save, so one is caught in flight before the end
-    process = spawn(tmp_path, *HEAVY, "--steps", "12", "--checkpoint-every", "2", "--keep", "2", wait=False)
-    wait_for_a_write_in_flight(process, tmp_path, after_step=2)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
-    assert temporary_files(tmp_path), "the kill landed after the write: nothing was in flight"
-    newest = checkpoints(tmp_path)[0]
+    for attempt in range(5):  # a kill that lands just after a write ended caught nothing in flight: again
+        run_dir = tmp_path / f"attempt-{attempt}"
+        # 12 steps: 6 writes, each outlasting the steps to the next save, so one is seen in flight before the end
+        process = spawn(run_dir, *HEAVY, "--steps", "12", "--checkpoint-every", "2", "--keep", "2", wait=False)
+        wait_for_a_write_in_flight(process, run_dir, after_step=2)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        if temporary_files(run_dir):
+            break
+    assert temporary_files(run_dir), "no kill landed while a checkpoint was being written"
+    newest = checkpoints(run_dir)[0]
     step = load_checkpoint(newest)["step"]
-    resumed = spawn(tmp_path, *HEAVY, "--steps", "12", "--checkpoint-every", "2", "--keep", "2", "--resume", "auto")
+    resumed = spawn(run_dir, *HEAVY, "--steps", "12", "--checkpoint-every", "2", "--keep", "2", "--resume", "auto")
     assert_ok(resumed)
-    assert read_summary(tmp_path)["resumed_from_step"] == step
-    assert temporary_files(tmp_path) == []
+    assert read_summary(run_dir)["resumed_from_step"] == step
+    assert temporary_files(run_dir) == []
 
 
 def test_a_stop_signal_during_a_background_write_ends_with_a_complete_stop_checkpoint(tmp_path):

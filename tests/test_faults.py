@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,26 @@ def test_temporary_files_of_a_killed_write_are_removed_at_the_next_launch(tmp_pa
     assert result.returncode == 0, result.stderr
     assert not leftover.exists()
     assert list(tmp_path.glob(".*.tmp")) == [in_flight]
+
+
+def test_a_killed_writer_not_yet_reaped_is_dead_for_the_cleanup(tmp_path):
+    """A writer killed with its parent is a zombie until init reaps it: kill(pid, 0) still answers, but it will
+    never write again, so its temporary file is debris (a relaunch right after a kill -9 of a job found one)."""
+    from ddp_amp.files import remove_partial_writes
+
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 30
+    while (Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+           and time.monotonic() < deadline):
+        time.sleep(0.01)  # exited, not waited for: a zombie
+    host = socket.gethostname()
+    leftover = tmp_path / f".step-4.pt.{host}.{zombie.pid}.k3j2h1.tmp"
+    leftover.write_bytes(b"\0" * 4096)
+    live = tmp_path / f".step-6.pt.{host}.{os.getpid()}.x8f2q0.tmp"
+    live.write_bytes(b"\0")
+    assert remove_partial_writes(tmp_path) == [leftover]
+    assert list(tmp_path.glob(".*.tmp")) == [live]
+    zombie.wait()
 
 
 @pytest.fixture

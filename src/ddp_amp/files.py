@@ -118,5 +118,15 @@ def _writer_is_dead(name: str, host: str) -> bool:
         return True
     except PermissionError:  # alive, another user's
         return False
-    return False  # alive (our own included: a thread of ours may be writing it)
+    # A zombie answers kill(0) too: a writer killed with its parent waits for init to reap it (a relaunch right
+    # after a kill -9 of the whole job found it so), but it never writes again.
+    return _is_zombie(int(pid))  # else alive (our own included: a thread of ours may be writing it)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (not Linux), or it just went: the next launch cleans up
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
