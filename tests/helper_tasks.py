@@ -570,3 +570,10 @@ def dies_in_evaluation_once() -> Task:
 
     task.evaluate = evaluate
     return task
+
+
+def names_missing_shard_units() -> Task:
+    """--shard full's units named by a class the model does not have."""
+    task = plain_regression()
+    task.shard_units = ["Nowhere"]
+    return task

@@ -211,6 +211,20 @@ def test_the_units_are_the_named_classes_else_the_repeated_blocks_else_the_top_l
     assert unit_rule(stack, None) == list(stack.layers)
     mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))  # no repeated class: its weighted children
     assert unit_rule(mlp, None) == [mlp[0], mlp[2]]
+    wrapper = nn.Module()
+    wrapper.inner = stack  # a task's wrapper of a Hugging Face model: the declaration is the inner model's
+    assert unit_rule(wrapper, None) == list(stack.layers)
+
+
+def test_shard_units_that_name_no_module_of_the_model_are_one_line_and_exit_2(tmp_path):
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--amp", "off", "--shard", "full", "--task",
+                     f"{HELPER_TASKS}:names_missing_shard_units", "--steps", "2", "--run-dir", str(tmp_path / "r"),
+                     timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].endswith("Task.shard_units names Nowhere, and the model has no module of that class (below "
+                              "its root) for --shard full to shard"), result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_hugging_face_model_shards_by_its_declared_layers_and_saves_its_own_format_unchanged(tmp_path):

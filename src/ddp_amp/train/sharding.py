@@ -27,10 +27,18 @@ from torch import nn
 
 
 def unit_rule(model: nn.Module, named: Sequence[type | str] | None) -> list[nn.Module]:
-    """The modules that become FSDP units (each all-gathered on its own), outermost first, never nested."""
-    names = _class_names(named) if named else _class_names(getattr(model, "_no_split_modules", None) or ())
+    """The modules that become FSDP units (each all-gathered on its own), outermost first, never nested.
+    `named` (Task.shard_units) that matches no module of the model is a RankUsageError."""
+    # A task's wrapper of a Hugging Face model: the declaration is on the model inside.
+    declared = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
+    names = _class_names(named) if named else declared
     if names:
         found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+        if named and not found:
+            from ddp_amp.errors import RankUsageError
+
+            raise RankUsageError(f"Task.shard_units names {', '.join(sorted(names))}, and the model has no module "
+                                 "of that class (below its root) for --shard full to shard")
     else:
         found = [child for container in model.modules() if isinstance(container, (nn.ModuleList, nn.Sequential))
                  for child in _repeated_blocks(container)]
