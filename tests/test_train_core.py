@@ -326,6 +326,9 @@ def test_a_checkpoint_is_saved_after_its_steps_log_line(one_rank_group, tmp_path
         def save(self, trainer, step):
             self.logged_at_save[step] = [record["step"] for record in recorder.records]
 
+        def take_unlogged(self):
+            return {}
+
     trainer.checkpointer = Watching()
     trainer.train()
     trainer.close()
