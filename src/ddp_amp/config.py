@@ -23,10 +23,12 @@ FLUSH_DENORMAL_MODES = ("auto", "on", "off")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 SHARD_MODES = ("none", "optimizer", "full")
+CHECKPOINT_FORMATS = ("single", "sharded")
 DEFAULT_STEPS = 100
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
            "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
-           "grad_compression": GRAD_COMPRESSIONS, "shard": SHARD_MODES}
+           "grad_compression": GRAD_COMPRESSIONS, "shard": SHARD_MODES,
+           "checkpoint_format": CHECKPOINT_FORMATS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
 JobKind = Literal["train", "bench", "max-batch", "doctor"]
 """What the ranks of a launch do with the config: train (spawn, run, multinode); train timing every step on
@@ -128,6 +130,10 @@ class TrainConfig:
     """Write each checkpoint from a background thread: the loop waits only while the state is copied to host
     memory (and for the previous write, if it is still going; at most one is in flight). Off, the loop writes
     it itself. The stop checkpoint is always complete before the run exits."""
+    checkpoint_format: str = "single"
+    """single: each checkpoint one file, step-<N>.pt, gathered whole on rank 0 and written by it; sharded: a
+    torch.distributed.checkpoint directory, step-<N>/, every rank writing its own part (needs a run directory
+    every node shares). Either resumes at any world size, and either format resumes a run of the other."""
     init_from: str | None = None
     """Initial weights before training: a state_dict file (.pt/.bin), a .safetensors file, a directory written by
     save_pretrained, a ddp-amp model.pt or checkpoint (its model). A --resume checkpoint wins over it."""
@@ -200,6 +206,7 @@ class TrainConfig:
             ("--schedule", self.schedule, SCHEDULES), ("--optimizer", self.optimizer, OPTIMIZERS),
             ("--optimizer-impl", self.optimizer_impl, OPTIMIZER_IMPLS),
             ("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS), ("--shard", self.shard, SHARD_MODES),
+            ("--checkpoint-format", self.checkpoint_format, CHECKPOINT_FORMATS),
             ("--flush-denormal", self.flush_denormal, FLUSH_DENORMAL_MODES)) if value not in allowed]
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             problems.append(f"--bucket-mb must be a finite number > 0, got {self.bucket_mb}")

@@ -92,13 +92,19 @@ def lock_holder(directory: Path) -> str | None:
 
 def remove_partial_writes(directory: Path) -> list[Path]:
     """Delete the temporary files atomic_write leaves when its process is killed mid-write
-    (`.NAME.HOST.PID.*.tmp`): this host's whose writer is dead. A live writer's (rank 0 of a running job that
-    another node joins on a shared file system) and another host's are left alone."""
+    (`.NAME.HOST.PID.*.tmp`), and the directories a sharded checkpoint is written into (`.step-N.HOST.PID.tmp/`):
+    this host's whose writer is dead. A live writer's (rank 0 of a running job that another node joins on a
+    shared file system) and another host's are left alone."""
+    import shutil
+
     host = socket.gethostname()
     removed = []
     for leftover in directory.glob(".*.tmp"):
         if _writer_is_dead(leftover.name, host):
-            leftover.unlink(missing_ok=True)
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
             removed.append(leftover)
     return removed
 

@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddp_amp.checkpoint import sharded
 from ddp_amp.files import atomic_write
 
 CHECKPOINT_DIR = "checkpoints"
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
+"""step-<N>.pt (one file) or step-<N>/ (--checkpoint-format sharded: a DCP directory, checkpoint.sharded)."""
 # What a resume must share with the run that wrote the checkpoint (the batches and the schedule depend on it).
 MUST_MATCH = ("task", "batch_size", "grad_accum", "schedule", "warmup_steps", "min_lr_ratio", "steps", "epochs",
               "optimizer", "lr", "seed")
@@ -44,8 +46,8 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     step-7.pt is the older). The launch time and the save time (metadata) order them; a checkpoint whose
     metadata cannot be read ranks last."""
     found = []
-    for path in checkpoint_dir(run_dir).glob("step-*.pt"):
-        if match := _CHECKPOINT_NAME.match(path.name):
+    for path in checkpoint_dir(run_dir).glob("step-*"):
+        if (match := _CHECKPOINT_NAME.match(path.name)) and (path.suffix == ".pt") != path.is_dir():
             try:
                 metadata = read_metadata(path)
                 when = (metadata["config"].get("launch_time") or 0.0, metadata.get("saved_at") or 0.0)
@@ -56,7 +58,7 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def sidecar(path: Path) -> Path:
-    """step-N.json beside step-N.pt: the checkpoint's metadata, read without loading the checkpoint."""
+    """step-N.json beside step-N.pt (or step-N/): the checkpoint's metadata, read without loading it."""
     return path.with_suffix(".json")
 
 
@@ -73,9 +75,13 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int, prote
     torch.save(state, buffer)
     path = directory / f"step-{state['step']}.pt"
     atomic_write(path, buffer.getbuffer())
-    atomic_write(sidecar(path), json.dumps(metadata_of(state), sort_keys=True).encode())
+    write_sidecar(path, state)
     prune(run_dir, keep, state["config"].get("launch_time"), protect_step)
     return path
+
+
+def write_sidecar(path: Path, state: dict[str, Any]) -> None:
+    atomic_write(sidecar(path), json.dumps(metadata_of(state), sort_keys=True).encode())
 
 
 def prune(run_dir: str | Path, keep: int, launch_time: float | None, protect_step: int | None = None) -> None:
@@ -93,8 +99,11 @@ def prune(run_dir: str | Path, keep: int, launch_time: float | None, protect_ste
         ranked.append((not mine, path))
     ranked.sort(key=lambda item: item[0])  # stable: newest first within each group
     for _, old in ranked[keep:]:
-        old.unlink(missing_ok=True)
-        sidecar(old).unlink(missing_ok=True)
+        sidecar(old).unlink(missing_ok=True)  # first: a sidecar never outlives its checkpoint's start of removal
+        if sharded.is_sharded_checkpoint(old):
+            sharded.remove(old)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
@@ -111,9 +120,16 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     """torch.load with weights_only=True: tensors and plain types only. Anything else (a pickled object, whose
-    code would run on loading) is refused, never unpickled. mmap: tensors stay on disk until used."""
+    code would run on loading) is refused, never unpickled. mmap: tensors stay on disk until used.
+
+    A sharded checkpoint (a directory) gives its extras: everything but the model and the optimizer, which the
+    ranks read together (sharded.load_local_state); state["format"] is "sharded" then."""
+    path = Path(path)
+    if sharded.is_sharded_checkpoint(path) and not sharded.is_complete(path):
+        raise CheckpointError(f"{path}: incomplete (no {sharded.DCP_METADATA_FILE} or {sharded.EXTRAS_FILE})")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = (sharded.read_extras(path) if sharded.is_sharded_checkpoint(path)
+                 else torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: refused, it holds more than tensors and plain data ({first})") from None

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp import outputs
-from ddp_amp.checkpoint import fileformat
+from ddp_amp.checkpoint import fileformat, sharded
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv
-from ddp_amp.errors import RankSetupError
+from ddp_amp.errors import RankSetupError, RankUsageError
+from ddp_amp.files import writer_tag
 
 if TYPE_CHECKING:
     from ddp_amp.train.trainer import Trainer
@@ -46,6 +47,10 @@ class CheckpointManager:
         self.waits = 0
         """Saves that had to wait for the previous checkpoint's write (at most one is ever in flight)."""
         self._unlogged: list[dict[str, Any]] = []
+        self.sharded = config.checkpoint_format == "sharded"
+        """Every rank writes its part of each checkpoint (checkpoint.sharded), on a gloo group of its own: the
+        background writes' collectives never interleave with the training's."""
+        self._group = dist.new_group(backend="gloo") if self.sharded else None
 
     def due(self, step: int) -> bool:
         return bool(self.config.checkpoint_every) and step % self.config.checkpoint_every == 0
@@ -73,25 +78,36 @@ class CheckpointManager:
         ranks = [None] * self.env.world_size
         # A collective: every rank, every time. Each rank's RNG states and, for iterable data, its position.
         dist.all_gather_object(ranks, (fileformat.rng_state(self.device), trainer.data.rank_state(),
-                                       self.env.writes_run_dir))
-        # Sharded state (--shard optimizer or full) is gathered whole on the writers: collective too.
-        trained = trainer.state_dict([rank for rank, (*_, writes) in enumerate(ranks) if writes])
+                                       self.env.writes_run_dir, writer_tag()))
+        writers = [rank for rank, (*_, writes, _) in enumerate(ranks) if writes]
         self.last_step = step
-        if not self.env.writes_run_dir:
+        if self.sharded:  # every rank writes its part: every rank waits for its previous write, then stages
+            self._note_wait()
+            extras = trainer.state_dict(writers, whole=False)
+            local = _to_host(sharded.local_state(trainer.module, trainer.optimizer))
+        else:  # sharded state (--shard optimizer or full) is gathered whole on the writers: collective too
+            trained = trainer.state_dict(writers)
+            if not self.env.writes_run_dir:
+                return
+            self._note_wait()
+        rng, data_ranks = [r[0] for r in ranks], [r[1] for r in ranks]
+        state = {"step": step, "saved_at": time.time(), "trainer": extras if self.sharded else _to_host(trained),
+                 "rng": rng, **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
+                 "config": dataclasses.asdict(self.config), "world_size": self.env.world_size,
+                 **({"format": "sharded"} if self.sharded else {})}
+        write, args = (self._write_sharded, (state, local, ranks[0][-1])) if self.sharded else (self._write, (state,))
+        if not self.config.async_checkpoint:
+            write(*args)
+            self.wait()  # its error, raised here
             return
+        self._thread = threading.Thread(target=write, args=args, name="ddp-amp-checkpoint")
+        self._thread.start()
+
+    def _note_wait(self) -> None:
+        """At most one write in flight: a save waits for the previous one, counted when it was still going."""
         if self._thread is not None and self._thread.is_alive():
             self.waits += 1
         self.wait()
-        rng, data_ranks = [r for r, _, _ in ranks], [d for _, d, _ in ranks]
-        state = {"step": step, "saved_at": time.time(), "trainer": _to_host(trained), "rng": rng,
-                 **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
-                 "config": dataclasses.asdict(self.config), "world_size": self.env.world_size}
-        if not self.config.async_checkpoint:
-            self._write(state)
-            self.wait()  # its error, raised here
-            return
-        self._thread = threading.Thread(target=self._write, args=(state,), name="ddp-amp-checkpoint")
-        self._thread.start()
 
     def save_at_stop(self, trainer: Trainer) -> None:
         """Keep the work of a run stopped by a signal: a checkpoint at the step the ranks stopped at, with
@@ -112,6 +128,34 @@ class CheckpointManager:
             self.last_path = fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep, protect_step=best)
             self.write_s.append(time.perf_counter() - started)
         except BaseException as exc:  # re-raised in the training thread, at the next save or at close
+            self._error = exc
+
+    def _write_sharded(self, state: dict[str, Any], local: dict[str, Any], tag: str) -> None:
+        """On every rank, in the background (collectives on the checkpoint's own process group, apart from the
+        training's): no rank writes when any rank's part holds inf/NaN; else each writes its part, and rank 0
+        the extras, renames the directory into place, writes the sidecar and prunes."""
+        started = time.perf_counter()
+        try:
+            bad = torch.tensor([float(sharded.nonfinite(local))])
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
+            if bad.item():
+                if self.env.rank == 0:
+                    print(f"warning: no checkpoint at step {state['step']}: inf/NaN in the model or optimizer",
+                          flush=True)
+                self.nonfinite_steps.append(state["step"])
+                return
+            directory = fileformat.checkpoint_dir(self.run_dir)
+            if self.env.rank == 0:
+                directory.mkdir(parents=True, exist_ok=True)
+            path = sharded.write(directory, state["step"], tag, local, state if self.env.rank == 0 else None,
+                                 self._group)
+            if path is not None:
+                fileformat.write_sidecar(path, state)
+                best = (state["trainer"].get("best") or {}).get("step")
+                fileformat.prune(self.run_dir, self.config.keep, self.config.launch_time, best)
+                self.last_path = path
+            self.write_s.append(time.perf_counter() - started)
+        except BaseException as exc:
             self._error = exc
 
     def wait(self) -> None:
@@ -145,6 +189,10 @@ class CheckpointManager:
         without a shared file system) receive it from one that can. Returns the checkpoint's path when it
         resumed."""
         config, env = self.config, self.env
+        if self.sharded and len(trainer.writers) > 1:
+            raise RankUsageError("--checkpoint-format sharded needs a run directory that every node shares (each "
+                                 "rank writes its part of every checkpoint there), and this job's nodes each "
+                                 "have their own; drop the flag to write whole checkpoints on every node")
         found = checkpoint_to_continue(config, self.run_dir)
         views = [None] * env.world_size
         dist.all_gather_object(views, found[1]["step"] if found else None)
@@ -165,8 +213,11 @@ class CheckpointManager:
         differ = fileformat.mismatches(state["config"], dataclasses.asdict(config))
         if differ:
             raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
+        from_shards = state.get("format") == "sharded"
+        if from_shards:  # every rank reads its part (a node without the directory fails here, as it must)
+            sharded.load_local_state(path, trainer.module, trainer.optimizer)
         trainer.load_state_dict(state["trainer"], state["step"], saved_world_size=state["world_size"],
-                                data_ranks=state.get("data_ranks"))
+                                data_ranks=state.get("data_ranks"), weights_loaded=from_shards)
         if env.rank < len(state["rng"]):  # an elastic job that grew: the new ranks keep their seeded streams
             fileformat.set_rng_state(state["rng"][env.rank], self.device)
         if env.writes_run_dir:  # each step logged once, in order: cut back to where this group continues

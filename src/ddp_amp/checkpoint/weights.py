@@ -1,9 +1,10 @@
 """Model weights in and out of the formats users hold them in: --init-from and `ddp-amp export`.
 
 Read: a state_dict file (.pt/.bin, ddp-amp's model.pt among them), a .safetensors file, a directory written by
-`save_pretrained` (model.safetensors or pytorch_model.bin, sharded or not), or a ddp-amp checkpoint (its
-model). Every file is read with weights_only=True (tensors and plain data; nothing unpickled runs). Wrapper
-prefixes torch itself adds (`module.` from DDP/DataParallel, `_orig_mod.` from torch.compile) are removed.
+`save_pretrained` (model.safetensors or pytorch_model.bin, sharded or not), or a ddp-amp checkpoint (its model;
+a sharded one's gathered by DCP in this process). Every file is read with weights_only=True (tensors and plain
+data; nothing unpickled runs). Wrapper prefixes torch itself adds (`module.` from DDP/DataParallel,
+`_orig_mod.` from torch.compile) are removed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ddp_amp.checkpoint import sharded
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 PRETRAINED_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -50,7 +53,9 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightsError(f"{path}: no such file or directory")
     if path.is_dir():
         state: dict[str, torch.Tensor] = {}
-        if index := next((path / name for name in INDEX_FILES if (path / name).is_file()), None):
+        if sharded.is_complete(path):  # a sharded ddp-amp checkpoint (a DCP directory)
+            state = sharded.read_model(path)
+        elif index := next((path / name for name in INDEX_FILES if (path / name).is_file()), None):
             for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
                 state.update(_load_file(path / shard))
         elif found := next((path / name for name in PRETRAINED_FILES if (path / name).is_file()), None):

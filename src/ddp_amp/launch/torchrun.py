@@ -314,7 +314,12 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
     directory = shlex.quote(run_dir) if run_dir else '"runs/slurm-$SLURM_JOB_ID"'
     # A requeued job continues from its newest checkpoint; without one, an unfinished run starts over. A
     # finished run (model.pt) is never overwritten: ddp-amp refuses it.
-    resume = """if ls "$RUN_DIR"/checkpoints/step-*.pt >/dev/null 2>&1; then
+    # A checkpoint: a step-N.pt, or a sharded step-N/ directory (--checkpoint-format sharded).
+    resume = """has_checkpoint() {
+  compgen -G "$RUN_DIR/checkpoints/step-*.pt" >/dev/null ||
+    compgen -G "$RUN_DIR/checkpoints/step-*/.metadata" >/dev/null
+}
+if has_checkpoint; then
   set -- "$@" --resume auto
 elif [ -e "$RUN_DIR/metrics.jsonl" ] && [ ! -e "$RUN_DIR/model.pt" ]; then
   set -- "$@" --overwrite
@@ -337,7 +342,7 @@ srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PE
 status=$?
 # Stopped by the requeue signal, the work checkpointed: continue in a new allocation. Anything else (done,
 # failed, cancelled, or stopped with nothing kept) ends the job as it is.
-if [ "$status" -eq {stop_code} ] && ls "$RUN_DIR"/checkpoints/step-*.pt >/dev/null 2>&1; then
+if [ "$status" -eq {stop_code} ] && has_checkpoint; then
   scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$status"

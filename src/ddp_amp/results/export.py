@@ -31,7 +31,7 @@ def choose_source(source: Path, which: str) -> tuple[Path, dict[str, Any] | None
         if chosen is None or not chosen.exists():
             raise UsageError(f"export: {str(source)!r} holds no weights yet (no {MODEL_FILE}, no checkpoint)")
         return chosen, config
-    if source.is_dir():
+    if source.is_dir() and not fileformat.sharded.is_complete(source):
         return source, None  # a save_pretrained directory
     try:
         config = fileformat.read_metadata(source)["config"]  # a checkpoint knows its run

@@ -185,19 +185,21 @@ class Trainer:
         return largest_batch(self.step, self.task.dataset, self.device, self.env.world_size,
                              start=self.config.batch_size, collate_fn=self.task.collate_fn)
 
-    def state_dict(self, writers: list[int]) -> dict[str, Any] | None:
+    def state_dict(self, writers: list[int], whole: bool = True) -> dict[str, Any] | None:
         """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint), on
-        the ranks in `writers`; None on the others. Every rank calls it: gathering sharded state is collective."""
-        if self.sharded:
+        the ranks in `writers`; None on the others. Every rank calls it: gathering sharded state is collective.
+        whole=False: all but the model and the optimizer (a sharded checkpoint's extras; no collective)."""
+        weights = {}
+        if whole and self.sharded:
             model, optimizer = full_state(self.module, self.optimizer, writers)
-        else:
+            weights = {"model": model, "optimizer": optimizer}
+        elif whole:
             gather_optimizer_state(self.optimizer, writers)
             if self.env.rank in writers:
-                model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+                weights = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.env.rank not in writers:
             return None
-        return {"model": model, "optimizer": optimizer,
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+        return {**weights, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 **self.data.state_dict(), "skipped_steps": self.skipped_steps, "best": self.best.best}
 
     def model_state(self) -> dict[str, torch.Tensor] | None:
@@ -225,15 +227,21 @@ class Trainer:
         return plain_model(self.shell, state, self.device, self.module) if state is not None else None
 
     def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None,
-                        data_ranks: list | None = None) -> None:
+                        data_ranks: list | None = None, weights_loaded: bool = False) -> None:
         """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks;
-        `data_ranks`: every rank's position in iterable data."""
-        if self.sharded:
+        `data_ranks`: every rank's position in iterable data; `weights_loaded`: the model and the optimizer
+        came from a sharded checkpoint already (checkpoint.sharded), `state` holds the rest."""
+        if weights_loaded:
+            pass
+        elif self.sharded:
             load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         else:
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if weights_loaded:  # ZeroRedundancyOptimizer's own groups hold the rate its step copies to its local
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):  # optimizer's
+                group["lr"] = lr
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])  # the loss scale and its growth tracker
         self.data.load_state_dict(state, saved_world_size)

@@ -1,0 +1,150 @@
+"""--checkpoint-format sharded: a checkpoint as a torch.distributed.checkpoint (DCP) directory, step-<N>/, that
+every rank writes its own part of, and that any world size reads back (DCP reshards on load).
+
+- The model and the optimizer are saved as each rank holds them (get_model_state_dict / get_optimizer_state_dict
+  without gathering): under --shard full each rank's DTensor shards; under --shard optimizer the state of the
+  parameters the rank owns (ZeroRedundancyOptimizer's local optimizer); under --shard none the replicated
+  tensors, which DCP's planner spreads across the ranks so that each is written once. The optimizer state is
+  flattened per parameter name (state.<name>.exp_avg, param_groups.<name>.lr), so a rank of another world
+  size, owning other parameters, finds exactly its own.
+- The rest (step, schedule, loss scale, data cursor, every rank's RNG, config) is extras.pt inside, written by
+  rank 0 as a weights-only torch file: what the single-file format holds apart from model and optimizer.
+- Atomic: the ranks write into checkpoints/.step-<N>.<host>.<pid>.tmp/ (rank 0's writer tag: the cleanup of a
+  dead writer's leftovers removes it), and rank 0 renames it to step-<N>/ after DCP's metadata, the last file
+  DCP writes once every rank's part is on disk, and extras.pt are there. A directory without both is never
+  taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_amp.files import atomic_write, writer_tag
+
+EXTRAS_FILE = "extras.pt"
+DCP_METADATA_FILE = ".metadata"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir()
+
+
+def is_complete(path: Path) -> bool:
+    return (path / DCP_METADATA_FILE).is_file() and (path / EXTRAS_FILE).is_file()
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeroRedundancyOptimizer's own optimizer over this rank's parameters; any other optimizer itself."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def local_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's part of the model and the optimizer, as views of the live tensors (not copies)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(module, options=_options()),
+            "optimizer": get_optimizer_state_dict(module, _local_optimizer(optimizer), options=_options())}
+
+
+def load_local_state(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
+                     process_group: dist.ProcessGroup | None = None) -> None:
+    """Every rank, collectively: the model and optimizer from a sharded checkpoint of any world size. The
+    template (this rank's own state, the optimizer's initialised by DCP with a zero-lr step when it is still
+    empty) says what to read; DCP reads into it, and it is loaded into the model and the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = local_state(module, optimizer)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=process_group)
+    set_model_state_dict(module, state["model"], options=_options())
+    set_optimizer_state_dict(module, _local_optimizer(optimizer), state["optimizer"], options=_options())
+
+
+def nonfinite(state: Any) -> bool:
+    """inf or NaN in this rank's part (its local shards) of a staged state."""
+    if hasattr(state, "to_local"):
+        state = state.to_local()
+    if isinstance(state, torch.Tensor):
+        return state.is_floating_point() and not bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return any(nonfinite(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(nonfinite(value) for value in state)
+    return False
+
+
+def write(directory: Path, step: int, writer_tag: str, staged: dict[str, Any], extras: dict[str, Any] | None,
+          process_group: dist.ProcessGroup) -> Path | None:
+    """Every rank, collectively: write step-<step>/ under `directory`. `extras` on rank 0 only (None on the
+    others, which return None); rank 0 renames the finished directory into place and returns its path."""
+    import torch.distributed.checkpoint as dcp
+
+    partial = directory / f".step-{step}.{writer_tag}.tmp"
+    dcp.save(staged, storage_writer=dcp.FileSystemWriter(str(partial)), process_group=process_group)
+    if extras is None:
+        return None
+    # DCP's coordinator (rank 0 of the group) returns once every rank's files and the metadata are written.
+    buffer = io.BytesIO()
+    torch.save(extras, buffer)
+    atomic_write(partial / EXTRAS_FILE, buffer.getbuffer())
+    final = directory / f"step-{step}"
+    _replace_directory(partial, final)
+    return final
+
+
+def _replace_directory(source: Path, target: Path) -> None:
+    """rename(2) source over target. A directory cannot replace a non-empty one: an older step-<N>/ (another
+    launch's, at the same step) is moved aside first, then removed."""
+    _fsync_directory(source)
+    if target.exists():
+        aside = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old.{writer_tag()}.", suffix=".tmp"))
+        os.replace(target, aside / target.name)
+        os.replace(source, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(source, target)
+    _fsync_directory(target.parent)
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_extras(path: Path) -> Any:
+    """extras.pt of a sharded checkpoint, weights-only (tensors and plain types, never a pickled object)."""
+    return torch.load(path / EXTRAS_FILE, map_location="cpu", weights_only=True)
+
+
+def read_model(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict from a sharded checkpoint, in this process alone (export, --init-from):
+    DCP's own conversion to one torch.save file, read back weights-only."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="ddp-amp-dcp-") as scratch:
+        whole = Path(scratch) / "whole.pt"
+        dcp_to_torch_save(str(path), str(whole))
+        state = torch.load(whole, map_location="cpu", weights_only=True)
+    return state["model"]
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
