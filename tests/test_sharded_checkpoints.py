@@ -1,0 +1,133 @@
+"""--checkpoint-format sharded: each checkpoint a torch.distributed.checkpoint directory that every rank writes its
+own part of. Real 2-, 3- and 4-rank gloo runs in each --shard mode: resume bit-exact at the same world size,
+reshard on another, pruning, sidecars, file modes, the NaN guard, export, and the refusal without a shared run
+directory."""
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
+from ddp_amp.checkpoint.sharded import read_model
+
+from conftest import HELPER_TASKS, assert_ok, read_summary, run_cli
+
+pytestmark = pytest.mark.slow
+ARGS = ["--device", "cpu", "--task", "mlp", "--amp", "off", "--optimizer", "adamw", "--batch-size", "16",
+        "--log-every", "5", "--steps", "20"]
+
+
+def train(run_dir, *extra, nproc=2):
+    result = run_cli("spawn", "-n", str(nproc), *ARGS, "--run-dir", str(run_dir), *extra, timeout=300)
+    assert_ok(result)
+    return read_summary(run_dir)
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("mode", ["none", "optimizer", "full"])
+def test_each_rank_writes_its_part_and_a_resume_is_bit_exact(mode, tmp_path):
+    """Every 5 of 20 steps, --keep 2: step-15/ and step-20/ are left, each with its sidecar, a part written by
+    each rank (DCP spreads DDP's replicated tensors over the ranks; ZeRO's and FSDP's are each rank's own),
+    files 0644 and directories 0755 under umask 022. Training is the single-file run's, byte for byte, and a
+    run resumed from step-15/ ends on the same model.pt."""
+    os.umask(0o022)
+    single, run = tmp_path / "single", tmp_path / "sharded"
+    train(single, "--shard", mode, "--checkpoint-every", "5")
+    summary = train(run, "--shard", mode, "--checkpoint-every", "5", "--keep", "2", "--checkpoint-format", "sharded")
+    assert (run / "model.pt").read_bytes() == (single / "model.pt").read_bytes()
+    directory = run / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == ["step-15", "step-15.json", "step-20", "step-20.json"]
+    assert [p.name for p in checkpoints(run)] == ["step-20", "step-15"]
+    assert summary["checkpoint"] == str(directory / "step-20")
+    for checkpoint in checkpoints(run):
+        parts = sorted(checkpoint.glob("*.distcp"))
+        assert [p.name for p in parts] == ["__0_0.distcp", "__1_0.distcp"]
+        sizes = [p.stat().st_size for p in parts]
+        assert min(sizes) > 0.25 * sum(sizes), sizes  # each rank wrote a real share, not one rank all of it
+        assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o755
+        assert {stat.S_IMODE(p.stat().st_mode) for p in checkpoint.iterdir()} == {0o644}
+        metadata = read_metadata(checkpoint)
+        assert metadata["step"] == int(checkpoint.name.split("-")[1]) and metadata["world_size"] == 2
+    resumed = train(tmp_path / "resumed", "--shard", mode, "--resume", str(directory / "step-15"))
+    assert resumed["resumed_from_step"] == 15
+    assert (tmp_path / "resumed" / "model.pt").read_bytes() == (run / "model.pt").read_bytes()
+    # export gathers the model from the parts, in this process alone: the last step's is model.pt
+    exported = tmp_path / "exported.pt"
+    assert_ok(run_cli("export", str(directory / "step-20"), "-o", str(exported)))
+    final, model = weights(exported), weights(run / "model.pt")
+    assert final.keys() == model.keys() and all(torch.equal(final[k], model[k]) for k in model)
+
+
+@pytest.mark.parametrize("mode", ["none", "optimizer", "full"])
+def test_a_sharded_checkpoint_reshards_onto_another_world_size_as_a_single_file_one_does(mode, tmp_path):
+    """2 ranks' step-10 continued by 3 and by 4: the same weights as from the single-file checkpoint of the same
+    step (each rank of the new world reads its own share of the state: ZeRO's other parameters, FSDP's other
+    rows)."""
+    for fmt in ("single", "sharded"):
+        train(tmp_path / fmt, "--shard", mode, "--checkpoint-every", "10", "--checkpoint-format", fmt)
+    for nproc in (3, 4):
+        ends = []
+        for fmt, name in (("single", "step-10.pt"), ("sharded", "step-10")):
+            run = tmp_path / f"{fmt}-{nproc}"
+            summary = train(run, "--shard", mode, "--resume", str(tmp_path / fmt / "checkpoints" / name),
+                            nproc=nproc)
+            assert summary["world_size"] == nproc and summary["resumed_from_step"] == 10
+            ends.append(weights(run / "model.pt"))
+        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), (mode, nproc)
+
+
+def test_the_nan_guard_writes_no_sharded_checkpoint_of_a_diverged_state(tmp_path):
+    """inf/NaN in any rank's part: no rank writes (an all-reduced flag), and the last finite one stays newest."""
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", f"{HELPER_TASKS}:nan_from_step_12", "--steps",
+                     "40", "--checkpoint-every", "5", "--keep", "2", "--max-nonfinite", "4", "--log-every", "1",
+                     "--checkpoint-format", "sharded", "--run-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert [p.name for p in checkpoints(tmp_path)] == ["step-10", "step-5"]
+    assert read_summary(tmp_path)["nonfinite_checkpoints_skipped"] == [15]
+    assert not list((tmp_path / "checkpoints").glob(".*"))  # nothing half-written left either
+    assert load_checkpoint(tmp_path / "checkpoints" / "step-10")["step"] == 10
+
+
+def test_a_cut_short_directory_is_never_taken_for_a_checkpoint(tmp_path):
+    """A step-N/ without DCP's metadata or the extras (copied in part, or from a foreign tool) is skipped with a
+    warning by --resume auto, which resumes from the complete one before it."""
+    run = tmp_path / "run"
+    train(run, "--checkpoint-every", "10", "--checkpoint-format", "sharded")
+    (run / "checkpoints" / "step-20" / ".metadata").unlink()
+    (run / "model.pt").unlink()  # as if it had stopped at step 20
+    assert [p.name for p in checkpoints(run)][0] == "step-20"
+    result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(run), "--resume", "auto",
+                     "--checkpoint-format", "sharded", timeout=300)
+    assert_ok(result)
+    assert read_summary(run)["resumed_from_step"] == 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sharded_checkpoints_without_a_shared_run_directory_are_refused(tmp_path):
+    """Two nodes (on loopback), each with its own run directory: a rank of the other node could never write its
+    part where rank 0's are. One line, exit 2, before training; no checkpoint anywhere."""
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node",
+                               "1", "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--steps", "20",
+                               "--checkpoint-every", "5", "--checkpoint-format", "sharded", "--rdzv-timeout", "60",
+                               "--log-format", "plain", "--run-dir", str(tmp_path / f"node{index}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in range(2)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [2, 2], outputs
+    line = ("--checkpoint-format sharded needs a run directory that every node shares (each rank writes its part "
+            "of every checkpoint there), and this job's nodes each have their own")
+    assert any(line in err for _, err in outputs), outputs
+    assert not any((tmp_path / f"node{index}" / "checkpoints").exists() for index in range(2))
