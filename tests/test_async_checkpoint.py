@@ -33,8 +33,15 @@ def spawn(run_dir, *args, wait: bool = True):
 
 
 def temporary_files(run_dir):
-    """Checkpoints being written (atomic_write's `.step-N.pt.HOST.PID.*.tmp`; not the sidecars', written after)."""
-    return sorted((run_dir / "checkpoints").glob(".step-*.pt.*.tmp")) if (run_dir / "checkpoints").is_dir() else []
+    """Checkpoints being written: atomic_write's `.step-N.pt.HOST.PID.*.tmp` (not the sidecars', written after),
+    or a sharded checkpoint's directory `.step-N.HOST.PID.tmp/`, which every rank writes its part into."""
+    if not (run_dir / "checkpoints").is_dir():
+        return []
+    return sorted(path for path in (run_dir / "checkpoints").glob(".step-*.tmp")
+                  if path.is_dir() or ".pt." in path.name)
+
+
+FORMATS = [pytest.param([], id="single"), pytest.param(["--checkpoint-format", "sharded"], id="sharded")]
 
 
 def wait_for_a_write_in_flight(process, run_dir, after_step: int) -> None:
@@ -93,14 +100,17 @@ def test_a_save_that_finds_the_previous_write_still_going_waits_for_it_and_says_
     assert temporary_files(tmp_path) == []
 
 
-def test_a_kill_9_during_a_background_write_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
-    """SIGKILL to the whole run (as the OOM killer or a lost node ends it) while a checkpoint's temporary file is
-    being written: the newest complete checkpoint loads, the partial file is never taken for one, and the next
-    launch removes it and resumes from that checkpoint."""
+@pytest.mark.parametrize("checkpoint_format", FORMATS)
+def test_a_kill_9_during_a_background_write_leaves_the_previous_checkpoint_to_resume_from(checkpoint_format,
+                                                                                          tmp_path):
+    """SIGKILL to the whole run (as the OOM killer or a lost node ends it) while a checkpoint's temporary file
+    (or, sharded, directory) is being written: the newest complete checkpoint loads, the partial write is never
+    taken for one, and the next launch removes it and resumes from that checkpoint."""
     for attempt in range(5):  # a kill that lands just after a write ended caught nothing in flight: again
         run_dir = tmp_path / f"attempt-{attempt}"
         # 12 steps: 6 writes, each outlasting the steps to the next save, so one is seen in flight before the end
-        process = spawn(run_dir, *HEAVY, "--steps", "12", "--checkpoint-every", "2", "--keep", "2", wait=False)
+        process = spawn(run_dir, *HEAVY, *checkpoint_format, "--steps", "12", "--checkpoint-every", "2", "--keep", "2",
+                        wait=False)
         wait_for_a_write_in_flight(process, run_dir, after_step=2)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
@@ -109,19 +119,22 @@ def test_a_kill_9_during_a_background_write_leaves_the_previous_checkpoint_to_re
     assert temporary_files(run_dir), "no kill landed while a checkpoint was being written"
     newest = checkpoints(run_dir)[0]
     step = load_checkpoint(newest)["step"]
-    resumed = spawn(run_dir, *HEAVY, "--steps", "12", "--checkpoint-every", "2", "--keep", "2", "--resume", "auto")
+    resumed = spawn(run_dir, *HEAVY, *checkpoint_format, "--steps", "12", "--checkpoint-every", "2", "--keep", "2",
+                    "--resume", "auto")
     assert_ok(resumed)
     assert read_summary(run_dir)["resumed_from_step"] == step
     assert temporary_files(run_dir) == []
 
 
-def test_a_stop_signal_during_a_background_write_ends_with_a_complete_stop_checkpoint(tmp_path):
-    process = spawn(tmp_path, *HEAVY, "--steps", "1000", "--checkpoint-every", "2", "--keep", "3", wait=False)
+@pytest.mark.parametrize("checkpoint_format", FORMATS)
+def test_a_stop_signal_during_a_background_write_ends_with_a_complete_stop_checkpoint(checkpoint_format, tmp_path):
+    process = spawn(tmp_path, *HEAVY, *checkpoint_format, "--steps", "1000", "--checkpoint-every", "2", "--keep", "3",
+                    wait=False)
     wait_for_a_write_in_flight(process, tmp_path, after_step=2)
     os.killpg(process.pid, signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stderr
     stopped = read_summary(tmp_path)["stopped_at_step"]
     newest = checkpoints(tmp_path)[0]
-    assert newest.name == f"step-{stopped}.pt" and load_checkpoint(newest)["step"] == stopped
+    assert newest.stem == f"step-{stopped}" and load_checkpoint(newest)["step"] == stopped
     assert temporary_files(tmp_path) == []

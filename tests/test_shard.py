@@ -117,13 +117,18 @@ def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})}, start_new_session=True)
 
 
-def test_a_fully_sharded_run_goes_from_2_to_4_ranks_and_back_and_trains_each_sample_once(tmp_path):
+@pytest.mark.parametrize("mode, checkpoint_format", [("full", "single"), ("full", "sharded"),
+                                                     ("optimizer", "sharded")])
+def test_a_sharded_run_goes_from_2_to_4_ranks_and_back_and_trains_each_sample_once(mode, checkpoint_format,
+                                                                                   tmp_path):
     """Stopped by SIGTERM on 2 ranks, continued by 4 and stopped again, finished by 2: each checkpoint is cut
-    into the new world size's shards, and over the 3 epochs every sample is trained exactly 3 times."""
+    into the new world size's shards (a single file's gathered state, or a sharded checkpoint's parts read by
+    DCP), and over the 5 epochs every sample is trained exactly 5 times."""
     epochs, indices, run_dir = 5, tmp_path / "indices", tmp_path / "run"
     indices.mkdir()
     common = ["--device", "cpu", "--task", f"{HELPER_TASKS}:records_indices", "--epochs", str(epochs),
-              "--batch-size", "8", "--log-every", "1", "--amp", "off", "--shard", "full", "--run-dir", str(run_dir)]
+              "--batch-size", "8", "--log-every", "1", "--amp", "off", "--shard", mode, "--run-dir", str(run_dir),
+              "--checkpoint-format", checkpoint_format]
     env = {"DDP_AMP_TEST_INDEX_LOG": str(indices), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
     stops = []
     for nproc, stop_at in ((2, "3"), (4, "2")):  # 30 steps of 2 ranks; the stops land a few steps after the signal
@@ -136,7 +141,7 @@ def test_a_fully_sharded_run_goes_from_2_to_4_ranks_and_back_and_trains_each_sam
     seen = Counter(int(line) for path in indices.iterdir() for line in path.read_text().split())
     assert seen == {index: epochs for index in range(INDEXED_SAMPLES)}, "a sample was skipped or repeated"
     summary = read_summary(run_dir)
-    assert summary["world_size"] == 2 and summary["shard"] == "full"
+    assert summary["world_size"] == 2 and summary["shard"] == mode
     # in the numbering of a 2-rank run, which ends at its 30th step as an unresized one does
     assert summary["resumed_from_step"] > 0 and summary["steps"] == 30, (stops, summary["resumed_from_step"])
     assert (run_dir / "model.pt").exists()

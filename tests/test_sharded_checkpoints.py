@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
-from ddp_amp.checkpoint.sharded import read_model
 
 from conftest import HELPER_TASKS, assert_ok, read_summary, run_cli
 

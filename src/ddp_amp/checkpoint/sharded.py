@@ -57,8 +57,14 @@ def local_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     """This rank's part of the model and the optimizer, as views of the live tensors (not copies)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    local = _local_optimizer(optimizer)
     return {"model": get_model_state_dict(module, options=_options()),
-            "optimizer": get_optimizer_state_dict(module, _local_optimizer(optimizer), options=_options())}
+            "optimizer": get_optimizer_state_dict(module, local, options=_options()) if _owns_any(local) else {}}
+
+
+def _owns_any(optimizer: torch.optim.Optimizer) -> bool:
+    """ZeRO gives whole tensors to ranks: with more ranks than large tensors, a rank may own none at all."""
+    return any(group["params"] for group in optimizer.param_groups)
 
 
 def load_local_state(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -72,7 +78,8 @@ def load_local_state(path: Path, module: nn.Module, optimizer: torch.optim.Optim
     state = local_state(module, optimizer)
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=process_group)
     set_model_state_dict(module, state["model"], options=_options())
-    set_optimizer_state_dict(module, _local_optimizer(optimizer), state["optimizer"], options=_options())
+    if state["optimizer"]:
+        set_optimizer_state_dict(module, _local_optimizer(optimizer), state["optimizer"], options=_options())
 
 
 def nonfinite(state: Any) -> bool:
