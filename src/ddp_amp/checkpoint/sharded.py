@@ -62,6 +62,39 @@ def local_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
             "optimizer": get_optimizer_state_dict(module, local, options=_options()) if _owns_any(local) else {}}
 
 
+REPLICATED = {"none": ("model", "optimizer"), "optimizer": ("model",), "full": ()}
+"""What every rank holds whole, by --shard mode: DDP's model and optimizer, ZeRO's model (its optimizer state is
+each rank's own; FSDP's is all DTensor shards)."""
+
+
+def _bytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def own_bytes(state: dict[str, Any], shard: str) -> int:
+    """The bytes of this rank's own (not replicated) tensors: ZeRO's optimizer state, FSDP's shards."""
+    return sum(_bytes(getattr(value, "_local_tensor", value)) for part, values in state.items()
+               if part not in REPLICATED[shard] for value in values.values())
+
+
+def own_share(state: dict[str, Any], shard: str, rank: int, own: list[int]) -> dict[str, Any]:
+    """`state` less the replicated tensors another rank writes: each replicated tensor goes to one rank (the
+    largest first, each to the rank with the fewest bytes so far, counting each rank's `own` bytes; every rank
+    computes the same split from the same names and sizes), so that a rank stages, copies and writes only its
+    share. The non-tensor values stay on every rank (DCP writes one of the identical copies)."""
+    parts = REPLICATED[shard]
+    tensors = sorted(((part, name, _bytes(value)) for part in parts for name, value in state[part].items()
+                      if isinstance(value, torch.Tensor) and not hasattr(value, "to_local")),
+                     key=lambda item: (-item[2], item[0], item[1]))
+    loads, owner = list(own), {}
+    for part, name, size in tensors:
+        chosen = loads.index(min(loads))
+        loads[chosen] += size
+        owner[part, name] = chosen
+    return {part: {name: value for name, value in values.items() if owner.get((part, name), rank) == rank}
+            if part in parts else values for part, values in state.items()}
+
+
 def _owns_any(optimizer: torch.optim.Optimizer) -> bool:
     """ZeRO gives whole tensors to ranks: with more ranks than large tensors, a rank may own none at all."""
     return any(group["params"] for group in optimizer.param_groups)
