@@ -360,9 +360,26 @@ def test_emit_slurm_requeues_on_the_chosen_signals_stop_code_only(tmp_path):
     text = script.read_text()
     assert "#SBATCH --signal=USR2@120" in text
     # 128 + SIGUSR2, and only with a checkpoint to continue from.
-    assert 'if [ "$status" -eq 140 ] && ls "$RUN_DIR"/checkpoints/step-*.pt >/dev/null 2>&1; then' in text
+    assert 'if [ "$status" -eq 140 ] && has_checkpoint; then' in text
     assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+@pytest.mark.parametrize("files, found", [
+    ([], False), (["step-5.pt"], True), (["step-5/.metadata", "step-5/extras.pt"], True),
+    (["step-5/__0_0.distcp"], False), (["step-5.json"], False)])
+def test_the_slurm_scripts_checkpoint_test_sees_files_and_finished_sharded_directories(files, found, tmp_path):
+    """The script's has_checkpoint, run by bash on a real run dir (with a space in its path): a step-N.pt, or a
+    sharded step-N/ that DCP finished (its .metadata); a directory cut short or a lone sidecar is none."""
+    from ddp_amp.launch.torchrun import _RESUME
+
+    run_dir = tmp_path / "run dir"
+    for name in files:
+        (run_dir / "checkpoints" / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoints" / name).write_bytes(b"")
+    function = _RESUME.split("\nif ")[0]
+    result = subprocess.run(["bash", "-c", f'{function}\nhas_checkpoint', "script"], env={"RUN_DIR": str(run_dir)})
+    assert (result.returncode == 0) == found
 
 
 def test_a_bad_requeue_signal_is_one_line_exit_2(tmp_path, capsys):

@@ -284,6 +284,21 @@ REQUEUE_SIGNALS = {"USR1": 10, "USR2": 12, "TERM": 15}
 """--requeue-signal: what Slurm sends before the time limit (`--signal=SIG@N`); each is a stop to ddp-amp."""
 
 
+# A requeued job continues from its newest checkpoint; without one, an unfinished run starts over. A finished
+# run (model.pt) is never overwritten: ddp-amp refuses it. A checkpoint: a step-N.pt, or a sharded step-N/
+# directory that DCP finished (--checkpoint-format sharded).
+_RESUME = """has_checkpoint() {
+  compgen -G "$RUN_DIR/checkpoints/step-*.pt" >/dev/null ||
+    compgen -G "$RUN_DIR/checkpoints/step-*/.metadata" >/dev/null
+}
+if has_checkpoint; then
+  set -- "$@" --resume auto
+elif [ -e "$RUN_DIR/metrics.jsonl" ] && [ ! -e "$RUN_DIR/model.pt" ]; then
+  set -- "$@" --overwrite
+fi
+"""
+
+
 def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_per_node: int | None,
                  run_dir: str | None, requeue_signal: str = "USR1") -> str:
     """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation.
@@ -312,26 +327,13 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
         "#SBATCH --open-mode=append",
     ]
     directory = shlex.quote(run_dir) if run_dir else '"runs/slurm-$SLURM_JOB_ID"'
-    # A requeued job continues from its newest checkpoint; without one, an unfinished run starts over. A
-    # finished run (model.pt) is never overwritten: ddp-amp refuses it.
-    # A checkpoint: a step-N.pt, or a sharded step-N/ directory (--checkpoint-format sharded).
-    resume = """has_checkpoint() {
-  compgen -G "$RUN_DIR/checkpoints/step-*.pt" >/dev/null ||
-    compgen -G "$RUN_DIR/checkpoints/step-*/.metadata" >/dev/null
-}
-if has_checkpoint; then
-  set -- "$@" --resume auto
-elif [ -e "$RUN_DIR/metrics.jsonl" ] && [ ! -e "$RUN_DIR/model.pt" ]; then
-  set -- "$@" --overwrite
-fi
-"""
     head = "\n".join(header)
     return f"""#!/bin/bash
 {head}
 set -uo pipefail
 RUN_DIR={directory}
 set -- {args} --run-dir "$RUN_DIR"
-{resume}# The first node of the allocation hosts the c10d rendezvous store.
+{_RESUME}# The first node of the allocation hosts the c10d rendezvous store.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export DDP_AMP_ENDPOINT="$head_node:{port}"
 # One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes. srun
