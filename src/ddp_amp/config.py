@@ -325,9 +325,6 @@ class TrainConfig:
         if self.micro_batch == "auto":
             problems.append("--micro-batch auto cannot be combined with --shard full yet (its search reduces "
                             "gradients the way DDP does); give --micro-batch a size, or use --shard none|optimizer")
-        if self.compile:
-            problems.append("--compile cannot be combined with --shard full yet (the model is compiled inside "
-                            "DDP); drop one of them")
         return problems
 
     def to_json(self) -> str:

@@ -236,6 +236,9 @@ class MetricsProcessor:
             # The first step traces and compiles (a shape seen later, like a smaller last batch, compiles
             # again); the throughput above is measured after the warm-up steps, without it.
             summary["compile_s"] = self.first_step_s
+            from torch._dynamo.utils import counters  # imported with torch.compile already
+
+            summary["compiled_frames"] = int(counters["frames"]["ok"])  # 0: nothing was compiled after all
         if self.scaler.is_enabled():
             summary["loss_scale"] = self.scaler.get_scale()
         summary.update(self.stragglers.summary())

@@ -93,9 +93,12 @@ def return_freed_memory() -> None:
         pass
 
 
-def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device) -> nn.Module:
+def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device, compile: bool = False) -> nn.Module:
     """fully_shard each unit, then the root, on a mesh of every rank; the model itself, sharded in place (its
-    parameters are DTensors from here on, its names unchanged)."""
+    parameters are DTensors from here on, its names unchanged). compile (--compile): each unit is compiled in
+    place first (Module.compile, torchtitan's order: per block, then sharded), so that FSDP's all-gathers and
+    reduce-scatters stay outside the compiled graphs (dynamo skips FSDP's hooks); the root's own layers
+    (embeddings, head) stay eager."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -104,6 +107,8 @@ def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device) 
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     for unit in units:
+        if compile:
+            unit.compile()
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

@@ -82,7 +82,7 @@ def wrap_model(module: torch.nn.Module, config: TrainConfig, device: torch.devic
         return wrap_ddp(module, config, device), None, {}
     shell, units = skeleton(module), unit_rule(module, task.shard_units)
     by_class = dict(Counter(type(unit).__name__ for unit in units))  # before fully_shard renames the classes
-    return shard_fully(module, units, device), shell, by_class
+    return shard_fully(module, units, device, compile=config.compile), shell, by_class
 
 
 def rank_data(task: Task, config: TrainConfig, env: DistEnv, device: torch.device) -> RankData | IterableRankData:
