@@ -24,7 +24,6 @@ BAD_INPUTS = [
     (["--lr", "0"], "--lr"),
     (["--shard", "none,zero3"], "--shard"),
     (["--shard", "full,full"], "--shard"),
-    (["--max-batch", "--shard", "full"], "--shard full"),
     (["--max-batch", "--shard", "none,optimizer"], "--shard"),
 ]
 

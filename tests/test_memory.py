@@ -96,6 +96,30 @@ def test_bench_max_batch_finds_the_largest_batch_under_max_memory(tmp_path, help
     assert f"│ fp32      │ {fp32['max_batch']:>22} │" in result.stdout
 
 
+def test_bench_max_batch_under_shard_full_searches_with_one_launch_per_size(tmp_path, helper_task):
+    """A sharded pass holds collectives, so a size that does not fit ends its launch: one launch per size, the
+    same doubling and bisecting, a failed size told apart by the out-of-memory record its rank left (the
+    failing ranks' tracebacks are not shown: not fitting is the answer, not an error)."""
+    out = tmp_path / "max-batch.json"
+    result = run_cli("bench", "--device", "cpu", "--amp", "off", "--max-batch", "--shard", "full", "--task",
+                     helper_task("activation_heavy"), "--max-memory", "1", "--batch-size", "1024", "--nproc", "2",
+                     "--run-dir", str(tmp_path / "runs"), "--json", str(out), timeout=600)
+    assert_ok(result)
+    assert "Traceback" not in result.stderr
+    report = json.loads(out.read_text())
+    fp32 = report["max_batch"]["fp32"]
+    trials = {trial["batch"]: trial["fits"] for trial in fp32["trials"]}
+    assert trials[1024] and trials[2048] and not trials[4096]
+    assert 2048 <= fp32["max_batch"] < 4096 and trials[fp32["max_batch"]]
+    failed_above = min(size for size, fits in trials.items() if not fits and size > fp32["max_batch"])
+    assert failed_above - fp32["max_batch"] <= fp32["max_batch"] // 16
+    assert report["method"]["launch_per_trial"] is True
+    launches = tmp_path / "runs" / "max-batch-off"
+    assert sorted(int(p.name.split("-")[1]) for p in launches.glob("batch-*")) == sorted(trials)
+    for size, fits in trials.items():
+        assert bool(list((launches / f"batch-{size}").glob("out_of_memory-rank*.json"))) != fits, size
+
+
 def test_an_out_of_memory_error_at_a_settled_size_is_one_line(tmp_path, helper_task):
     """Once a size has trained a whole step, auto's steps are DDP's own, with no agreement: an out-of-memory
     error on one rank later ends the run with one line (the other rank, waiting in the all-reduce, is

@@ -17,6 +17,8 @@ MODEL_FILE = "model.pt"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 STEP_TIMES_FILE = "step_times.json"  # only from the bench job (ddp-amp bench): every rank's step durations
+OUT_OF_MEMORY_FILE = "out_of_memory-rank{rank}.json"
+"""bench --max-batch --shard full: a rank's trial ran out of memory (the launch fails; the launcher reads it)."""
 DOCTOR_FILE = "doctor.json"  # only from the doctor job (ddp-amp doctor): every rank's figures, written by rank 0
 DUMP_DIR = "flight_recorder"  # a failed or stalled rank's flight record: DUMP_DIR/rank<N>.json
 

@@ -34,6 +34,7 @@ from ddp_amp.rank.reporter import WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals, wait_for_own_stop_signal
 from ddp_amp.tasks import Task
 from ddp_amp.train.metrics import memory_now_mb, peak_memory
+from ddp_amp.train.microbatch import is_out_of_memory
 from ddp_amp.train.step import PHASES
 from ddp_amp.train.trainer import Trainer, TrainResult
 
@@ -195,7 +196,13 @@ def _search_max_batch(config: TrainConfig, env: DistEnv, reporter: WorkerReporte
                       device: torch.device, threads: int) -> dict[str, Any] | None:
     """bench --max-batch: the search instead of training; its result in summary.json, no model.pt."""
     with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
-        found = trainer.largest_batch()
+        try:
+            found = trainer.largest_batch()
+        except Exception as exc:  # --shard full: one size per launch, and a size that does not fit ends it
+            if trainer.sharded and (isinstance(exc, RankOutOfMemory) or is_out_of_memory(exc)):
+                outputs.write_json(Path(config.run_dir) / outputs.OUT_OF_MEMORY_FILE.format(rank=env.rank),
+                                   {"rank": env.rank, "batch_size": config.batch_size, "error": str(exc)[:500]})
+            raise
     memory = peak_memory(device)
     summary = {"max_batch_search": found, "precision": trainer.precision.name, "world_size": env.world_size,
                "backend": dist.get_backend(), "threads_per_rank": threads, "steps": 0,

@@ -48,9 +48,6 @@ def bench(
         raise UsageError("--max-batch searches eager runs; drop --compile")
     if max_batch and len(options.shards) > 1:
         raise UsageError(f"--max-batch searches one --shard mode at a time; drop the others from --shard {shard}")
-    if max_batch and options.shards[0] == "full":
-        raise UsageError("--max-batch --shard full is not built yet (the search reduces gradients the way DDP "
-                         "does); compare the modes' memory with bench --shard none,full")
     report = _measure(train, options, nproc=nproc, run_dir=run_dir, max_batch=max_batch)
     from rich.console import Console
 

@@ -221,19 +221,20 @@ def report_recovery(config: TrainConfig, log_path: Path, model) -> None:
     say(line)
 
 
-def quiet_display():
-    """What the measuring commands show of their ranks: a failing rank's error only."""
+def quiet_display(stream=None):
+    """What the measuring commands show of their ranks: a failing rank's error only (on stderr, or `stream`)."""
     from ddp_amp.progress.display import PlainDisplay
 
-    return PlainDisplay(sys.stderr, quiet=True, final_summary=False)
+    return PlainDisplay(stream or sys.stderr, quiet=True, final_summary=False)
 
 
 def launch_quietly(run_options: dict[str, Any], run_dir: Path, *, nproc: int, launcher: str, kind: JobKind,
-                   multinode: tuple[int, str, Any] | None = None) -> LaunchPlan:
+                   multinode: tuple[int, str, Any] | None = None, errors=None) -> LaunchPlan:
     """One launch for a command that measures (bench, bench --max-batch, doctor) and reads the run directory
     afterwards: the same launch and verdict as training, without its progress; its plan. `multinode`: (world
     size, job id, this node's torchrun job for a device type) to run this node's ranks of a multi-node job
-    (every node runs the same command; each keeps its own run directory)."""
+    (every node runs the same command; each keeps its own run directory). `errors`: where a failing rank's
+    error goes (stderr)."""
     from ddp_amp.launch.preflight import preflight
 
     config = warm_start(run_options)
@@ -245,5 +246,5 @@ def launch_quietly(run_options: dict[str, Any], run_dir: Path, *, nproc: int, la
     else:
         plan = preflight(config, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir))
         launch = Launch(plan, nproc, kind) if launcher == "spawn" else Launch.standalone(plan, nproc, kind=kind)
-    run_launch(launch, quiet_display(), announce=False)
+    run_launch(launch, quiet_display(errors), announce=False)
     return plan

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,27 +30,10 @@ def batch_of(dataset: Any, size: int, collate_fn=None) -> Any:
     return (collate_fn or default_collate)([dataset[i % len(dataset)] for i in range(size)])
 
 
-def largest_batch(step, dataset: Any, device: torch.device, world_size: int, *, start: int,
-                  collate_fn=None) -> dict[str, Any]:
-    """{"max_batch": the largest per-rank batch that trained (0: not even 1 sample), "samples_per_s": the global
-    throughput at it (the median of its trial's steps after the first), "trials": every size tried}."""
-    trials: list[dict[str, Any]] = []
-
-    def trial(size: int) -> float | None:
-        batch = batch_of(dataset, size, collate_fn)
-        times = []
-        for number in range(TRIAL_STEPS):
-            started = time.perf_counter()
-            if not step.try_batch(batch, number):
-                trials.append({"batch": size, "fits": False})
-                return None
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - started)
-        rate = size * world_size / statistics.median(times[1:] or times)
-        trials.append({"batch": size, "fits": True, "samples_per_s": rate})
-        return rate
-
+def search(trial: Callable[[int], float | None], start: int) -> tuple[int, float | None]:
+    """(the largest size `trial` found to fit, 0 when not even 1 did; its rate): doubling from `start` until a
+    size does not fit, then bisecting between the last that fitted and the first that did not, to within 1/16.
+    `trial(size)` is the throughput at that size, or None when it did not fit."""
     fitted, failed, rate = 0, None, None
     size = start
     while size <= LARGEST:  # doubling
@@ -69,4 +53,46 @@ def largest_batch(step, dataset: Any, device: torch.device, world_size: int, *, 
             high = middle
         else:
             low, rate = middle, found
+    return low, rate
+
+
+def _timed_steps(run_step: Callable[[int], bool], size: int, device: torch.device, world_size: int) -> float | None:
+    """TRIAL_STEPS steps of `run_step(number)` (False: did not fit); the global samples/s at `size` (the median
+    of the steps after the first), or None."""
+    times = []
+    for number in range(TRIAL_STEPS):
+        started = time.perf_counter()
+        if not run_step(number):
+            return None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return size * world_size / statistics.median(times[1:] or times)
+
+
+def largest_batch(step, dataset: Any, device: torch.device, world_size: int, start: int,
+                  collate_fn=None) -> dict[str, Any]:
+    """{"max_batch": the largest per-rank batch that trained (0: not even 1 sample), "samples_per_s": the global
+    throughput at it (the median of its trial's steps after the first), "trials": every size tried}."""
+    trials: list[dict[str, Any]] = []
+
+    def trial(size: int) -> float | None:
+        batch = batch_of(dataset, size, collate_fn)
+        rate = _timed_steps(lambda number: step.try_batch(batch, number), size, device, world_size)
+        trials.append({"batch": size, "fits": False} if rate is None
+                      else {"batch": size, "fits": True, "samples_per_s": rate})
+        return rate
+
+    low, rate = search(trial, start)
     return {"max_batch": low, "samples_per_s": rate, "trials": trials}
+
+
+def one_trial(step, dataset: Any, device: torch.device, world_size: int, size: int,
+              collate_fn=None) -> dict[str, Any]:
+    """One size, in plain steps (no out-of-memory agreement: under --shard full a pass holds collectives, so a
+    rank that fails inside one leaves the others waiting; this launch fails instead, and the launcher, which
+    runs one launch per size, counts it as not fitting). The same report as largest_batch's, of one trial."""
+    batch = batch_of(dataset, size, collate_fn)
+    rate = _timed_steps(lambda number: step.train_batch(batch, number), size, device, world_size)
+    return {"max_batch": size, "samples_per_s": rate, "trials": [{"batch": size, "fits": True,
+                                                                    "samples_per_s": rate}]}

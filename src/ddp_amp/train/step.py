@@ -137,6 +137,13 @@ class AmpStep:
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
+    def train_batch(self, batch: Any, step: int) -> bool:
+        """One plain optimizer step on `batch` (bench --max-batch under --shard full: one launch per size)."""
+        self.forward_backward(batch, step, 0, sync=True)
+        self.optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
     def _accumulate(self, batches: Iterator[Any], step: int) -> torch.Tensor:
         """Forward and backward of each of the step's batches; the sum of their losses, on the device."""
         last = self.grad_accum - 1

@@ -26,7 +26,7 @@ from ddp_amp.errors import RankUsageError
 from ddp_amp.outputs import BEST_MODEL_FILE, save_weights
 from ddp_amp.precision import Precision, grad_scaler
 from ddp_amp.tasks import Task
-from ddp_amp.train.batch_search import largest_batch
+from ddp_amp.train.batch_search import largest_batch, one_trial
 from ddp_amp.train.data import IterableRankData, RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.evaluation import BestKeeper, Validation
@@ -182,8 +182,9 @@ class Trainer:
 
     def largest_batch(self) -> dict[str, Any]:
         """bench --max-batch: the largest per-rank batch of this task that trains here (train.batch_search)."""
-        return largest_batch(self.step, self.task.dataset, self.device, self.env.world_size,
-                             start=self.config.batch_size, collate_fn=self.task.collate_fn)
+        search = one_trial if self.sharded else largest_batch  # --shard full: one size per launch
+        return search(self.step, self.task.dataset, self.device, self.env.world_size, self.config.batch_size,
+                      collate_fn=self.task.collate_fn)
 
     def state_dict(self, writers: list[int], whole: bool = True) -> dict[str, Any] | None:
         """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint), on
@@ -231,11 +232,9 @@ class Trainer:
         """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks;
         `data_ranks`: every rank's position in iterable data; `weights_loaded`: the model and the optimizer
         came from a sharded checkpoint already (checkpoint.sharded), `state` holds the rest."""
-        if weights_loaded:
-            pass
-        elif self.sharded:
+        if self.sharded and not weights_loaded:
             load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
-        else:
+        elif not weights_loaded:
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
