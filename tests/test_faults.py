@@ -238,3 +238,20 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_earlier_one_whole_and_alone(s
         write_summary(small_file_system, {"steps": 20, "filler": "x" * 3_000_000})
     assert read_summary(small_file_system) == {"steps": 10}
     assert not list(small_file_system.glob(".*.tmp"))
+
+
+def test_a_dead_writers_sharded_checkpoint_directory_is_removed_a_live_ones_kept(tmp_path):
+    """--checkpoint-format sharded writes into `.step-N.HOST.PID.tmp/` (rank 0's tag; every rank's part inside):
+    the cleanup removes a dead writer's whole directory, and keeps a live one's and a complete step-N/."""
+    from ddp_amp.files import remove_partial_writes
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid is free
+    host = socket.gethostname()
+    leftover = tmp_path / f".step-4.{host}.{dead.pid}.tmp"
+    live, complete = tmp_path / f".step-6.{host}.{os.getpid()}.tmp", tmp_path / "step-2"
+    for directory in (leftover, live, complete):
+        directory.mkdir()
+        (directory / "__0_0.distcp").write_bytes(b"\0" * 4096)
+    assert remove_partial_writes(tmp_path) == [leftover]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, complete.name])

@@ -99,7 +99,7 @@ def prune(run_dir: str | Path, keep: int, launch_time: float | None, protect_ste
         ranked.append((not mine, path))
     ranked.sort(key=lambda item: item[0])  # stable: newest first within each group
     for _, old in ranked[keep:]:
-        sidecar(old).unlink(missing_ok=True)  # first: a sidecar never outlives its checkpoint's start of removal
+        sidecar(old).unlink(missing_ok=True)
         if sharded.is_sharded_checkpoint(old):
             sharded.remove(old)
         else:

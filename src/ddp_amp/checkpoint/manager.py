@@ -94,7 +94,7 @@ class CheckpointManager:
                 return
             self._note_wait()
         rng, data_ranks = [r[0] for r in ranks], [r[1] for r in ranks]
-        state = {"step": step, "saved_at": time.time(), "trainer": extras if self.sharded else _to_host(trained),
+        state = {"step": step, "saved_at": time.time(), "trainer": _to_host(extras if self.sharded else trained),
                  "rng": rng, **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
                  "config": dataclasses.asdict(self.config), "world_size": self.env.world_size,
                  **({"format": "sharded"} if self.sharded else {})}

@@ -187,4 +187,8 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
 
 
 def remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Renamed away first (one atomic step: never a step-<N>/ half removed), then deleted; a kill in between
+    leaves a dead writer's .tmp directory, which the next launch's cleanup removes."""
+    doomed = path.with_name(f".{path.name}.{writer_tag()}.old.tmp")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
