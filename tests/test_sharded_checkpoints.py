@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
 
@@ -81,6 +82,20 @@ def test_a_sharded_checkpoint_reshards_onto_another_world_size_as_a_single_file_
             assert summary["world_size"] == nproc and summary["resumed_from_step"] == 10
             ends.append(weights(run / "model.pt"))
         assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), (mode, nproc)
+
+
+def test_an_optimizer_without_state_is_saved_without_its_part_and_resumes_on_the_schedules_rate(tmp_path):
+    """SGD without momentum holds no state: its part is left out (DCP's getter would otherwise run a zero-lr
+    step to make some), the learning rate of the first resumed step is the schedule's, and the resumed run ends
+    on the uninterrupted run's weights, with ZeRO too."""
+    for mode in ("none", "optimizer"):
+        sgd = ["--optimizer", "sgd", "--momentum", "0", "--warmup-steps", "8", "--shard", mode]
+        run = tmp_path / mode
+        train(run, *sgd, "--checkpoint-every", "5", "--checkpoint-format", "sharded")
+        saved = dcp.FileSystemReader(str(run / "checkpoints" / "step-15")).read_metadata().state_dict_metadata
+        assert saved and not any(name.startswith("optimizer.") for name in saved)
+        train(tmp_path / f"{mode}-resumed", *sgd, "--resume", str(run / "checkpoints" / "step-15"))
+        assert (tmp_path / f"{mode}-resumed" / "model.pt").read_bytes() == (run / "model.pt").read_bytes(), mode
 
 
 def test_the_nan_guard_writes_no_sharded_checkpoint_of_a_diverged_state(tmp_path):

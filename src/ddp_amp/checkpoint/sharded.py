@@ -53,13 +53,23 @@ def _options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def local_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's part of the model and the optimizer, as views of the live tensors (not copies)."""
+def local_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                with_optimizer: bool | None = None) -> dict[str, Any]:
+    """This rank's part of the model and the optimizer, as views of the live tensors (not copies).
+
+    The optimizer's part only where it holds state (`with_optimizer` None, a save) or where asked (a load's
+    template): DCP's getter gives an empty optimizer state by running a zero-lr step on it, which would change
+    a live run (Adam's step count) if a save came before the first step (a stop at step 0, or fp16 steps all
+    skipped so far). An optimizer without state (SGD without momentum, or before any step) is saved without its
+    part; its learning rate is the schedule's (Trainer.load_state_dict)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     local = _local_optimizer(optimizer)
+    if with_optimizer is None:
+        with_optimizer = bool(local.state)
+    with_optimizer = with_optimizer and _owns_any(local)
     return {"model": get_model_state_dict(module, options=_options()),
-            "optimizer": get_optimizer_state_dict(module, local, options=_options()) if _owns_any(local) else {}}
+            "optimizer": get_optimizer_state_dict(module, local, options=_options()) if with_optimizer else {}}
 
 
 REPLICATED = {"none": ("model", "optimizer"), "optimizer": ("model",), "full": ()}
@@ -108,8 +118,10 @@ def load_local_state(path: Path, module: nn.Module, optimizer: torch.optim.Optim
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state = local_state(module, optimizer)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=process_group)
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    state = local_state(module, optimizer, with_optimizer=any(name.startswith("optimizer.") for name in saved))
+    dcp.load(state, storage_reader=reader, process_group=process_group)
     set_model_state_dict(module, state["model"], options=_options())
     if state["optimizer"]:
         set_optimizer_state_dict(module, _local_optimizer(optimizer), state["optimizer"], options=_options())
