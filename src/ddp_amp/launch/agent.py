@@ -143,6 +143,7 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     outcome: dict[str, BaseException] = {}
     # Waited on with an Event, not Thread.join: a signal handler raising inside join() leaves the Thread
     # marked finished while it still runs (CPython's _wait_for_tstate_lock), and every later join returns at once.
+    # And polled (_finished_within), never Event.wait: see there.
     finished = threading.Event()
 
     def agent() -> None:
@@ -156,7 +157,7 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     with _agent_log(log_path):
         threading.Thread(target=agent, name="ddp-amp-agent", daemon=True).start()
         try:
-            while not finished.wait(0.2):  # timed: the main thread keeps handling signals
+            while not _finished_within(finished, 0.2):  # timed: the main thread keeps handling signals
                 pass
         except StopSignal as stop:
             # Pass the signal on to the ranks (their pids come with their first event): they stop together at
@@ -178,6 +179,21 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
                     f"(its log: {log_path})", details=details)
 
 
+def _finished_within(finished: threading.Event, timeout: float) -> bool:
+    """Event.wait(timeout) without taking the Event's lock. A stop signal's handler raises StopSignal in the main
+    thread; raised inside Event.wait just after its Condition's lock was acquired (inside __enter__), it leaves
+    that lock held for good: the agent thread's finished.set() and this thread's next wait then block forever (a
+    launch under `run` SIGTERMed just after a rank's fork hung so, 1 in about 40 tries, py-spy showing both
+    threads in Condition.__enter__). is_set() reads a flag; a sleep a handler interrupts holds nothing."""
+    deadline = time.monotonic() + timeout
+    while not finished.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(0.01, remaining))
+    return True
+
+
 def _pass_on_until_finished(signum: int, rank_pids, finished: threading.Event, stop_timeout: float) -> None:
     signalled: set[int] = set()
     deadline = time.monotonic() + stop_timeout
@@ -185,11 +201,11 @@ def _pass_on_until_finished(signum: int, rank_pids, finished: threading.Event, s
         newly = [pid for pid in rank_pids() if pid not in signalled]
         signal_processes(newly, signum)
         signalled.update(newly)
-        if finished.wait(0.1):
+        if _finished_within(finished, 0.1):
             return
         if time.monotonic() > deadline:
             signal_processes(rank_pids() or list(signalled), signal.SIGKILL)
-            finished.wait(10)  # the agent notices and returns (no restart outlives this process)
+            _finished_within(finished, 10)  # the agent notices and returns (no restart outlives this process)
             return
 
 
