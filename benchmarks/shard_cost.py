@@ -3,12 +3,20 @@ AdamW, fp32, per launch rank 0's training-state memory (summary.json's peak_memo
 every rank's optimizer state (optimizer_state_mb) and the throughput, at each --nproc.
 
 The default task is benchmarks/tasks.py's wide regression MLP (1024-4096-1024-1024, 9.4 M parameters) with
-512 samples, so that the data set (built with the model, after the baseline) stays out of the figure.
+512 samples, so that the data set (built with the model, after the baseline) stays out of the figure;
+`--task benchmarks/tasks.py:deep_regression` is the same parameter count in nine equal layers.
+
+On a CPU the figure is the peak resident set, so it holds what glibc keeps of freed memory too: --shard full
+fixes glibc's mmap threshold (train/sharding.return_freed_memory), the other modes keep glibc's default.
+`--mmap-threshold BYTES` sets MALLOC_MMAP_THRESHOLD_ for every mode's launches, so that all three are measured
+under the same allocator policy and the figure follows the live tensors.
 
     .venv/bin/python benchmarks/shard_cost.py [--task T] [--task-arg K=V] [--nproc 2 4] [--repeats 3] [--steps 30]
+                                              [--mmap-threshold 131072]
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -30,9 +38,12 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--mmap-threshold", type=int, default=None,
+                        help="MALLOC_MMAP_THRESHOLD_ for every launch (default: each mode's own policy)")
     args = parser.parse_args()
+    env = None if args.mmap_threshold is None else {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}
     task_args = args.task_arg if args.task_arg is not None else (
-        ["samples=512"] if args.task.endswith(":wide_regression") else [])
+        ["samples=512"] if args.task.endswith("_regression") else [])
     for nproc in args.nproc:
         base = ["spawn", "-n", str(nproc), "--device", "cpu", "--amp", "off", "--optimizer", "adamw", "--task",
                 args.task, *(f for arg in task_args for f in ("--task-arg", arg)), "--steps", str(args.steps),
@@ -41,7 +52,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for repeat in range(args.repeats):
                 for mode in rows:  # interleaved: drift on a shared machine hits every mode alike
-                    rows[mode].append(run_ddp_amp([*base, "--shard", mode], Path(tmp) / f"{mode}-{repeat}"))
+                    rows[mode].append(run_ddp_amp([*base, "--shard", mode], Path(tmp) / f"{mode}-{repeat}", env))
         print(f"{nproc} ranks:")
         for mode, runs in rows.items():
             state = spread([training_state(r) for r in runs], ".1f")
