@@ -43,6 +43,8 @@ def test_sharded_optimizer_state_trains_the_same_weights_bit_for_bit(unsharded, 
     assert len(whole) == len(shares) == 2 and whole[0] == whole[1]  # unsharded: every rank holds it all
     assert sum(shares) == pytest.approx(whole[0], rel=1e-6)  # sharded: each rank a part, the parts the whole
     assert max(shares) < whole[0] and min(shares) > 0
+    # torch.distributed.optim is imported before the baseline: its code (~11 MB resident) is no training state
+    assert summary["baseline_memory_mb"] > read_summary(unsharded)["baseline_memory_mb"] + 5
 
 
 def weights(run_dir) -> dict[str, torch.Tensor]:

@@ -103,6 +103,7 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         precision = setup.agreed_precision(config, device)
         if job == "doctor":
             return _doctor(config, env, device, precision, ready_at=time.time())
+        setup.import_mode_libraries(config)  # code, not training state: in the baseline
         baseline = memory_now_mb(device)  # before the model exists: the peak less it is the training state's
         task = setup.build_checked_task(config, env)
         precision, amp_probe = setup.measured_precision(precision, config, task, env, device)
