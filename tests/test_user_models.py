@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_ok, last_line, load_weights, read_summary, run_cli
+from ddp_amp.checkpoint.sharded import read_model
 
 pytestmark = pytest.mark.slow
 
@@ -265,24 +266,31 @@ KEEP_BEST = ["--task", task("val_passes_optimum"), "--steps", "30", "--batch-siz
              "--checkpoint-every", "2", "--keep", "1", "--keep-best", "val_loss", "--log-every", "2"]
 
 
-def _assert_best_kept(run_dir: Path) -> int:
+def _assert_best_kept(run_dir: Path, suffix: str = ".pt") -> int:
+    """suffix: ".pt" for --checkpoint-format single's files, "" for sharded's directories."""
     evaluations = [m for m in _metrics_lines(run_dir) if "val_loss" in m]
     best = min(evaluations, key=lambda m: m["val_loss"])
     assert 2 < best["step"] < 30, evaluations  # the task's validation loss falls, then rises
     summary = read_summary(run_dir)
     assert summary["best"]["step"] == best["step"] and summary["best"]["metric"] == "val_loss"
     assert summary["best"]["value"] == pytest.approx(best["val_loss"])
-    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt"))
-    assert kept == sorted([f"step-{best['step']}.pt", "step-30.pt"]), kept  # --keep 1, and the best
-    checkpoint = torch.load(run_dir / "checkpoints" / f"step-{best['step']}.pt", weights_only=True)
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.suffix != ".json")
+    assert kept == sorted([f"step-{best['step']}{suffix}", f"step-30{suffix}"]), kept  # --keep 1, and the best
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.json")) == sorted(
+        [f"step-{best['step']}.json", "step-30.json"])
+    path = run_dir / "checkpoints" / f"step-{best['step']}{suffix}"
+    model = torch.load(path, weights_only=True)["trainer"]["model"] if suffix else read_model(path)
     model_best = torch.load(run_dir / "model_best.pt", weights_only=True)
-    for key, value in checkpoint["trainer"]["model"].items():
+    for key, value in model.items():
         assert torch.equal(model_best[key], value), key
     return best["step"]
 
 
-def test_keep_best_keeps_the_best_steps_checkpoint_and_weights(tmp_path):
-    _assert_best_kept(tmp_path / "run") if assert_ok(spawn(tmp_path / "run", *KEEP_BEST)) is None else None
+@pytest.mark.parametrize("checkpoint_format", ["single", "sharded"])
+def test_keep_best_keeps_the_best_steps_checkpoint_and_weights(tmp_path, checkpoint_format):
+    run_dir = tmp_path / "run"
+    assert_ok(spawn(run_dir, *KEEP_BEST, "--checkpoint-format", checkpoint_format))
+    _assert_best_kept(run_dir, ".pt" if checkpoint_format == "single" else "")
 
 
 def test_keep_best_survives_a_resume(tmp_path):

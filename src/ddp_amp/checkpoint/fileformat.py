@@ -90,7 +90,7 @@ def prune(run_dir: str | Path, keep: int, launch_time: float | None, protect_ste
     and does not count against `keep`."""
     ranked = []
     for path in checkpoints(run_dir):
-        if protect_step is not None and path.name == f"step-{protect_step}.pt":
+        if protect_step is not None and path.stem == f"step-{protect_step}":  # step-N.pt, or step-N/ (sharded)
             continue
         try:
             mine = read_metadata(path)["config"].get("launch_time") == launch_time
