@@ -145,3 +145,24 @@ def test_sharded_checkpoints_without_a_shared_run_directory_are_refused(tmp_path
             "of every checkpoint there), and this job's nodes each have their own")
     assert any(line in err for _, err in outputs), outputs
     assert not any((tmp_path / f"node{index}" / "checkpoints").exists() for index in range(2))
+
+
+def test_a_step_saved_again_in_the_other_format_replaces_the_first_and_its_sidecar(tmp_path):
+    """A run stopped after step 13 in single files, resumed from step 5 in sharded directories: its step 10 is
+    a step-10/ described by step-10.json, and step-10.pt (which shared the sidecar) is gone; step-5.pt stays."""
+    run, logs = tmp_path / "run", tmp_path / "indices"
+    logs.mkdir()
+    task = ["--device", "cpu", "--amp", "off", "--task", f"{HELPER_TASKS}:records_indices", "--batch-size", "8",
+            "--steps", "40", "--checkpoint-every", "5", "--keep", "20", "--run-dir", str(run)]
+    env = {**os.environ, "DDP_AMP_TEST_INDEX_LOG": str(logs), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
+    stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *task], capture_output=True,
+                             text=True, timeout=300, start_new_session=True, env={**env, "DDP_AMP_TEST_STOP_AT": "13"})
+    assert stopped.returncode == 143, stopped.stderr
+    assert (run / "checkpoints" / "step-10.pt").is_file()
+    assert_ok(run_cli("spawn", "-n", "2", *task, "--checkpoint-format", "sharded", "--resume",
+                      str(run / "checkpoints" / "step-5.pt"), env={"DDP_AMP_TEST_INDEX_LOG": str(logs)}, timeout=300))
+    names = {p.name for p in (run / "checkpoints").iterdir()}
+    assert {"step-5.pt", "step-10", "step-15", "step-40"} <= names, names
+    assert not {"step-10.pt", "step-15.pt"} & names, names  # the stop came after step 13
+    assert read_metadata(run / "checkpoints" / "step-10")["config"]["checkpoint_format"] == "sharded"
+    assert read_metadata(run / "checkpoints" / "step-5.pt")["config"]["checkpoint_format"] == "single"

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_ok, last_line, load_weights, read_summary, run_cli
 from ddp_amp.checkpoint.sharded import read_model
+
+from conftest import assert_ok, last_line, load_weights, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 

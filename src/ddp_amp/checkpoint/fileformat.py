@@ -76,12 +76,24 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int, prote
     path = directory / f"step-{state['step']}.pt"
     atomic_write(path, buffer.getbuffer())
     write_sidecar(path, state)
+    drop_other_format(path)
     prune(run_dir, keep, state["config"].get("launch_time"), protect_step)
     return path
 
 
 def write_sidecar(path: Path, state: dict[str, Any]) -> None:
     atomic_write(sidecar(path), json.dumps(metadata_of(state), sort_keys=True).encode())
+
+
+def drop_other_format(path: Path) -> None:
+    """After a checkpoint and its sidecar are in place: the other format's checkpoint of the same step goes
+    (step-N.pt and step-N/ would share step-N.json, which now describes the new one). A run continued in the
+    other format reaches a step again when it resumed from an earlier checkpoint or on another world size."""
+    other = path.with_name(path.stem) if path.suffix == ".pt" else path.with_name(f"{path.name}.pt")
+    if sharded.is_sharded_checkpoint(other):
+        sharded.remove(other)
+    elif other.is_file():
+        other.unlink()
 
 
 def prune(run_dir: str | Path, keep: int, launch_time: float | None, protect_step: int | None = None) -> None:

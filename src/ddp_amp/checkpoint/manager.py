@@ -154,6 +154,7 @@ class CheckpointManager:
                                  self._group)
             if path is not None:
                 fileformat.write_sidecar(path, state)
+                fileformat.drop_other_format(path)
                 best = (state["trainer"].get("best") or {}).get("step")
                 fileformat.prune(self.run_dir, self.config.keep, self.config.launch_time, best)
                 self.last_path = path
