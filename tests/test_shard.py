@@ -249,15 +249,18 @@ def test_shard_units_that_name_no_module_of_the_model_are_one_line_and_exit_2(tm
 def test_a_hugging_face_model_shards_by_its_declared_layers_and_saves_its_own_format_unchanged(tmp_path):
     """A tiny BERT: the units are what its _no_split_modules names (its embeddings and each layer), and what
     save_pretrained writes after a sharded run (gathered into the skeleton, with the trained model's config:
-    its first forward set problem_type) is byte for byte what the DDP run writes."""
+    its first forward set problem_type) is byte for byte what the DDP run writes. So is the ZeRO run's, whose
+    parameters are views into its broadcast buckets, and its model.pt."""
     args = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:bert_dict_items", "--steps", "6"]
-    for mode in ("none", "full"):
+    for mode in ("none", "full", "optimizer"):
         assert_ok(run_cli("spawn", "-n", "2", *args, "--shard", mode, "--run-dir", str(tmp_path / mode), timeout=300))
     assert read_summary(tmp_path / "full")["shard_units"] == {"BertEmbeddings": 1, "BertLayer": 2}
-    for name in ("config.json", "model.safetensors"):
-        assert (tmp_path / "full" / "pretrained" / name).read_bytes() == \
-            (tmp_path / "none" / "pretrained" / name).read_bytes(), name
+    for mode in ("full", "optimizer"):
+        for name in ("config.json", "model.safetensors"):
+            assert (tmp_path / mode / "pretrained" / name).read_bytes() == \
+                (tmp_path / "none" / "pretrained" / name).read_bytes(), (mode, name)
     assert largest_difference(weights(tmp_path / "full"), weights(tmp_path / "none")) == 0.0
+    assert (tmp_path / "optimizer" / "model.pt").read_bytes() == (tmp_path / "none" / "model.pt").read_bytes()
 
 
 def test_fully_sharded_training_holds_less_memory_than_ddp(tmp_path):

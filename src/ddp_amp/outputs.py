@@ -31,12 +31,18 @@ def save_weights(run_dir: Path, state_dict: dict[str, Any], name: str = MODEL_FI
     """A model's plain state_dict (no DDP `module.` prefix, CPU tensors), loadable with weights_only=True."""
     import torch
 
-    state = {name: tensor.detach().cpu() for name, tensor in state_dict.items()}
+    state = {name: _own_storage(tensor.detach().cpu()) for name, tensor in state_dict.items()}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = run_dir / name
     atomic_write(path, buffer.getvalue())
     return path
+
+
+def _own_storage(tensor: Any) -> Any:
+    """A view into a larger buffer (--shard optimizer's parameter buckets) copied out: torch.save writes a
+    tensor's whole storage, so the file would hold the buffer and differ from --shard none's."""
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() else tensor
 
 
 def strict(record: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,9 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, impl: str = "lo
     if config.shard == "optimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **options)
+        # Bucket views: each rank's parameters live in one flat buffer, so its step ends in one broadcast per
+        # rank instead of one per tensor (docs/benchmarks.md); the saved weights copy themselves out of it.
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, parameters_as_bucket_view=True, **options)
     return cls(params, **options)
 
 
