@@ -21,7 +21,7 @@ help:
 	@echo "make test       the whole test suite, slow multi-process tests included"
 	@echo "make test-fast  the tests not marked slow"
 	@echo "make lint       ruff"
-	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression"
 
 install: $(STAMP)
 
@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/iterable_end_cost.py --repeats 5
 	$(BIN)/python benchmarks/evaluation_cost.py --repeats 5
 	$(BIN)/python benchmarks/shard_cost.py --repeats 3
+	$(BIN)/python benchmarks/zero_broadcast.py --repeats 12
 	$(BIN)/python benchmarks/checkpoint_blocking.py --repeats 3
 	$(BIN)/python benchmarks/max_batch_shard.py
 	$(BIN)/python benchmarks/micro_batch_auto.py --repeats 3 --task wide --batch-size 128 --steps 60
