@@ -32,11 +32,16 @@ def wide_regression(samples: int = 8192, seed: int = 1234, widths: tuple[int, ..
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(samples, widths[0], generator=gen)
     teacher = torch.randn(widths[0], widths[-1], generator=gen) / widths[0] ** 0.5
+    return Task(model=regression_mlp(widths), dataset=TensorDataset(inputs, inputs @ teacher),
+                loss_fn=nn.functional.mse_loss)
+
+
+def regression_mlp(widths: tuple[int, ...] = WIDE) -> nn.Sequential:
+    """Linear layers of these widths with a GELU between each two, initialised from torch's global generator."""
     layers: list[nn.Module] = []
     for width_in, width_out in zip(widths, widths[1:]):
         layers += [nn.Linear(width_in, width_out), nn.GELU()]
-    model = nn.Sequential(*layers[:-1])
-    return Task(model=model, dataset=TensorDataset(inputs, inputs @ teacher), loss_fn=nn.functional.mse_loss)
+    return nn.Sequential(*layers[:-1])
 
 
 class _Stream(torch.utils.data.IterableDataset):

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections import namedtuple
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -576,4 +577,41 @@ def names_missing_shard_units() -> Task:
     """--shard full's units named by a class the model does not have."""
     task = plain_regression()
     task.shard_units = ["Nowhere"]
+    return task
+
+
+class _ShiftedMLP(nn.Module):
+    """Three layers after a shift by a non-persistent buffer: a rank that kept its own copy of the buffer, not
+    rank 0's, would train other weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.hidden, self.head = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 1)
+        self.register_buffer("shift", torch.linspace(-1.0, 1.0, 8), persistent=False)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.hidden(torch.relu(self.first(x + self.shift)))))
+
+
+def model_as_function(record: Path | None = None) -> Task:
+    """plain_regression's data, and as Task.model the function that builds the model; each call appends
+    '<RANK> <the device it built on>' to `record`."""
+
+    def build() -> nn.Module:
+        model = _ShiftedMLP()
+        if record is not None:
+            with open(record, "a") as out:
+                out.write(f"{os.environ.get('RANK')} {model.first.weight.device.type}\n")
+        return model
+
+    task = plain_regression()
+    task.model = build
+    return task
+
+
+def model_on_meta() -> Task:
+    """A model given without values: built under torch.device("meta")."""
+    task = plain_regression()
+    with torch.device("meta"):
+        task.model = nn.Linear(8, 1)
     return task

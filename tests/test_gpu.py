@@ -175,3 +175,17 @@ def test_sharded_checkpoints_on_gpus_resume_bit_exact(tmp_path, mode):
     assert (checkpoint / ".metadata").is_file() and len(list(checkpoint.glob("*.distcp"))) == RANKS
     assert_ok(run_cli(*common, "--resume", str(checkpoint), "--run-dir", str(tmp_path / "resumed"), timeout=300))
     assert (tmp_path / "resumed" / "model.pt").read_bytes() == (tmp_path / "whole" / "model.pt").read_bytes()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
+def test_a_model_given_as_a_function_reaches_the_other_gpus_from_rank_0(tmp_path, helper_task):
+    """Task.model as a function under --shard full on nccl: rank 1 builds on the meta device and receives its
+    shards and buffers from rank 0's GPU; the weights are within 1e-5 of --shard none's."""
+    common = ["spawn", "-n", "2", "--device", "cuda", "--amp", "off", "--optimizer", "adamw", "--task",
+              helper_task("model_as_function"), "--steps", "20", "--batch-size", "16"]
+    for mode in ("none", "full"):
+        assert_ok(run_cli(*common, "--task-arg", f"record={tmp_path / mode}.txt", "--shard", mode, "--run-dir",
+                          str(tmp_path / mode), timeout=300))
+    assert sorted((tmp_path / "full.txt").read_text().splitlines()) == ["0 cpu", "1 meta"]
+    full, none = load_weights(tmp_path / "full"), load_weights(tmp_path / "none")
+    assert max((full[name] - none[name]).abs().max().item() for name in none) < 1e-5

@@ -106,6 +106,7 @@ def check_init_from(config: TrainConfig, factory) -> dict[str, int]:
     import torch
 
     from ddp_amp.checkpoint.weights import WeightsError, fit, read_weights
+    from ddp_amp.tasks import with_built_model
 
     try:
         state = read_weights(config.init_from)
@@ -113,10 +114,10 @@ def check_init_from(config: TrainConfig, factory) -> dict[str, int]:
         raise UsageError(f"--init-from {exc}") from None
     try:
         with torch.device("meta"):
-            model_state = factory().model.state_dict()
+            model_state = with_built_model(factory(), config.task).model.state_dict()
     except Exception:  # a factory that reads files or moves tensors itself: built as the ranks will
         torch.manual_seed(config.seed)
-        model_state = factory().model.state_dict()
+        model_state = with_built_model(factory(), config.task).model.state_dict()
     result = fit(state, model_state)
     if problems := result.problems(config.init_strict):
         raise UsageError(f"--init-from {config.init_from} does not fit the model of --task {config.task}: "

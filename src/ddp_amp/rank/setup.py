@@ -24,6 +24,7 @@ from ddp_amp.precision import Precision, cuda_has_native_bf16, resolve_precision
 from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
 from ddp_amp.train.data import is_iterable
+from ddp_amp.train.sharding import on_meta_device
 
 WEIGHTS_OVERHEAD = 1 << 20  # torch.save's framing, summary.json and metrics.jsonl, generously
 
@@ -179,7 +180,12 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
     """The task, built with identical initial weights on every rank (run after run), checked, and then the
     training randomness seeded per rank."""
     torch.manual_seed(config.seed)
-    task = build_task(config.task, config.task_arg)
+    # A model given as a function is built by rank 0 alone under --shard full; the others take theirs from it.
+    model_on_meta = config.shard == "full" and env.rank != 0
+    task = build_task(config.task, config.task_arg, model_on_meta=model_on_meta)
+    if not model_on_meta and on_meta_device(task.model):
+        raise RankUsageError(f"--task {config.task}: Task.model is on the meta device (it has no values); give it "
+                             "built with its weights, or give the function that builds it as Task.model")
     check_task_contract(task, config)
     if env.writes_run_dir:
         check_room_for_weights(Path(config.run_dir), task.model)
@@ -192,7 +198,7 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
 def load_initial_weights(task: Task, config: TrainConfig) -> dict[str, Any] | None:
     """--init-from, on every rank from the same file (DDP then starts every rank from rank 0's weights anyway):
     what was loaded, for summary.json. A --resume checkpoint, loaded after, wins over it."""
-    if config.init_from is None:
+    if config.init_from is None or on_meta_device(task.model):  # the latter take rank 0's, loaded, after sharding
         return None
     from ddp_amp.checkpoint.weights import WeightsError, load_into
 

@@ -8,6 +8,7 @@ from a fixed seed, or read it from disk), since each rank takes its own share of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -17,7 +18,7 @@ import sys
 import traceback
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,12 @@ class Task:
 
     model: Any
     """A torch.nn.Module, on the CPU; ddp-amp moves it to the device and wraps it in DDP. Parameters with
-    requires_grad=False (a frozen part) are left out of the optimizer."""
+    requires_grad=False (a frozen part) are left out of the optimizer. Or a function of no arguments that builds
+    it (the class, a functools.partial, a lambda): every rank calls it, except that under --shard full only rank 0
+    builds it in memory and every other rank on the meta device (no storage), and after sharding each of them
+    receives its shards and every buffer from rank 0 (torch.distributed.checkpoint's broadcast_from_rank0). So one
+    rank, not every rank, holds the whole model in host memory. Its state must then be its parameters and
+    buffers (a plain tensor attribute would stay on the meta device)."""
     dataset: Any
     """A map-style torch Dataset (`__len__` and `__getitem__`), identical on every rank, of which each rank
     trains its share; or an iterable one (a torch IterableDataset, a Hugging Face datasets.IterableDataset), of
@@ -223,11 +229,26 @@ def precheck_task(spec: str) -> None:
         check_task_file(spec, Path(module_part))
 
 
-def build_task(spec: str, task_args: Sequence[str] = ()) -> Task:
+def build_task(spec: str, task_args: Sequence[str] = (), model_on_meta: bool = False) -> Task:
+    """The task, its model built where Task.model is a function (model_on_meta: under torch.device("meta"))."""
     task = resolve_factory(spec, task_args)()
     if not isinstance(task, Task):
         raise TypeError(f"--task {spec!r}: the factory returned {type(task).__name__}, not ddp_amp.tasks.Task")
-    return task
+    return with_built_model(task, spec, model_on_meta)
+
+
+def with_built_model(task: Task, spec: str, model_on_meta: bool = False) -> Task:
+    """The task, with its model built if Task.model is the function that builds it."""
+    import torch
+
+    if isinstance(task.model, torch.nn.Module) or not callable(task.model):
+        return task
+    with torch.device("meta") if model_on_meta else contextlib.nullcontext():
+        model = task.model()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"--task {spec!r}: Task.model's function returned {type(model).__name__}, not a "
+                        "torch.nn.Module")
+    return replace(task, model=model)
 
 
 def _import_file(spec: str, path: Path):

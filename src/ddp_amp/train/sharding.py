@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -112,6 +113,38 @@ def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device, 
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def on_meta_device(model: nn.Module) -> bool:
+    """Any of the model's parameters or buffers without storage (built under torch.device("meta"))."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def built_on_meta_anywhere(model: nn.Module, device: torch.device) -> bool:
+    """Whether any rank built its model on the meta device (a Task.model function under --shard full): then
+    every rank takes part in handing rank 0's weights out (a collective; rank 0 itself must hold them)."""
+    from ddp_amp.errors import RankUsageError
+
+    flags = torch.tensor([float(on_meta_device(model))], device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    if flags.item() and torch.distributed.get_rank() == 0 and on_meta_device(model):
+        raise RankUsageError("Task.model built on the meta device on rank 0 too: rank 0 must build it with its "
+                             "weights, which --shard full hands to the other ranks")
+    return bool(flags.item())
+
+
+def take_rank0_weights(model: nn.Module, rank0_state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """After shard_fully, on every rank: a rank whose model has no storage gets it (to_empty), then each rank's
+    shards are filled from rank 0's whole state_dict, tensor by tensor (set_model_state_dict's
+    broadcast_from_rank0; the other ranks pass {}), and every buffer, persistent or not, is rank 0's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if on_meta_device(model):
+        model.to_empty(device=device)
+    set_model_state_dict(model, rank0_state,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        torch.distributed.broadcast(buffer, src=0)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -42,7 +42,17 @@ from ddp_amp.train.optim import (
 )
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
-from ddp_amp.train.sharding import full_state, load_full_state, plain_model, shard_fully, skeleton, unit_rule
+from ddp_amp.train.sharding import (
+    built_on_meta_anywhere,
+    full_state,
+    load_full_state,
+    on_meta_device,
+    plain_model,
+    shard_fully,
+    skeleton,
+    take_rank0_weights,
+    unit_rule,
+)
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
 
@@ -82,7 +92,13 @@ def wrap_model(module: torch.nn.Module, config: TrainConfig, device: torch.devic
         return wrap_ddp(module, config, device), None, {}
     shell, units = skeleton(module), unit_rule(module, task.shard_units)
     by_class = dict(Counter(type(unit).__name__ for unit in units))  # before fully_shard renames the classes
-    return shard_fully(module, units, device, compile=config.compile), shell, by_class
+    from_rank0 = built_on_meta_anywhere(module, device)
+    # Rank 0's whole tensors, kept alive past sharding until they are handed out; {} elsewhere.
+    rank0_state = module.state_dict() if from_rank0 and dist.get_rank() == 0 else {}
+    sharded = shard_fully(module, units, device, compile=config.compile)
+    if from_rank0:
+        take_rank0_weights(sharded, rank0_state, device)
+    return sharded, shell, by_class
 
 
 def rank_data(task: Task, config: TrainConfig, env: DistEnv, device: torch.device) -> RankData | IterableRankData:
@@ -107,7 +123,7 @@ class Trainer:
         model = task.model
         if config.sync_batchnorm:  # batch statistics over every rank's batch (the launcher allows it on CUDA)
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.module = model.to(device)
+        self.module = model if on_meta_device(model) else model.to(device)  # meta: storage after sharding
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
         self.sharded = config.shard == "full"
         """FSDP2 instead of DDP: self.module and self.model are then one sharded module (train.sharding)."""
