@@ -4,7 +4,8 @@ every rank's optimizer state (optimizer_state_mb) and the throughput, at each --
 
 The default task is benchmarks/tasks.py's wide regression MLP (1024-4096-1024-1024, 9.4 M parameters) with
 512 samples, so that the data set (built with the model, after the baseline) stays out of the figure;
-`--task benchmarks/tasks.py:deep_regression` is the same parameter count in nine equal layers.
+`--task benchmarks/tasks.py:deep_regression` is the same parameter count in nine equal layers, and with
+`--task-arg samples=512 --task-arg layers=24` 25 M parameters in 4 MB units (docs/benchmarks.md).
 
 On a CPU the figure is the peak resident set, so it holds what glibc keeps of freed memory too: --shard full
 fixes glibc's mmap threshold (train/sharding.return_freed_memory), the other modes keep glibc's default.

@@ -15,13 +15,15 @@ BIG = (1024, 4096, 4096, 1024)
 """25 M parameters: a checkpoint with AdamW's moments of about 300 MB (benchmarks/checkpoint_blocking.py)."""
 
 
-DEEP = (1024,) * 10
-"""The wide MLP's parameter count (9.4 M) in nine equal 1024x1024 layers: the same state, nine FSDP units of 4 MB
-instead of three of which one holds 44% of the weights (benchmarks/shard_cost.py)."""
+DEEP_LAYERS = 9
+"""deep_regression's default: the wide MLP's parameter count (9.4 M) in nine equal 1024x1024 layers, the same
+state in nine FSDP units of 4 MB instead of three of which one holds 44% of the weights
+(benchmarks/shard_cost.py)."""
 
 
-def deep_regression(samples: int = 8192) -> Task:
-    return wide_regression(samples, widths=DEEP)
+def deep_regression(samples: int = 8192, layers: int = DEEP_LAYERS) -> Task:
+    """`--task-arg layers=24`: BIG's parameter count (25 M) in 4 MB units."""
+    return wide_regression(samples, widths=(1024,) * (layers + 1))
 
 
 def big_regression(samples: int = 1024) -> Task:
