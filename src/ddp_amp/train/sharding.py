@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -113,6 +114,21 @@ def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device, 
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def shard_task_model(module: nn.Module, shard_units, device: torch.device,
+                     compile: bool = False) -> tuple[nn.Module, nn.Module, dict[str, int]]:
+    """--shard full: (the module itself sharded, a meta-device skeleton of it taken before, its FSDP units by
+    class). Where any rank built its model on the meta device, rank 0's weights are handed out after sharding."""
+    shell, units = skeleton(module), unit_rule(module, shard_units)
+    by_class = dict(Counter(type(unit).__name__ for unit in units))  # before fully_shard renames the classes
+    from_rank0 = built_on_meta_anywhere(module, device)
+    # Rank 0's whole tensors, kept alive past sharding until they are handed out; {} elsewhere.
+    rank0_state = module.state_dict() if from_rank0 and torch.distributed.get_rank() == 0 else {}
+    sharded = shard_fully(module, units, device, compile=compile)
+    if from_rank0:
+        take_rank0_weights(sharded, rank0_state, device)
+    return sharded, shell, by_class
 
 
 def on_meta_device(model: nn.Module) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import signal
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,17 +41,7 @@ from ddp_amp.train.optim import (
 )
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
-from ddp_amp.train.sharding import (
-    built_on_meta_anywhere,
-    full_state,
-    load_full_state,
-    on_meta_device,
-    plain_model,
-    shard_fully,
-    skeleton,
-    take_rank0_weights,
-    unit_rule,
-)
+from ddp_amp.train.sharding import full_state, load_full_state, on_meta_device, plain_model, shard_task_model
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
 
@@ -90,15 +79,7 @@ def wrap_model(module: torch.nn.Module, config: TrainConfig, device: torch.devic
     units, or under --shard full the module itself sharded and a meta-device copy of it taken before."""
     if config.shard != "full":
         return wrap_ddp(module, config, device), None, {}
-    shell, units = skeleton(module), unit_rule(module, task.shard_units)
-    by_class = dict(Counter(type(unit).__name__ for unit in units))  # before fully_shard renames the classes
-    from_rank0 = built_on_meta_anywhere(module, device)
-    # Rank 0's whole tensors, kept alive past sharding until they are handed out; {} elsewhere.
-    rank0_state = module.state_dict() if from_rank0 and dist.get_rank() == 0 else {}
-    sharded = shard_fully(module, units, device, compile=config.compile)
-    if from_rank0:
-        take_rank0_weights(sharded, rank0_state, device)
-    return sharded, shell, by_class
+    return shard_task_model(module, task.shard_units, device, compile=config.compile)
 
 
 def rank_data(task: Task, config: TrainConfig, env: DistEnv, device: torch.device) -> RankData | IterableRankData:
