@@ -18,8 +18,8 @@ PYTEST_ARGS ?=
 help:
 	@echo "make install    create $(VENV) and install ddp-amp with torch ($(if $(HAS_GPU),CUDA,CPU) build) and dev tools"
 	@echo "make run        a real $(NPROC)-rank DDP + AMP training run (runs/<timestamp>)"
-	@echo "make test       the whole test suite, slow multi-process tests included"
-	@echo "make test-fast  the tests not marked slow"
+	@echo "make test       every tier: tests/unit, tests/system (real ranks), tests/cluster (root: namespaces, Slurm)"
+	@echo "make test-fast  tests/unit: in-process, no rank process (about a minute)"
 	@echo "make lint       ruff"
 	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression"
 
@@ -43,7 +43,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
@@ -68,7 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint_blocking.py --repeats 3
 	$(BIN)/python benchmarks/max_batch_shard.py
 	$(BIN)/python benchmarks/micro_batch_auto.py --repeats 3 --task wide --batch-size 128 --steps 60
-	$(BIN)/ddp-amp bench --device cpu --amp off --max-batch --task tests/helper_tasks.py:activation_heavy \
+	$(BIN)/ddp-amp bench --device cpu --amp off --max-batch --task tests/tasks/helper_tasks.py:activation_heavy \
 		--max-memory 1 --batch-size 512
 	$(BIN)/ddp-amp bench --device auto --repeats 3
 	$(BIN)/ddp-amp bench --device auto --amp off --compile both --repeats 3

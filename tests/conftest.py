@@ -10,18 +10,63 @@ from pathlib import Path
 
 import pytest
 
-HELPER_TASKS = Path(__file__).with_name("helper_tasks.py")
+TESTS = Path(__file__).resolve().parent
+TASKS = TESTS / "tasks"
+"""Tasks the tests train, each file loaded by the ranks through `--task path/to/file.py:factory` like a user's own:
+helper_tasks.py (shaped for one behaviour each) and user_tasks.py (shaped as users write them)."""
+HELPER_TASKS = TASKS / "helper_tasks.py"
+USER_TASKS = TASKS / "user_tasks.py"
+BENCHMARK_TASKS = TESTS.parent / "benchmarks" / "tasks.py"
+sys.path.insert(0, str(TASKS))  # so that tests can import what a task file exports (its constants, its classes)
+
+TIERS = {"unit": (), "system": ("slow",), "cluster": ("slow",)}
+"""The folder a test sits in is its tier; a system or cluster test starts real ranks and is also `slow`, so
+`-m "not slow"` and `tests/unit` select the same tests."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
+        for mark in (tier, *TIERS.get(tier, ())):
+            item.add_marker(mark)
 
 # --amp auto's measured answers go to a cache of this test session's own, not the user's ~/.cache: every run of
 # one task at one thread count in the session then trains in the same precision.
 os.environ["DDP_AMP_CACHE_DIR"] = tempfile.mkdtemp(prefix="ddp-amp-test-cache-")
 
 
-def run_cli(*args: str, timeout: float = 180, cwd: Path | None = None, env: dict | None = None):
-    """`python -m ddp_amp ARGS` in a subprocess, as a user would run it; output captured."""
+def run_cli(*args: str, timeout: float = 180, cwd: Path | None = None, env: dict | None = None,
+            own_session: bool = False):
+    """`python -m ddp_amp ARGS` in a subprocess, as a user would run it; output captured. `own_session`: in a
+    session and process group of its own, as `setsid` starts it (a task that signals its whole group must not
+    reach pytest)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ddp_amp", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=full_env)
+                          timeout=timeout, cwd=cwd, env=full_env, start_new_session=own_session)
+
+
+SGD_FP32 = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
+            "--steps", "20", "--seed", "3", "--log-every", "5"]
+"""A short fp32 SGD run: its result is exact enough to compare across launchers and rank counts."""
+
+
+def launch(run_dir: Path, *args: str, command: str = "spawn", nproc: int = 2, env: dict | None = None,
+           timeout: float = 300, own_session: bool = False, check: bool = False):
+    """One training launch as a user types it: `ddp-amp COMMAND -n NPROC ARGS --run-dir RUN_DIR`, waited for and
+    its output captured (run_cli). `check`: fail the test unless it exits 0."""
+    result = run_cli(command, "-n", str(nproc), *args, "--run-dir", str(run_dir), timeout=timeout, env=env,
+                     own_session=own_session)
+    if check:
+        assert_ok(result)
+    return result
+
+
+def assert_weights_close(a: dict, b: dict, rtol: float) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=rtol * b[key].abs().max().item())
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -24,7 +24,7 @@ def optimizer_impl(config: TrainConfig, precision: Precision) -> str:
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, impl: str = "loop") -> torch.optim.Optimizer:
     """The optimizer over the trainable parameters; under --shard optimizer a ZeroRedundancyOptimizer, whose
     rank keeps and updates the state of its share of them. Its step uses the same all-reduced gradients and the
-    same update: the weights are bit for bit --shard none's (tests/test_shard.py), and its consolidated
+    same update: the weights are bit for bit --shard none's (tests/system/test_shard.py), and its consolidated
     state_dict has the plain optimizer's format, so checkpoints pass between the modes and world sizes."""
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
     # Frozen parameters (requires_grad=False) stay out: no state for them, and weight decay never moves them.

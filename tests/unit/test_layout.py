@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "src" / "ddp_amp"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "ddp_amp"
 
 FLOORS = [
     ("ddp_amp.__main__", "ddp_amp.cli"),

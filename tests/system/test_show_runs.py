@@ -8,7 +8,10 @@ import pytest
 
 from ddp_amp.files import DirectoryLock
 
-from conftest import assert_ok, run_cli
+from conftest import (
+    assert_ok,
+    run_cli,
+)
 
 
 def show(*args, columns=200):
@@ -25,7 +28,6 @@ def two_runs(tmp_path_factory):
     return root / "fast", root / "slow", root / "slowest-of-the-three"
 
 
-@pytest.mark.slow
 def test_two_runs_side_by_side_with_their_differences_and_a_plot(two_runs, tmp_path):
     plot = tmp_path / "runs.png"
     result = show(*two_runs[:2], "--plot", plot)
@@ -38,7 +40,6 @@ def test_two_runs_side_by_side_with_their_differences_and_a_plot(two_runs, tmp_p
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
 def test_a_run_in_progress_is_shown_with_what_it_has_so_far(two_runs, tmp_path):
     running = tmp_path / "running"
     running.mkdir()
@@ -54,21 +55,6 @@ def test_a_run_in_progress_is_shown_with_what_it_has_so_far(two_runs, tmp_path):
     assert "in progress" in result.stdout and "6/12" in result.stdout
 
 
-@pytest.mark.parametrize("make", ["missing", "file", "not_a_run"])
-def test_what_is_not_a_run_dir_is_one_line_exit_2(tmp_path, make):
-    path = tmp_path / make
-    if make == "file":
-        path.write_text("x")
-    elif make == "not_a_run":
-        path.mkdir()
-    result = show(path)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ddp-amp: error: show: ") and str(path) in lines[0]
-    assert "Traceback" not in result.stderr and result.stdout == ""
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("width", [80, 100, 140])
 def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
     """Rendered as a terminal of that width renders it: each run's samples/s and final loss appear in full,
@@ -89,16 +75,3 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
         assert f"{run.summary['final_loss']:.4f}" in text
     result = show(*two_runs, columns=width)  # the command itself, at that width
     assert result.returncode == 0 and "…" not in result.stdout, result.stdout
-
-
-def test_an_option_an_older_run_lacks_is_shown_as_not_recorded():
-    from pathlib import Path
-
-    from ddp_amp.results.runs import Run, config_differences
-
-    older = Run(Path("older"), {"lr": 0.003, "run_dir": "older"}, {}, [], "finished")
-    newer = Run(Path("newer"), {"lr": 0.003, "flush_denormal": "auto", "max_memory": None, "run_dir": "newer"}, {},
-                [], "finished")
-    assert config_differences([older, newer]) == {"flush_denormal": ["(not recorded)", "auto"],
-                                                  "max_memory": ["(not recorded)", None]}
-    assert config_differences([newer, newer]) == {}

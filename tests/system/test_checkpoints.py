@@ -1,24 +1,27 @@
 """Checkpoints outside the one-writer, same-world-size case: --overwrite over a longer run, a resume on another
 world size (every sample once, the schedule's end kept), and a run that diverges."""
 
-import os
-import subprocess
-import sys
+import functools
 from collections import Counter
 
 import pytest
 import torch
 
-from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
+from conftest import (
+    HELPER_TASKS,
+    assert_ok,
+    last_line,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow
 
 
-def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A launch in a session of its own (a helper task may signal its whole process group)."""
-    return subprocess.run([sys.executable, "-m", "ddp_amp", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})}, start_new_session=True)
+own_session_cli = functools.partial(run_cli, timeout=300, own_session=True)
+"""A launch in a session of its own (a helper task may signal its whole process group)."""
 
 
 def checkpoint_names(run_dir) -> list[str]:
@@ -31,10 +34,10 @@ def test_overwrite_starts_clean_and_the_advice_after_a_stop_works(tmp_path):
     task = ["--device", "cpu", "--task", f"{HELPER_TASKS}:records_indices", "--checkpoint-every", "10",
             "--keep", "2", "--log-every", "5", "--run-dir", str(run_dir)]
     env = {"DDP_AMP_TEST_INDEX_LOG": str(indices), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
-    assert_ok(launch("spawn", "-n", "2", *task, "--steps", "60", env=env))
+    assert_ok(own_session_cli("spawn", "-n", "2", *task, "--steps", "60", env=env))
     assert checkpoint_names(run_dir) == ["step-50.pt", "step-60.pt"]
     # A shorter run over it, stopped by SIGTERM to its process group in its 15th step.
-    stopped = launch("spawn", "-n", "2", *task, "--steps", "40", "--overwrite",
+    stopped = own_session_cli("spawn", "-n", "2", *task, "--steps", "40", "--overwrite",
                      env={**env, "DDP_AMP_TEST_STOP_AT": "15"})
     assert stopped.returncode == 143, stopped.stderr
     step = read_summary(run_dir)["stopped_at_step"]
@@ -46,7 +49,7 @@ def test_overwrite_starts_clean_and_the_advice_after_a_stop_works(tmp_path):
     assert not (run_dir / "model.pt").exists()
     advice = last_line(stopped.stderr).split("(continue with ", 1)[1].rstrip(")").split()
     assert advice == ["--resume", "auto", "--run-dir", str(run_dir)]
-    resumed = launch("spawn", "-n", "2", *task[:-2], "--steps", "40", *advice, env=env)  # the advice, pasted
+    resumed = own_session_cli("spawn", "-n", "2", *task[:-2], "--steps", "40", *advice, env=env)  # the advice, pasted
     assert_ok(resumed)
     summary = read_summary(run_dir)
     assert summary["resumed_from_step"] == step and summary["steps"] == 40
@@ -75,12 +78,13 @@ def test_a_resume_on_another_world_size_trains_every_sample_once_and_keeps_the_s
     env = {"DDP_AMP_TEST_INDEX_LOG": str(logs["resized"]), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
     # Two ranks, stopped in their 8th step (epoch 1 of 0..2: 6 steps an epoch), then continued by three (what is
     # left of the epoch, a multiple of 16 samples, may not divide by three: nothing is padded all the same).
-    stopped = launch("spawn", "-n", "2", *common, "--run-dir", str(run), env={**env, "DDP_AMP_TEST_STOP_AT": "8"})
+    stopped = own_session_cli("spawn", "-n", "2", *common, "--run-dir", str(run),
+                              env={**env, "DDP_AMP_TEST_STOP_AT": "8"})
     assert stopped.returncode == 143, stopped.stderr
-    resumed = launch("spawn", "-n", "3", *common, "--resume", "auto", "--run-dir", str(run), env=env)
+    resumed = own_session_cli("spawn", "-n", "3", *common, "--resume", "auto", "--run-dir", str(run), env=env)
     assert_ok(resumed)
     assert "written by 2 ranks, continued by 3: the global batch goes from 16 to 24 samples" in resumed.stderr
-    assert_ok(launch("spawn", "-n", "3", *common, "--run-dir", str(reference),
+    assert_ok(own_session_cli("spawn", "-n", "3", *common, "--run-dir", str(reference),
                      env={"DDP_AMP_TEST_INDEX_LOG": str(logs["reference"])}))
     seen = Counter(int(line) for path in logs["resized"].iterdir() for line in path.read_text().split())
     assert seen == {index: epochs for index in range(INDEXED_SAMPLES)}, "a sample was skipped or repeated"

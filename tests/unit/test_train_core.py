@@ -26,7 +26,6 @@ class Recorder:
         self.records.append(record)
 
 
-
 def norms_handed_to_the_optimizer(trainer) -> list[float]:
     """A list that fills, as the trainer runs, with the norm of the gradients each optimizer step is handed."""
     norms = []

@@ -2,29 +2,35 @@
 none's bit for bit, FSDP's within 1e-5; the optimizer state is divided between the ranks, and checkpoints pass
 between modes and world sizes."""
 
-import os
+import functools
 import re
 import shutil
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
+from conftest import (
+    BENCHMARK_TASKS,
+    HELPER_TASKS,
+    USER_TASKS,
+    assert_ok,
+    last_line,
+    launch,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow
-USER_TASKS = HELPER_TASKS.with_name("user_tasks.py")
 ARGS = ["--device", "cpu", "--task", "mlp-wide", "--amp", "off", "--optimizer", "adamw", "--batch-size", "16",
         "--log-every", "10"]
 
 
 def train(run_dir, *extra, nproc=2):
-    result = run_cli("spawn", "-n", str(nproc), *ARGS, "--run-dir", str(run_dir), *extra, timeout=300)
-    assert_ok(result)
+    launch(run_dir, *ARGS, *extra, nproc=nproc, check=True)
     return read_summary(run_dir)
 
 
@@ -145,10 +151,8 @@ def test_a_sharded_checkpoint_continues_on_another_world_size(tmp_path):
     assert len(summary["optimizer_state_mb"]) == 3 and min(summary["optimizer_state_mb"]) > 0
 
 
-def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A launch in a session of its own (the helper task signals its whole process group)."""
-    return subprocess.run([sys.executable, "-m", "ddp_amp", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})}, start_new_session=True)
+own_session_cli = functools.partial(run_cli, timeout=300, own_session=True)
+"""A launch in a session of its own (the helper task signals its whole process group)."""
 
 
 @pytest.mark.parametrize("mode, checkpoint_format", [("full", "single"), ("full", "sharded"),
@@ -166,12 +170,12 @@ def test_a_sharded_run_goes_from_2_to_4_ranks_and_back_and_trains_each_sample_on
     env = {"DDP_AMP_TEST_INDEX_LOG": str(indices), "DDP_AMP_TEST_STEP_SLEEP": "0.05"}
     stops = []
     for nproc, stop_at in ((2, "3"), (4, "2")):  # 30 steps of 2 ranks; the stops land a few steps after the signal
-        stopped = launch("spawn", "-n", str(nproc), *common, *(["--resume", "auto"] if stops else []),
+        stopped = own_session_cli("spawn", "-n", str(nproc), *common, *(["--resume", "auto"] if stops else []),
                          env={**env, "DDP_AMP_TEST_STOP_AT": stop_at})
         assert stopped.returncode == 143, stopped.stderr
         stops.append(read_summary(run_dir)["stopped_at_step"])
     assert read_summary(run_dir)["world_size"] == 4
-    assert_ok(launch("spawn", "-n", "2", *common, "--resume", "auto", env=env))
+    assert_ok(own_session_cli("spawn", "-n", "2", *common, "--resume", "auto", env=env))
     seen = Counter(int(line) for path in indices.iterdir() for line in path.read_text().split())
     assert seen == {index: epochs for index in range(INDEXED_SAMPLES)}, "a sample was skipped or repeated"
     summary = read_summary(run_dir)
@@ -299,7 +303,7 @@ def test_fully_sharded_training_holds_less_memory_than_ddp(tmp_path):
     """The wide regression MLP at 2 ranks: rank 0's training state (peak RSS less the baseline) under full is
     below 0.8 of none's (0.65 measured). Without the fixed mmap threshold it was twice none's: freed all-gather
     buffers stayed in the heap."""
-    task = ["--task", f"{HELPER_TASKS.parent.parent / 'benchmarks' / 'tasks.py'}:wide_regression", "--task-arg",
+    task = ["--task", f"{BENCHMARK_TASKS}:wide_regression", "--task-arg",
             "samples=512"]
     state = {}
     for mode in ("none", "full"):

@@ -14,21 +14,25 @@ import torch
 
 from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint
 
-from conftest import HELPER_TASKS, assert_ok, read_metrics, read_summary
+from conftest import (
+    USER_TASKS,
+    assert_ok,
+    launch,
+    read_metrics,
+    read_summary,
+)
 
 pytestmark = pytest.mark.slow
-USER_TASKS = HELPER_TASKS.with_name("user_tasks.py")
 # 3.6 M parameters: a 43 MB checkpoint with AdamW's moments, whose pickling, write and fsync outlast a step.
 HEAVY = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:sized", "--task-arg", "width=400000",
          "--batch-size", "1"]
 
 
 def spawn(run_dir, *args, wait: bool = True):
-    command = [sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *args, "--log-format", "plain", "--run-dir",
-               str(run_dir)]
     if wait:
-        return subprocess.run(command, capture_output=True, text=True, timeout=300, start_new_session=True)
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        return launch(run_dir, *args, "--log-format", "plain", own_session=True)
+    return subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *args, "--log-format", "plain",
+                             "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 

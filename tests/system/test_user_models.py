@@ -12,11 +12,18 @@ import torch
 
 from ddp_amp.checkpoint.sharded import read_model
 
-from conftest import assert_ok, last_line, load_weights, read_summary, run_cli
+from conftest import (
+    USER_TASKS,
+    assert_ok,
+    last_line,
+    launch,
+    load_weights,
+    read_summary,
+    run_cli,
+)
 
 pytestmark = pytest.mark.slow
 
-USER_TASKS = Path(__file__).with_name("user_tasks.py")
 FP32_SGD = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
             "--seed", "4"]
 
@@ -26,7 +33,7 @@ def task(name: str) -> str:
 
 
 def spawn(run_dir, *args, env=None, nproc=2):
-    return run_cli("spawn", "-n", str(nproc), *FP32_SGD, *args, "--run-dir", str(run_dir), env=env)
+    return launch(run_dir, *FP32_SGD, *args, env=env, nproc=nproc)
 
 
 def trained_indices(log_dir: Path) -> list[int]:

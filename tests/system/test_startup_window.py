@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MARK_VAR, last_line, read_summary, run_processes
+from conftest import (
+    MARK_VAR,
+    last_line,
+    read_summary,
+    run_processes,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,13 @@ import torch.distributed.checkpoint as dcp
 
 from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
 
-from conftest import HELPER_TASKS, assert_ok, read_summary, run_cli
+from conftest import (
+    HELPER_TASKS,
+    assert_ok,
+    launch,
+    read_summary,
+    run_cli,
+)
 
 pytestmark = pytest.mark.slow
 ARGS = ["--device", "cpu", "--task", "mlp", "--amp", "off", "--optimizer", "adamw", "--batch-size", "16",
@@ -23,8 +29,7 @@ ARGS = ["--device", "cpu", "--task", "mlp", "--amp", "off", "--optimizer", "adam
 
 
 def train(run_dir, *extra, nproc=2):
-    result = run_cli("spawn", "-n", str(nproc), *ARGS, "--run-dir", str(run_dir), *extra, timeout=300)
-    assert_ok(result)
+    launch(run_dir, *ARGS, *extra, nproc=nproc, check=True)
     return read_summary(run_dir)
 
 

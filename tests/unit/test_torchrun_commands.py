@@ -3,17 +3,12 @@
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from ddp_amp.cli import main
-
-from conftest import assert_ok, last_line, load_weights, read_summary, run_cli
-from test_spawn import SGD_FP32, assert_weights_close
 
 BAD_INPUTS = [
     (["multinode", "--nnodes", "0", "--endpoint", "127.0.0.1:29400"], "--nnodes"),
@@ -139,109 +134,6 @@ def test_emit_slurm_writes_a_script_and_launches_nothing(tmp_path, capsys):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
-STUB_SRUN = """#!/bin/bash
-# Stands in for srun on one machine: starts the command once per "node" of the allocation, locally.
-while [[ "$1" == --* ]]; do shift; done
-pids=()
-for ((node = 0; node < SLURM_NNODES; node++)); do
-  SLURM_NODEID=$node "$@" > "$STUB_LOG.node$node" 2>&1 &
-  pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit $status
-"""
-STUB_SCONTROL = """#!/bin/bash
-if [ "$1 $2" = "show hostnames" ]; then for ((i = 0; i < SLURM_NNODES; i++)); do echo localhost; done; fi
-if [ "$1" = "requeue" ]; then echo "requeue $2" >> "$STUB_LOG.scontrol"; fi
-"""
-
-
-@pytest.mark.slow
-def test_the_slurm_script_runs_every_node(tmp_path, capsys):
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL)):
-        (stubs / name).write_text(text)
-        (stubs / name).chmod(0o755)
-    script, run_dir = tmp_path / "job.sbatch", tmp_path / "run"
-    with pytest.raises(SystemExit):
-        main(["multinode", "--nnodes", "2", "--endpoint", f"node0:{closed_port()}", "--device", "cpu", "--steps",
-              "20", "--checkpoint-every", "10", "--task", "linear", "--run-dir", str(run_dir),
-              "--emit-slurm", str(script)])
-    env = {**os.environ, "PATH": f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
-           "STUB_LOG": str(tmp_path / "log")}
-    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
-    logs = "\n".join(p.read_text() for p in tmp_path.glob("log.node*"))
-    assert result.returncode == 0, result.stderr + logs
-    summary = read_summary(run_dir)
-    assert summary["world_size"] == 2 and summary["steps"] == 20
-    assert load_weights(run_dir) and sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == \
-        ["step-10.pt", "step-20.pt"]
-    assert not (tmp_path / "log.scontrol").exists()  # finished: nothing requeued
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_unreachable_endpoint_fails_fast_with_one_line(tmp_path):
-    result = run_cli("multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{closed_port()}", "--no-is-host",
-                     "--rdzv-timeout", "3", "--device", "cpu", "--run-dir", str(tmp_path / "r"), timeout=60)
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "could not be reached within 3s" in lines[0], result.stderr
-    assert not (tmp_path / "r").exists()
-
-
-@pytest.mark.slow
-def test_two_runs_started_together_do_not_collide_and_match_spawn(tmp_path):
-    # Two torchrun jobs at once (each its own loopback rendezvous store on a kernel-chosen port), then spawn.
-    commands = [[sys.executable, "-m", "ddp_amp", "run", "--nproc-per-node", "2", *SGD_FP32, "--batch-size", "16",
-                 "--run-dir", str(tmp_path / name)] for name in ("a", "b")]
-    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
-    for job in jobs:
-        _, err = job.communicate(timeout=240)
-        assert job.returncode == 0, err
-    assert_ok(run_cli("spawn", "--gpus", "2", *SGD_FP32, "--batch-size", "16", "--run-dir", str(tmp_path / "spawn")))
-    assert read_summary(tmp_path / "a")["world_size"] == read_summary(tmp_path / "b")["world_size"] == 2
-    assert_weights_close(load_weights(tmp_path / "a"), load_weights(tmp_path / "spawn"), rtol=1e-6)
-    assert_weights_close(load_weights(tmp_path / "b"), load_weights(tmp_path / "spawn"), rtol=1e-6)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("nnodes", ["2", "2:3"])
-def test_multinode_on_one_machine(tmp_path, nnodes):
-    """2:3 and no third node: once two have joined and the last call has passed, the job runs with two."""
-    port = closed_port()
-    commands = [[sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", nnodes, "--nproc-per-node", "1",
-                 "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--steps", "20", "--rdzv-last-call", "1",
-                 "--run-dir", str(tmp_path / name)] for name in ("a", "b")]
-    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
-    for job in jobs:
-        _, err = job.communicate(timeout=240)
-        assert job.returncode == 0, err
-    assert read_summary(tmp_path / "a")["world_size"] == read_summary(tmp_path / "b")["world_size"] == 2
-    assert (tmp_path / "a" / "model.pt").read_bytes() == (tmp_path / "b" / "model.pt").read_bytes()
-
-
-@pytest.mark.slow
-def test_a_killed_worker_is_restarted(tmp_path, helper_task):
-    result = run_cli("run", "--nproc-per-node", "2", "--max-restarts", "1", "--device", "cpu", "--task",
-                     helper_task("killed_once"), "--steps", "10", "--log-every", "5", "--run-dir", str(tmp_path),
-                     timeout=240)
-    assert_ok(result)
-    assert read_summary(tmp_path)["steps"] == 10 and read_summary(tmp_path)["restarts"] == 1
-    assert [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()].__len__() == 2
-    verdict = last_line(result.stderr)
-    assert verdict.startswith("ddp-amp: recovered after 1 restart: rank 1 died with SIGKILL")
-    assert verdict.endswith("; restarted from the beginning (no checkpoint)"), result.stderr
-
-
 def own_global_ipv4() -> str:
     """A non-loopback IPv4 address of this machine (using it sends nothing anywhere: it is our own)."""
     try:
@@ -298,19 +190,6 @@ def test_tf32_is_a_training_option_of_every_launcher(tmp_path, capsys):
               "--run-dir", str(tmp_path)])
     assert exit_info.value.code == 0
     assert json.loads((tmp_path / "config.json").read_text())["tf32"] == "off"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("task", "expected"), [
-    ("fail_on_rank1", "rank 1 failed: ValueError: injected failure at step 5"),
-    ("killed_once", "rank 1 died with SIGKILL"),  # no restart allowed: the first death ends the job
-])
-def test_a_failing_run_names_the_rank_that_failed_first(tmp_path, helper_task, task, expected):
-    result = run_cli("run", "-n", "2", "--device", "cpu", "--task", helper_task(task), "--steps", "20",
-                     "--run-dir", str(tmp_path), timeout=180)
-    assert result.returncode == 1, result.stderr
-    verdict = last_line(result.stderr)
-    assert verdict.startswith(f"ddp-amp: error: {expected} (the agent's log: "), result.stderr
 
 
 def test_a_rank_killed_without_raising_is_the_cause_whatever_failed_first(tmp_path):
@@ -483,19 +362,6 @@ def test_releasing_workers_never_hangs_on_a_sleeper_that_was_killed():
     os.kill(sleeper.pid, signal.SIGKILL)
     sleeper.join()
     assert release_waiting_workers(_ContextAsTorchHasIt(), event) is False  # returned: did not hang
-
-
-@pytest.mark.slow
-def test_a_finished_rank_leaves_at_the_agents_sigterm_when_a_peer_dies_after_training(tmp_path, helper_task):
-    """Rank 1 has finished and waits in torch's wrapper when rank 0 dies in its evaluation: the agent's SIGTERM
-    must let rank 1 go at once (without, torch SIGKILLs it 30 s later, and then hung for ever in the close)."""
-    result = run_cli("run", "--nproc-per-node", "2", "--max-restarts", "1", "--device", "cpu", "--task",
-                     helper_task("dies_in_evaluation_once"), "--steps", "4", "--run-dir", str(tmp_path),
-                     timeout=240)
-    assert_ok(result)
-    assert "forcefully exiting via SIGKILL" not in result.stderr, result.stderr
-    assert read_summary(tmp_path)["restarts"] == 1
-    assert read_summary(tmp_path)["eval"] == {"evaluated": 1.0}
 
 
 @pytest.mark.parametrize("context_class", [_ContextWithoutTheEvent, _ContextWithOtherParameters, object])

@@ -7,7 +7,15 @@ import json
 import pytest
 import torch
 
-from conftest import assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
+from conftest import (
+    assert_ok,
+    last_line,
+    launch,
+    load_weights,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
 from helper_tasks import OOM_ABOVE
 
 pytestmark = pytest.mark.slow
@@ -16,8 +24,7 @@ REGRESSION = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--schedu
               "--batch-size", "32", "--log-every", "3", "--log-format", "plain"]
 
 
-def spawn(run_dir, *args):
-    return run_cli("spawn", "-n", "2", *args, "--run-dir", str(run_dir))
+spawn = launch
 
 
 def assert_weights_close(a: dict, b: dict) -> None:

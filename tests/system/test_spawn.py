@@ -1,5 +1,6 @@
 """Real multi-process runs through `ddp-amp spawn` on CPU: 2-rank gloo groups, real files."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -9,25 +10,22 @@ import torch
 
 from ddp_amp.train.schedule import closed_form_lr
 
-from conftest import assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
+from conftest import (
+    SGD_FP32,
+    assert_ok,
+    assert_weights_close,
+    last_line,
+    launch,
+    load_weights,
+    read_metrics,
+    read_summary,
+    run_cli,
+)
 from helper_tasks import DRAWS_DIR_VAR, EVALUATION_BYTES, RECORDED_DRAWS
 
 pytestmark = pytest.mark.slow
 
-SGD_FP32 = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
-            "--steps", "20", "--seed", "3", "--log-every", "5"]
-
-
-def spawn(run_dir, *args, nproc=2):
-    result = run_cli("spawn", "-n", str(nproc), *args, "--run-dir", str(run_dir))
-    assert_ok(result)
-    return result
-
-
-def assert_weights_close(a: dict, b: dict, rtol: float) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=rtol * b[key].abs().max().item())
+spawn = functools.partial(launch, check=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,112 @@
+"""`ddp-amp bench`: real interleaved AMP off/on launches on CPU, their JSON, their table."""
+
+import json
+import re
+
+import pytest
+
+from conftest import (
+    assert_ok,
+    run_cli,
+)
+
+
+@pytest.fixture(scope="module")
+def bench_both(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    result = run_cli("bench", "--amp", "both", "--steps", "5", "--warmup", "2", "--repeats", "2", "--nproc", "2",
+                     "--device", "cpu", "--task", "mlp", "--json", str(tmp / "out.json"), "--run-dir",
+                     str(tmp / "runs"), env={"COLUMNS": "160"}, timeout=300)
+    assert_ok(result)
+    return json.loads((tmp / "out.json").read_text()), result
+
+
+def test_json_holds_both_precisions_with_every_ranks_step_times(bench_both):
+    report, _ = bench_both
+    precisions = report["precisions"]
+    assert set(precisions) == {"fp32", "bf16"}
+    for entry in precisions.values():
+        assert len(entry["repeats"]) == 2
+        for repeat in entry["repeats"]:
+            assert set(repeat["step_s"]) == {"0", "1"}
+            assert all(len(times) == 5 for times in repeat["step_s"].values())
+        pooled = sorted(t for r in entry["repeats"] for times in r["step_s"].values() for t in times)
+        assert entry["step_s_median"] == pytest.approx((pooled[9] + pooled[10]) / 2)
+        assert entry["step_s_p90"] >= entry["step_s_median"]
+        assert entry["samples_per_s"] > 0 and entry["peak_memory_mb"] > 0 and entry["final_loss"] > 0
+    speedup = report["speedup"]
+    assert speedup["amp"] == "bf16"
+    assert speedup["median"] == pytest.approx(precisions["fp32"]["step_s_median"] / precisions["bf16"]["step_s_median"])
+    assert len(speedup["per_repeat"]) == 2
+    assert "relative_difference" in report["loss_agreement"]
+    env = report["environment"]
+    assert env["world_size"] == 2 and env["backend"] == "gloo" and "torch" in env and "cpu_native_bf16" in env
+    assert env["threads_per_rank"] >= 1 and isinstance(env["cpu_flags"], list)
+
+
+def test_table_shows_both_rows_and_the_speedup(bench_both):
+    report, result = bench_both
+    rows = [line for line in result.stdout.splitlines() if line.strip("│ ").startswith(("fp32", "bf16"))]
+    assert len(rows) == 2
+    assert f"speedup bf16 over fp32: {report['speedup']['median']:.2f}x" in result.stdout
+
+
+def test_warmup_is_not_timed(tmp_path, helper_task):
+    result = run_cli("bench", "--amp", "off", "--steps", "6", "--warmup", "3", "--repeats", "1", "--nproc", "2",
+                     "--device", "cpu", "--task", helper_task("slow_start"), "--json", str(tmp_path / "o.json"),
+                     "--run-dir", str(tmp_path / "runs"))
+    assert_ok(result)
+    entry = json.loads((tmp_path / "o.json").read_text())["precisions"]["fp32"]
+    assert entry["step_s_median"] < 0.1  # the three 0.5 s warm-up steps are not in it
+    assert max(t for times in entry["repeats"][0]["step_s"].values() for t in times) < 0.4
+
+
+def test_the_precisions_are_interleaved(bench_both):
+    """fp32 and AMP take turns (a drift of the shared machine hits both alike), not all of one, then the other."""
+    _, result = bench_both
+    order = re.findall(r"^bench: \d+/4 (\S+) repeat (\d+):", result.stderr, flags=re.MULTILINE)
+    assert order == [("fp32", "1"), ("bf16", "1"), ("fp32", "2"), ("bf16", "2")], result.stderr
+
+
+@pytest.mark.parametrize("flush", ["off", "auto"])
+def test_bench_finds_subnormal_activations_unless_they_are_flushed(tmp_path, helper_task, flush):
+    out = tmp_path / "bench.json"
+    result = run_cli("bench", "--device", "cpu", "--amp", "off", "--task", helper_task("subnormal_activations"),
+                     "--steps", "3", "--warmup", "1", "--repeats", "1", "--nproc", "2", "--flush-denormal", flush,
+                     "--run-dir", str(tmp_path / "runs"), "--json", str(out))
+    assert_ok(result)
+    report = json.loads(out.read_text())
+    fp32 = report["precisions"]["fp32"]
+    assert fp32["flush_denormal"] is (flush == "auto") and report["environment"]["flush_denormal"] is (flush == "auto")
+    if flush == "off":
+        share = fp32["subnormal_fraction"]["activations"]
+        assert share > 0.5  # the frozen layer's outputs all are, the trained layer's most
+        note = f"fp32: {share:.1%} of the activations were subnormal (below 1.2e-38)"
+        assert any(line.startswith(note) for line in report["notes"])
+        assert note in " ".join(result.stdout.split())
+    else:
+        assert fp32["subnormal_fraction"]["activations"] == 0.0
+        assert not any("were subnormal" in note for note in report["notes"])
+
+
+def test_shard_modes_are_interleaved_and_compared_with_the_first(tmp_path):
+    """bench --shard none,full: both launched in every round, the table and JSON are none's, and full is given
+    as ratios to it per interleaved pair: throughput, and rank 0's training-state memory (peak less baseline),
+    with each rank's optimizer state (FSDP: half of DDP's on each of 2 ranks)."""
+    out = tmp_path / "out.json"
+    result = run_cli("bench", "--amp", "off", "--shard", "none,full", "--steps", "4", "--warmup", "2", "--repeats",
+                     "2", "--nproc", "2", "--device", "cpu", "--task", "mlp-wide", "--json", str(out), "--run-dir",
+                     str(tmp_path / "runs"), env={"COLUMNS": "200"}, timeout=600)
+    assert_ok(result)
+    report = json.loads(out.read_text())
+    assert report["method"]["order"] == "interleaved off, off full" and report["method"]["shard"] == ["none", "full"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["off-0", "off-1", "off-full-0", "off-full-1"]
+    assert json.loads((tmp_path / "runs" / "off-full-1" / "summary.json").read_text())["shard"] == "full"
+    full = report["shards"]["full"]["fp32"]
+    assert report["shards"]["against"] == "none"
+    for figure in ("throughput", "training_state_memory"):
+        assert full[figure]["min"] <= full[figure]["median"] <= full[figure]["max"] and full[figure]["min"] > 0
+    whole = json.loads((tmp_path / "runs" / "off-0" / "summary.json").read_text())["optimizer_state_mb"][0]
+    assert full["optimizer_state_mb"] == pytest.approx([whole / 2, whole / 2], rel=1e-3)
+    median = full["throughput"]["median"]
+    assert f"--shard full / none (fp32): throughput {median:.2f}x" in result.stdout
