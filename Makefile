@@ -13,7 +13,7 @@ STAMP       := $(VENV)/.installed
 NPROC       ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint bench clean help
+.PHONY: install run test test-fast lint docs bench clean help
 
 help:
 	@echo "make install    create $(VENV) and install ddp-amp with torch ($(if $(HAS_GPU),CUDA,CPU) build) and dev tools"
@@ -21,6 +21,7 @@ help:
 	@echo "make test       every tier: tests/unit, tests/system (real ranks), tests/cluster (root: namespaces, Slurm)"
 	@echo "make test-fast  tests/unit: in-process, no rank process (about a minute)"
 	@echo "make lint       ruff"
+	@echo "make docs       regenerate docs/options.md from the command line (a unit test fails when it is stale)"
 	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression"
 
 install: $(STAMP)
@@ -46,7 +47,10 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples docs
+
+docs: $(STAMP)
+	$(BIN)/python docs/generate_options.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cli_startup.py

@@ -181,8 +181,9 @@ class TrainConfig:
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm (batch statistics over every rank's batch); CUDA ranks only."""
     compile: bool = False
-    """torch.compile the DDP model (DDP's graph is split at its bucket boundaries, so the all-reduces still
-    overlap the backward pass); the first steps pay for the compilation, reported as compile_s."""
+    """torch.compile the module DDP wraps (compiling the DDP wrapper captures no graph in this torch), or each
+    FSDP unit before it is sharded under --shard full; the first steps pay for the compilation, reported as
+    compile_s."""
     profile: str | None = None
     """Profile optimizer steps START:END (counted from 1, both included) with torch.profiler on every rank:
     RUN_DIR/profile/rank<N>.json.gz traces and the top operators; those steps are left out of the throughput."""
