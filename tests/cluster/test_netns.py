@@ -14,10 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    HELPER_TASKS,
-    read_summary,
-)
+from conftest import HELPER_TASKS, read_summary
 from helper_tasks import HOLD_AT_CALL
 
 pytestmark = pytest.mark.slow

@@ -18,12 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
-    HELPER_TASKS,
-    MARK_VAR,
-    read_summary,
-    run_processes,
-)
+from conftest import HELPER_TASKS, MARK_VAR, read_summary, run_processes
 
 pytestmark = pytest.mark.slow
 

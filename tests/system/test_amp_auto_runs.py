@@ -11,10 +11,7 @@ import torch
 from ddp_amp import precision
 from ddp_amp.rank import amp_probe
 
-from conftest import (
-    read_summary,
-    run_cli,
-)
+from conftest import read_summary, run_cli
 
 
 @pytest.fixture

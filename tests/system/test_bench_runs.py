@@ -5,10 +5,7 @@ import re
 
 import pytest
 
-from conftest import (
-    assert_ok,
-    run_cli,
-)
+from conftest import assert_ok, run_cli
 
 
 @pytest.fixture(scope="module")

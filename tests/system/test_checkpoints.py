@@ -7,14 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import (
-    HELPER_TASKS,
-    assert_ok,
-    last_line,
-    read_metrics,
-    read_summary,
-    run_cli,
-)
+from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow

@@ -6,10 +6,7 @@ import re
 
 import pytest
 
-from conftest import (
-    last_line,
-    run_cli,
-)
+from conftest import last_line, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -2,10 +2,7 @@
 
 import json
 
-from conftest import (
-    assert_ok,
-    run_cli,
-)
+from conftest import assert_ok, run_cli
 
 
 def rank(number, gflops, host="a"):

@@ -9,13 +9,7 @@ import time
 
 import pytest
 
-from conftest import (
-    HELPER_TASKS,
-    assert_ok,
-    read_metrics,
-    read_summary,
-    run_cli,
-)
+from conftest import HELPER_TASKS, assert_ok, read_metrics, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 

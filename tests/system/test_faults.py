@@ -11,10 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    last_line,
-    run_cli,
-)
+from conftest import last_line, run_cli
 
 pytestmark = pytest.mark.slow
 

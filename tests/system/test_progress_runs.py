@@ -8,10 +8,7 @@ import sys
 
 import pytest
 
-from conftest import (
-    assert_ok,
-    run_cli,
-)
+from conftest import assert_ok, run_cli
 
 
 def test_json_format_emits_one_object_per_event(tmp_path):

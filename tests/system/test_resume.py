@@ -9,15 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import (
-    HELPER_TASKS,
-    assert_ok,
-    last_line,
-    load_weights,
-    read_metrics,
-    read_summary,
-    run_cli,
-)
+from conftest import HELPER_TASKS, assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
 from helper_tasks import Planted
 
 pytestmark = pytest.mark.slow

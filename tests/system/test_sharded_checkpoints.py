@@ -15,13 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
 
-from conftest import (
-    HELPER_TASKS,
-    assert_ok,
-    launch,
-    read_summary,
-    run_cli,
-)
+from conftest import HELPER_TASKS, assert_ok, launch, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 ARGS = ["--device", "cpu", "--task", "mlp", "--amp", "off", "--optimizer", "adamw", "--batch-size", "16",

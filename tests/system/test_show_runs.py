@@ -8,10 +8,7 @@ import pytest
 
 from ddp_amp.files import DirectoryLock
 
-from conftest import (
-    assert_ok,
-    run_cli,
-)
+from conftest import assert_ok, run_cli
 
 
 def show(*args, columns=200):

@@ -11,12 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (
-    HELPER_TASKS,
-    assert_ok,
-    last_line,
-    read_summary,
-)
+from conftest import HELPER_TASKS, assert_ok, last_line, read_summary
 
 pytestmark = pytest.mark.slow
 

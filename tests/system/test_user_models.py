@@ -12,15 +12,7 @@ import torch
 
 from ddp_amp.checkpoint.sharded import read_model
 
-from conftest import (
-    USER_TASKS,
-    assert_ok,
-    last_line,
-    launch,
-    load_weights,
-    read_summary,
-    run_cli,
-)
+from conftest import USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 
