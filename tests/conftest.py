@@ -35,6 +35,20 @@ def pytest_collection_modifyitems(config, items):
 os.environ["DDP_AMP_CACHE_DIR"] = tempfile.mkdtemp(prefix="ddp-amp-test-cache-")
 
 
+@pytest.fixture(autouse=True)
+def nothing_launches_in_the_unit_tier(request, monkeypatch):
+    """The unit tier starts no rank and no fork server: a command run in-process that gets past its checks fails
+    its test here, where it would otherwise launch (and a refusal test would pass, slowly, for the wrong reason)."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a unit test reached a launch: refusals are tested before it, launches in tests/system")
+
+    monkeypatch.setattr("ddp_amp.launch.forkserver.start_forkserver", lambda: None)
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", launched)
+
+
 def run_cli(*args: str, timeout: float = 180, cwd: Path | None = None, env: dict | None = None,
             own_session: bool = False):
     """`python -m ddp_amp ARGS` in a subprocess, as a user would run it; output captured. `own_session`: in a
