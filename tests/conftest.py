@@ -49,6 +49,17 @@ def nothing_launches_in_the_unit_tier(request, monkeypatch):
     monkeypatch.setattr("ddp_amp.launch.session.run_launch", launched)
 
 
+def run_main(args: list[str], capsys) -> tuple[int, str, str]:
+    """`ddp-amp ARGS` in this process, through the CLI's own main(): (exit code, stdout, stderr). For what the
+    launcher decides before any rank starts; the unit tier makes sure nothing launches."""
+    from ddp_amp.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
 def run_cli(*args: str, timeout: float = 180, cwd: Path | None = None, env: dict | None = None,
             own_session: bool = False):
     """`python -m ddp_amp ARGS` in a subprocess, as a user would run it; output captured. `own_session`: in a

@@ -5,7 +5,6 @@ import functools
 from collections import Counter
 
 import pytest
-import torch
 
 from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
 from helper_tasks import INDEXED_SAMPLES
@@ -50,13 +49,6 @@ def test_overwrite_starts_clean_and_the_advice_after_a_stop_works(tmp_path):
     assert [record["step"] for record in read_metrics(run_dir)] == list(range(5, 41, 5))
 
 
-def test_overwrite_with_resume_is_refused():
-    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--overwrite", "--resume", "auto")
-    assert result.returncode == 2
-    assert result.stderr.strip() == ("ddp-amp: error: --overwrite starts the run dir over and --resume continues "
-                                     "it: pass one of them")
-
-
 @pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
 def test_a_resume_on_another_world_size_trains_every_sample_once_and_keeps_the_schedules_end(tmp_path, schedule):
     epochs = 3
@@ -97,16 +89,7 @@ def test_a_diverging_run_keeps_its_last_finite_checkpoint_and_resume_refuses_a_n
     assert last_line(result.stderr).endswith(f"the newest finite checkpoint is {newest_finite} "
                                              f"(--resume {newest_finite})"), result.stderr
     assert read_summary(tmp_path)["nonfinite_checkpoints_skipped"] == [15]
-    # A NaN checkpoint beside them (as an earlier version wrote): --resume names the finite one instead.
-    state = torch.load(newest_finite, weights_only=True)
-    state["trainer"]["model"]["weight"].fill_(float("nan"))
-    planted = tmp_path / "checkpoints" / "step-15.pt"
-    torch.save(state, planted)
-    refused = run_cli("spawn", "-n", "2", *args[:-2], "--resume", str(planted), "--run-dir", str(tmp_path / "again"))
-    assert refused.returncode == 2
-    assert refused.stderr.strip() == (f"ddp-amp: error: --resume {planted}: refused, it holds inf/NaN (in "
-                                      f"model.weight); the newest finite one is {newest_finite}")
-    assert not (tmp_path / "again").exists()
+    # A resume from a NaN checkpoint planted beside them: tests/unit/test_launch_refusals.py.
 
 
 def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):

@@ -101,28 +101,6 @@ def test_a_killed_writer_not_yet_reaped_is_dead_for_the_cleanup(tmp_path):
     zombie.wait()
 
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    target = tmp_path / "ro"
-    target.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(target), str(target)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("a read-only bind mount needs root and mount permission")
-    try:
-        if subprocess.run(["mount", "-o", "remount,ro,bind", str(target)], capture_output=True).returncode != 0:
-            pytest.skip("cannot remount read-only here")
-        yield target
-    finally:
-        subprocess.run(["umount", str(target)], capture_output=True)
-
-
-def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2(read_only_dir):
-    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "3", "--run-dir", str(read_only_dir))
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr
-    assert "--run-dir" in lines[0] and "not writable" in lines[0] and "Read-only file system" in lines[0]
-
-
 def listening_addresses(pids: list[int]) -> list[str]:
     """The local addresses of the TCP sockets these processes listen on, as "address:port"."""
     inodes = set()

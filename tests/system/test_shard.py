@@ -185,27 +185,6 @@ def test_a_sharded_run_goes_from_2_to_4_ranks_and_back_and_trains_each_sample_on
     assert (run_dir / "model.pt").exists()
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--static-graph"], "--static-graph"), (["--find-unused-parameters"], "--find-unused-parameters"),
-    (["--grad-compression", "bf16"], "--grad-compression"), (["--sync-batchnorm"], "--sync-batchnorm")])
-def test_a_ddp_option_with_shard_full_is_one_line_and_launches_nothing(flags, named, tmp_path):
-    run_dir = tmp_path / "run"
-    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--shard", "full", *flags, "--run-dir", str(run_dir))
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"ddp-amp: error: {' '.join(flags)} is an option of DDP's, and --shard full "
-                                     "trains without DDP (FSDP2 reduce-scatters the gradients); drop "
-                                     f"{named} or use --shard none|optimizer")
-    assert not run_dir.exists()
-
-
-@pytest.mark.parametrize("flags", [["--micro-batch", "auto"]])
-def test_what_shard_full_does_not_support_yet_is_refused(flags, tmp_path):
-    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--shard", "full", *flags, "--run-dir", str(tmp_path / "r"))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and flags[0] in lines[0] and "--shard full" in lines[0], result.stderr
-
-
 def test_compiled_units_of_a_fully_sharded_model_train_the_eager_weights(tmp_path):
     """--compile with --shard full: each unit compiled in place, then sharded (FSDP's collectives outside the
     graphs). The compiled frames are counted in summary.json, the weights keep the module's names and are the

@@ -7,9 +7,7 @@ import sys
 
 import pytest
 
-from ddp_amp.cli import main
-
-from conftest import run_cli
+from conftest import run_cli, run_main
 
 BAD_INPUTS = [
     (["--gpus", "0"], "--gpus"),
@@ -63,13 +61,6 @@ BAD_INPUTS = [
     (["--max-memory", "lots"], "--max-memory"),
     (["--max-memory", "1000000"], "--max-memory"),  # more than this machine has
 ]
-
-
-def run_main(args, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 @pytest.mark.parametrize(("args", "flag"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])

@@ -1,0 +1,188 @@
+"""Refusals the launcher gives before any rank starts, run in-process through the CLI's own path (`main`): one
+line, exit 2, no run dir made and nothing an earlier run left touched. What these options do once accepted is
+tested with real ranks in tests/system (--shard, --resume, --init-from, --task-arg, checkpoints)."""
+
+import dataclasses
+import os
+import subprocess
+
+import pytest
+import torch
+
+from ddp_amp.config import TrainConfig
+
+from conftest import HELPER_TASKS, USER_TASKS, run_main
+from helper_tasks import Planted
+
+FP32_SGD = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
+            "--seed", "4"]
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ddp-amp: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--static-graph"], "--static-graph"), (["--find-unused-parameters"], "--find-unused-parameters"),
+    (["--grad-compression", "bf16"], "--grad-compression"), (["--sync-batchnorm"], "--sync-batchnorm")])
+def test_a_ddp_option_with_shard_full_is_one_line_and_launches_nothing(flags, named, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--shard", "full", *flags, "--run-dir",
+                             str(run_dir)], capsys)
+    assert code == 2
+    assert err.strip() == (f"ddp-amp: error: {' '.join(flags)} is an option of DDP's, and --shard full trains "
+                           "without DDP (FSDP2 reduce-scatters the gradients); drop "
+                           f"{named} or use --shard none|optimizer")
+    assert not run_dir.exists()
+
+
+def test_what_shard_full_does_not_support_yet_is_refused(tmp_path, capsys):
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--shard", "full", "--micro-batch", "auto",
+                             "--run-dir", str(tmp_path / "r")], capsys)
+    assert code == 2
+    line = one_line(err)
+    assert "--micro-batch" in line and "--shard full" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_overwrite_with_resume_is_refused(tmp_path, capsys):
+    code, _, err = run_main(["spawn", "-n", "1", "--device", "cpu", "--overwrite", "--resume", "auto", "--run-dir",
+                             str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert err.strip() == ("ddp-amp: error: --overwrite starts the run dir over and --resume continues it: pass "
+                           "one of them")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sync_batchnorm_on_cpu_ranks_is_refused_before_launch(tmp_path, capsys):
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:batch_norm", "--steps", "2",
+                             "--sync-batchnorm", "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and "--sync-batchnorm" in one_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("arg", "problem"), [
+    ("depth=3", "unknown argument 'depth'"),
+    ("width=wide", "width='wide' is not an int"),
+    ("width", "not KEY=VALUE"),
+])
+def test_a_bad_task_argument_is_one_line_exit_2_before_anything_starts(tmp_path, capsys, arg, problem):
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", arg,
+                             "--steps", "2", "--run-dir", str(tmp_path / "run")], capsys)
+    line = one_line(err)
+    assert code == 2 and problem in line and "--task-arg" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_task_argument_is_one_line_exit_2(tmp_path, capsys):
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--steps", "2",
+                             "--run-dir", str(tmp_path / "run")], capsys)
+    line = one_line(err)
+    assert code == 2 and "missing argument 'width'" in line and "--task-arg" in line
+    assert not (tmp_path / "run").exists()
+
+
+RESUMABLE = ["--device", "cpu", "--task", f"{HELPER_TASKS}:resumable", "--steps", "40", "--batch-size", "16",
+             "--seed", "5", "--log-every", "1", "--checkpoint-every", "10", "--lr", "0.01"]
+"""tests/system/test_resume.py's runs, whose checkpoints these refusals are about."""
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused_unopened(tmp_path, capsys):
+    marker = tmp_path / "code-ran"
+    planted = tmp_path / "planted.pt"
+    torch.save({"step": 10, "trainer": Planted(str(marker)), "rng": [], "config": {}, "world_size": 2}, planted)
+    code, _, err = run_main(["spawn", "-n", "2", *RESUMABLE, "--resume", str(planted), "--run-dir",
+                             str(tmp_path / "run")], capsys)
+    line = one_line(err)
+    assert code == 2 and "--resume" in line and "refused" in line
+    assert not marker.exists(), "unpickling ran the object's code"
+    assert not (tmp_path / "run").exists()
+
+
+def _checkpoint(path, config: TrainConfig, weight: torch.Tensor, step: int = 40) -> None:
+    """A checkpoint as a 2-rank run of `config` writes it, as far as the launcher reads one before launching."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "trainer": {"model": {"weight": weight}}, "rng": [], "world_size": 2,
+                "config": dataclasses.asdict(config)}, path)
+
+
+def test_a_resume_from_a_nan_checkpoint_names_the_newest_finite_one(tmp_path, capsys):
+    """A NaN checkpoint beside finite ones (as an earlier version wrote; a run today never writes one, tested in
+    tests/system/test_checkpoints.py): --resume names the finite one instead."""
+    config = TrainConfig(task=f"{HELPER_TASKS}:resumable", device="cpu")
+    for step, value in [(5, 0.5), (10, 1.0), (15, float("nan"))]:
+        _checkpoint(tmp_path / "checkpoints" / f"step-{step}.pt", config, torch.full((1, 8), value), step)
+    planted, newest_finite = tmp_path / "checkpoints" / "step-15.pt", tmp_path / "checkpoints" / "step-10.pt"
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--task", f"{HELPER_TASKS}:resumable",
+                             "--resume", str(planted), "--run-dir", str(tmp_path / "again")], capsys)
+    assert code == 2
+    assert err.strip() == (f"ddp-amp: error: --resume {planted}: refused, it holds inf/NaN (in model.weight); the "
+                           f"newest finite one is {newest_finite}")
+    assert not (tmp_path / "again").exists()
+
+
+def _sized_weights(width: int) -> dict[str, torch.Tensor]:
+    """What user_tasks.sized(width) trains: Linear(8, width), ReLU, Linear(width, 1)."""
+    return {"0.weight": torch.zeros(width, 8), "0.bias": torch.zeros(width), "2.weight": torch.zeros(1, width),
+            "2.bias": torch.zeros(1)}
+
+
+def test_init_from_that_does_not_fit_is_one_line_and_changes_nothing(tmp_path, capsys):
+    """Refused before --overwrite clears anything: the earlier run's files stay byte for byte."""
+    source = tmp_path / "source.pt"
+    torch.save(_sized_weights(5), source)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    for name, data in {"model.pt": b"weights", "metrics.jsonl": b'{"step": 2}\n', "summary.json": b"{}",
+                       "config.json": b"{}"}.items():
+        (earlier / name).write_bytes(data)
+    before = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=6",
+                             "--steps", "2", "--overwrite", "--init-from", str(source), "--run-dir", str(earlier)],
+                            capsys)
+    line = one_line(err)
+    assert code == 2 and "--init-from" in line and "0.weight: file (5, 8) vs model (6, 8)" in line, line
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before  # --overwrite never ran
+
+
+def test_init_from_with_tensors_the_model_lacks_is_refused_unless_not_strict(tmp_path, capsys):
+    partial = tmp_path / "partial.pt"
+    torch.save({"0.weight": torch.randn(5, 8), "extra.weight": torch.zeros(2)}, partial)
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--steps", "1", "--init-from", str(partial), "--run-dir", str(tmp_path / "strict")],
+                            capsys)
+    assert code == 2 and "--no-init-strict" in one_line(err)
+    assert not (tmp_path / "strict").exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(target), str(target)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a read-only bind mount needs root and mount permission")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(target)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only here")
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], capture_output=True)
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2(read_only_dir, capsys):
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--steps", "3", "--run-dir",
+                             str(read_only_dir)], capsys)
+    line = one_line(err)
+    assert code == 2 and "--run-dir" in line and "not writable" in line and "Read-only file system" in line
+
+
+def test_diagnose_without_records_is_one_line_exit_2(tmp_path, capsys):
+    code, _, err = run_main(["diagnose", str(tmp_path)], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"ddp-amp: error: diagnose: {str(tmp_path)!r} has no flight records (flight_recorder/rank<N>.json): the "
+        "ranks write them when a run fails or stalls"]
