@@ -1,4 +1,4 @@
-"""Fine-tuning, as the README's "Fine-tuning and validation" runs it: pre-train, then start from those weights
+"""Fine-tuning, as docs/models.md's "Fine-tuning" section runs it: pre-train, then start from those weights
 with the trunk frozen, validate every N steps, keep the best, export it.
 
     ddp-amp spawn -n 2 --task examples/fine_tune.py:build --steps 60 --run-dir runs/base

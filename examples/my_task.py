@@ -2,9 +2,12 @@
 
     ddp-amp spawn -n 2 --task examples/my_task.py:build --steps 100
 
-A factory takes no arguments and returns a `ddp_amp.tasks.Task`. It runs on every rank after the global torch
-seed is set, so the model starts from the same weights everywhere; the data set must be the same on every rank
-(here it is generated from a fixed seed), since ddp-amp shards it with a DistributedSampler.
+A factory returns a `ddp_amp.tasks.Task`. It may take keyword arguments, which `--task-arg KEY=VALUE` (repeatable)
+passes to it, each converted by the parameter's annotation (int, float, bool, str, Path, or one of them | None; an
+unannotated one by its default's type); this one takes none. It runs on every rank after the global torch seed is
+set, so the model starts from the same weights everywhere; the data set must be the same on every rank (here it
+is generated from a fixed seed), since ddp-amp gives each rank its share with a DistributedSampler's order.
+The Task contract in full: docs/models.md.
 """
 
 import torch
