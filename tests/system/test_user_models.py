@@ -12,7 +12,7 @@ import torch
 
 from ddp_amp.checkpoint.sharded import read_model
 
-from conftest import USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
+from conftest import HELPER_TASKS, USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -447,3 +447,12 @@ def test_the_start_up_line_names_what_the_launch_had_changed():
     assert StartUp(Path("r"), created=True).describe() == "r was created, with this launch's config.json only"
     assert StartUp(Path("r"), cleared=True).describe() == "--overwrite had already removed the earlier run's files in r"
     assert "nothing of an earlier run there was changed" in StartUp(Path("r")).describe()
+
+
+def test_factory_returning_the_wrong_type_names_the_task(tmp_path):
+    """Found by the rank that builds the task (the launcher never calls the factory): rank 0's failure names it."""
+    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--task", f"{HELPER_TASKS}:not_a_task",
+                     "--run-dir", str(tmp_path / "r"))
+    assert result.returncode != 0
+    assert "not ddp_amp.tasks.Task" in result.stderr
+    assert "rank 0 failed" in result.stderr

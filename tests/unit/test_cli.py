@@ -94,16 +94,6 @@ def test_finished_run_is_not_overwritten_without_flag(capsys, tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
-def test_factory_returning_the_wrong_type_names_the_task(tmp_path, helper_task):
-    from conftest import run_cli
-
-    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--task", helper_task("not_a_task"),
-                     "--run-dir", str(tmp_path / "r"))
-    assert result.returncode != 0
-    assert "not ddp_amp.tasks.Task" in result.stderr
-    assert "rank 0 failed" in result.stderr
-
-
 @pytest.mark.parametrize("args", [["--help"], ["--version"]])
 def test_help_and_version_do_not_import_torch(args):
     """What keeps them fast (measured in benchmarks/cli_startup.py, not here)."""

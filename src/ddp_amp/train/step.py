@@ -1,4 +1,4 @@
-"""One optimizer step under DDP and mixed precision, on one screen (the README's "Step" line):
+"""One optimizer step under DDP and mixed precision, on one screen (docs/training.md, "The step"):
 
 autocast forward -> scaled backward (`no_sync` on every micro-step but the last) -> `unscale_` -> clip or norm
 -> `scaler.step` -> `update` -> `zero_grad(set_to_none=True)` -> the LR schedule, unless GradScaler skipped.
