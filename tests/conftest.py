@@ -19,9 +19,11 @@ USER_TASKS = TASKS / "user_tasks.py"
 BENCHMARK_TASKS = TESTS.parent / "benchmarks" / "tasks.py"
 sys.path.insert(0, str(TASKS))  # so that tests can import what a task file exports (its constants, its classes)
 
-TIERS = {"unit": (), "system": ("slow",), "cluster": ("slow",)}
+TIERS = {"unit": (), "system": ("slow",), "cluster": ("slow", "serial")}
 """The folder a test sits in is its tier; a system or cluster test starts real ranks and is also `slow`, so
-`-m "not slow"` and `tests/unit` select the same tests."""
+`-m "not slow"` and `tests/unit` select the same tests. Cluster tests are `serial`: `make test` runs them alone
+(their namespaces and Slurm daemons are the machine's, and doctor's verdicts compare CPU speeds), the rest on
+two pytest workers."""
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,9 @@ import pytest
 
 from conftest import HELPER_TASKS, assert_ok, read_metrics, read_summary, run_cli
 
-pytestmark = pytest.mark.slow
+# serial: nodes that join while a job trains, on rendezvous deadlines: alone, so that another test's
+# load does not decide who joins in time.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 CHECKPOINT_EVERY = 5
 HOLD_AT = 12  # helper_tasks.HOLD_AT_CALL: waits_for_world holds there while the world is smaller

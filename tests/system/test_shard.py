@@ -6,6 +6,7 @@ import functools
 import re
 import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,16 +36,32 @@ def train(run_dir, *extra, nproc=2):
 
 
 @pytest.fixture(scope="module")
-def unsharded(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("none")
-    train(run_dir, "--steps", "30", "--checkpoint-every", "10", "--keep", "5", "--shard", "none")
-    return run_dir
+def reference_run(tmp_path_factory):
+    """Each --shard mode's 30-step run with checkpoints at steps 10, 20 and 30, launched once for all the tests
+    that read it (none of them writes into it): mode -> (run dir, the launch's stderr)."""
+    runs = {}
+
+    def run(mode: str) -> tuple[Path, str]:
+        if mode not in runs:
+            run_dir = tmp_path_factory.mktemp(mode)
+            result = launch(run_dir, *ARGS, "--steps", "30", "--checkpoint-every", "10", "--keep", "5", "--shard",
+                            mode, check=True)
+            runs[mode] = run_dir, result.stderr
+        return runs[mode]
+
+    return run
 
 
-def test_sharded_optimizer_state_trains_the_same_weights_bit_for_bit(unsharded, tmp_path):
-    summary = train(tmp_path, "--steps", "30", "--checkpoint-every", "10", "--keep", "5", "--shard", "optimizer")
+@pytest.fixture(scope="module")
+def unsharded(reference_run):
+    return reference_run("none")[0]
+
+
+def test_sharded_optimizer_state_trains_the_same_weights_bit_for_bit(unsharded, reference_run):
+    run_dir = reference_run("optimizer")[0]
+    summary = read_summary(run_dir)
     assert summary["shard"] == "optimizer"
-    assert (tmp_path / "model.pt").read_bytes() == (unsharded / "model.pt").read_bytes()
+    assert (run_dir / "model.pt").read_bytes() == (unsharded / "model.pt").read_bytes()
     whole = read_summary(unsharded)["optimizer_state_mb"]
     shares = summary["optimizer_state_mb"]
     assert len(whole) == len(shares) == 2 and whole[0] == whole[1]  # unsharded: every rank holds it all
@@ -63,18 +80,15 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-def test_fully_sharded_training_matches_ddp_and_divides_the_state(unsharded, tmp_path):
+def test_fully_sharded_training_matches_ddp_and_divides_the_state(unsharded, reference_run):
     """FSDP2 reduce-scatters per layer where DDP all-reduces buckets: the sums' order may differ, so not bit
     for bit, but within 1e-5 after 30 AdamW steps (1.5e-8 measured). Each rank holds half of every tensor's
     optimizer state (dim-0 shards), and model.pt is the whole model under its own names."""
-    result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(tmp_path), "--steps", "30", "--shard", "full",
-                     timeout=300)
-    assert_ok(result)
-    assert "rank(s) on cpu, precision fp32, parameters, gradients and optimizer state sharded (FSDP2)" \
-        in result.stderr
-    summary = read_summary(tmp_path)
+    run_dir, stderr = reference_run("full")
+    assert "rank(s) on cpu, precision fp32, parameters, gradients and optimizer state sharded (FSDP2)" in stderr
+    summary = read_summary(run_dir)
     assert summary["shard"] == "full"
-    assert largest_difference(weights(tmp_path), weights(unsharded)) < 1e-5
+    assert largest_difference(weights(run_dir), weights(unsharded)) < 1e-5
     whole = read_summary(unsharded)["optimizer_state_mb"][0]
     assert summary["optimizer_state_mb"] == pytest.approx([whole / 2, whole / 2], rel=1e-3)
 
@@ -123,11 +137,10 @@ def test_fully_sharded_micro_batches_match_ddps_under_either_launcher(launcher, 
 
 
 @pytest.mark.parametrize("mode", ["optimizer", "full"])
-def test_a_sharded_run_resumes_bit_exact_and_takes_an_unsharded_checkpoint(unsharded, mode, tmp_path):
+def test_a_sharded_run_resumes_bit_exact_and_takes_an_unsharded_checkpoint(unsharded, reference_run, mode, tmp_path):
     """From step 10: a sharded run's own checkpoint, and the unsharded run's (the state is saved gathered, in
     the plain format): both end on the uninterrupted sharded run's weights (ZeRO's are none's too)."""
-    own = tmp_path / "own"
-    train(own, "--steps", "30", "--checkpoint-every", "10", "--keep", "5", "--shard", mode)
+    own = reference_run(mode)[0]
     reference = unsharded if mode == "optimizer" else own
     for name, checkpoint in (("resumed", own / "checkpoints" / "step-10.pt"),
                              ("crossed", unsharded / "checkpoints" / "step-10.pt")):
@@ -139,10 +152,9 @@ def test_a_sharded_run_resumes_bit_exact_and_takes_an_unsharded_checkpoint(unsha
             assert largest_difference(weights(tmp_path / name), weights(own)) < 1e-5
 
 
-def test_a_sharded_checkpoint_continues_on_another_world_size(tmp_path):
+def test_a_sharded_checkpoint_continues_on_another_world_size(reference_run, tmp_path):
     """2 ranks' sharded checkpoint at step 10 continued by 3, whose shares of the state are cut anew."""
-    source = tmp_path / "two"
-    train(source, "--steps", "30", "--checkpoint-every", "10", "--keep", "5", "--shard", "optimizer")
+    source = reference_run("optimizer")[0]
     run_dir = tmp_path / "three"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copy(source / "checkpoints" / "step-10.pt", run_dir / "checkpoints")

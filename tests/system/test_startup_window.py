@@ -14,7 +14,9 @@ import pytest
 
 from conftest import MARK_VAR, last_line, read_summary, run_processes
 
-pytestmark = pytest.mark.slow
+# serial: signals timed to the millisecond after a fork: alone, so that another test's load does not
+# stretch the delays they aim at.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 DELAYS_S = (0.0, 0.002, 0.010, 0.030)
 """After the first rank's fork: the window before a rank installs its stop handler is these first milliseconds."""

@@ -261,17 +261,26 @@ def _assert_best_kept(run_dir: Path, suffix: str = ".pt") -> int:
     return best["step"]
 
 
+@pytest.fixture(scope="module")
+def keep_best_run(tmp_path_factory) -> Path:
+    """One uninterrupted --keep-best run in single files, for the tests that read it (none writes into it)."""
+    run_dir = tmp_path_factory.mktemp("keep-best")
+    assert_ok(spawn(run_dir, *KEEP_BEST))
+    return run_dir
+
+
 @pytest.mark.parametrize("checkpoint_format", ["single", "sharded"])
-def test_keep_best_keeps_the_best_steps_checkpoint_and_weights(tmp_path, checkpoint_format):
-    run_dir = tmp_path / "run"
-    assert_ok(spawn(run_dir, *KEEP_BEST, "--checkpoint-format", checkpoint_format))
+def test_keep_best_keeps_the_best_steps_checkpoint_and_weights(tmp_path, checkpoint_format, keep_best_run):
+    if checkpoint_format == "single":
+        run_dir = keep_best_run
+    else:
+        run_dir = tmp_path / "run"
+        assert_ok(spawn(run_dir, *KEEP_BEST, "--checkpoint-format", checkpoint_format))
     _assert_best_kept(run_dir, ".pt" if checkpoint_format == "single" else "")
 
 
-def test_keep_best_survives_a_resume(tmp_path):
-    whole = tmp_path / "whole"
-    assert_ok(spawn(whole, *KEEP_BEST))
-    best = _assert_best_kept(whole)
+def test_keep_best_survives_a_resume(tmp_path, keep_best_run):
+    best = _assert_best_kept(keep_best_run)
     run_dir = tmp_path / "resumed"
     stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *FP32_SGD, *KEEP_BEST,
                               "--run-dir", str(run_dir)], capture_output=True, text=True, start_new_session=True,
@@ -359,9 +368,8 @@ def test_export_writes_a_state_dict_or_the_models_own_format(tmp_path):
     assert again.returncode == 2 and "already exists" in last_line(again.stderr)
 
 
-def test_export_which_best_is_the_best_evaluation(tmp_path):
-    run_dir = tmp_path / "run"
-    assert_ok(spawn(run_dir, *KEEP_BEST))
+def test_export_which_best_is_the_best_evaluation(tmp_path, keep_best_run):
+    run_dir = keep_best_run
     out = tmp_path / "best.safetensors"
     assert_ok(run_cli("export", str(run_dir), "--which", "best", "-o", str(out)))
     from safetensors.torch import load_file
