@@ -70,13 +70,21 @@ TABLE_HEAD = "| option | type | default | what it does |\n|---|---|---|---|"
 
 def _training_section(commands: dict) -> list[str]:
     flags = [spec.flag for spec in option_specs()]
+    spawn_defaults = {param.opts[0]: param.default for param in commands["spawn"].params
+                      if getattr(param, "rich_help_panel", None) == TRAINING}
     takers = []
     for name, command in commands.items():
-        taken = {opt for param in command.params if getattr(param, "rich_help_panel", None) == TRAINING
-                 for opt in param.opts}
-        if taken:
-            missing = [flag for flag in flags if flag not in taken]
-            takers.append(f"`{name}`" + (f" (all but {', '.join(f'`{flag}`' for flag in missing)})" if missing else ""))
+        taken = {param.opts[0]: param.default for param in command.params
+                 if getattr(param, "rich_help_panel", None) == TRAINING}
+        if not taken:
+            continue
+        notes = []
+        missing = [flag for flag in flags if flag not in taken]
+        if missing:
+            notes.append(f"all but {', '.join(f'`{flag}`' for flag in missing)}")
+        notes += [f"`{flag}` defaults to {_default(default)}" for flag, default in taken.items()
+                  if default != spawn_defaults[flag]]
+        takers.append(f"`{name}`" + (f" ({'; '.join(notes)})" if notes else ""))
     spawn = commands["spawn"]
     ctx = spawn.make_context("spawn", [], resilient_parsing=True)
     rows = [_row(param, ctx) for param in spawn.params if getattr(param, "rich_help_panel", None) == TRAINING]

@@ -26,10 +26,12 @@ TIERS = {"unit": (), "system": ("slow",), "cluster": ("slow", "serial")}
 two pytest workers."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which reads these marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
-        for mark in (tier, *TIERS.get(tier, ())):
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        assert tier in TIERS, f"{item.nodeid}: a test belongs in one of the tiers' folders: {', '.join(TIERS)}"
+        for mark in (tier, *TIERS[tier]):
             item.add_marker(mark)
 
 # --amp auto's measured answers go to a cache of this test session's own, not the user's ~/.cache: every run of
@@ -121,7 +123,7 @@ def assert_ok(result) -> None:
 
 @pytest.fixture
 def helper_task():
-    """`--task` spec of a factory in tests/helper_tasks.py."""
+    """`--task` spec of a factory in tests/tasks/helper_tasks.py."""
     return lambda name: f"{HELPER_TASKS}:{name}"
 
 

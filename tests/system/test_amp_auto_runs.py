@@ -1,5 +1,5 @@
-"""--amp auto on CPU ranks: rank 0 measures fp32 against bf16 at the task's layer shapes, every rank takes its
-answer, and the answer is cached (rank.amp_probe, precision's cache)."""
+"""--amp auto on real CPU ranks: every rank takes rank 0's answer, and a run measures, reports and caches it
+for the next run."""
 
 import json
 import os

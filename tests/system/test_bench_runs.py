@@ -1,4 +1,5 @@
-"""`ddp-amp bench`: real interleaved AMP off/on launches on CPU, their JSON, their table."""
+"""`ddp-amp bench`: real interleaved AMP off/on launches on CPU, their JSON, their table. The refusals and the
+arithmetic without launches: tests/unit/test_bench.py."""
 
 import json
 import re

@@ -79,7 +79,7 @@ def test_a_resume_on_another_world_size_trains_every_sample_once_and_keeps_the_s
     assert summary["steps"] == unresized["steps"]  # it ran to the end of the last epoch, as the reference
 
 
-def test_a_diverging_run_keeps_its_last_finite_checkpoint_and_resume_refuses_a_nan_one(tmp_path):
+def test_a_diverging_run_keeps_its_last_finite_checkpoint_and_skips_the_nan_one(tmp_path):
     args = ["--device", "cpu", "--task", f"{HELPER_TASKS}:nan_from_step_12", "--steps", "40", "--checkpoint-every",
             "5", "--keep", "2", "--max-nonfinite", "4", "--log-every", "1", "--run-dir", str(tmp_path)]
     result = run_cli("spawn", "-n", "2", *args)

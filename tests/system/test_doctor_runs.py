@@ -1,13 +1,8 @@
-"""ddp-amp doctor: real ranks measured on gloo, and the judgement of their figures."""
+"""ddp-amp doctor: real ranks measured on gloo. The judgement of the figures: tests/unit/test_doctor.py."""
 
 import json
 
 from conftest import assert_ok, run_cli
-
-
-def rank(number, gflops, host="a"):
-    return {"rank": number, "host": host, "matmul_gflops": gflops, "rendezvous_s": 1.0,
-            "all_reduce": {"latency_us": 100.0, "sizes": [{"mib": 1, "seconds": 0.01, "bus_gb_per_s": 0.2}]}}
 
 
 def test_doctor_measures_two_cpu_ranks(tmp_path):

@@ -1,4 +1,4 @@
-"""Progress: the rich display rendered byte for byte from scripted events, the event channel, real runs."""
+"""Progress of real runs: what a terminal, a pipe and the JSON lines show of 2-rank launches."""
 
 import json
 import os
@@ -57,7 +57,3 @@ def test_rich_display_under_a_terminal_shows_a_row_per_rank(tmp_path):
     assert "│    0 │" in summary and "│    1 │" in summary
 
 
-def heartbeat(rank, step, micro, phase):
-    phases = ("data", "forward", "backward", "step", "log")
-    return {"type": "heartbeat", "rank": rank, "step": step, "micro": micro, "phase_index": phases.index(phase),
-            "phase": phase, "stall_after_s": 5.0}

@@ -47,9 +47,9 @@ def assert_bit_identical(a, b) -> None:
         assert torch.equal(first[key], second[key]), f"{key} differs"
 
 
-def launch(command: str, run_dir, precision: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    flag = "-n"
-    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, flag, "2", *ARGS, *PRECISIONS[precision],
+def start(command: str, run_dir, precision: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """A 2-rank launch of this file's run in `precision`, not waited for (the test signals it)."""
+    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", "2", *ARGS, *PRECISIONS[precision],
                              *extra, "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **env_for(precision, **SLOW), **(env or {})})
 
@@ -64,7 +64,7 @@ def wait_for(path, process: subprocess.Popen, timeout_s: float = 120) -> None:
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_resume_after_the_launcher_is_killed_is_bit_identical(precision, tmp_path, uninterrupted):
-    process = launch("spawn", tmp_path, precision)
+    process = start("spawn", tmp_path, precision)
     wait_for(tmp_path / "checkpoints" / "step-20.pt", process)
     process.kill()  # SIGKILL: no clean-up at all
     process.wait()
@@ -86,7 +86,7 @@ def test_resume_after_the_launcher_is_killed_is_bit_identical(precision, tmp_pat
 
 @pytest.mark.parametrize(("command", "precision"), [("spawn", "fp16"), ("run", "fp32")])
 def test_sigterm_stops_at_one_step_checkpoints_and_resumes(command, precision, tmp_path, uninterrupted):
-    process = launch(command, tmp_path, precision)
+    process = start(command, tmp_path, precision)
     wait_for(tmp_path / "checkpoints" / "step-10.pt", process)
     process.terminate()
     _, stderr = process.communicate(timeout=90)
@@ -118,7 +118,7 @@ def test_a_restarted_worker_group_resumes_from_the_newest_checkpoint(tmp_path, u
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped(tmp_path, uninterrupted):
-    process = launch("spawn", tmp_path, "fp32")
+    process = start("spawn", tmp_path, "fp32")
     wait_for(tmp_path / "checkpoints" / "step-20.pt", process)
     process.kill()
     process.wait()

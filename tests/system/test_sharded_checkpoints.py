@@ -69,7 +69,7 @@ def test_each_rank_writes_its_part_and_a_resume_is_bit_exact(mode, tmp_path):
 def test_a_sharded_checkpoint_reshards_onto_another_world_size_as_a_single_file_one_does(mode, tmp_path):
     """2 ranks' step-10 continued by 4: the same weights as from the single-file checkpoint of the same step
     (each rank of the new world reads its own share of the state: ZeRO's other parameters, FSDP's other rows;
-    4 -> 2 is the 2 -> 4 -> 2 test's, tests/test_shard.py)."""
+    4 -> 2 is the 2 -> 4 -> 2 test's, tests/system/test_shard.py)."""
     for fmt in ("single", "sharded"):
         train(tmp_path / fmt, "--shard", mode, "--checkpoint-every", "10", "--checkpoint-format", fmt)
     for nproc in (4,):

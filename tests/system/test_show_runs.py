@@ -1,4 +1,4 @@
-"""`ddp-amp show`: real run directories read back, compared, plotted; bad paths refused in one line."""
+"""`ddp-amp show`: real run directories read back, compared, plotted, at every terminal width."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""`ddp-amp run` and `ddp-amp multinode`: real torchrun processes, their command lines, their errors."""
+"""`ddp-amp run` and `ddp-amp multinode`: real torchrun processes, restarts, failures and their verdicts."""
 
 import os
 import socket

@@ -1,6 +1,6 @@
-"""--amp auto on CPU ranks: rank 0 measures fp32 against bf16 at the task's layer shapes, every rank takes its
-answer, and the answer is cached (rank.amp_probe, precision's cache)."""
-
+"""--amp auto on CPU: the probe's rule, its timing of the task's own layer shapes (which changes nothing), and
+the cache of its answers (rank.amp_probe, precision's cache). Real ranks taking rank 0's answer:
+tests/system/test_amp_auto_runs.py."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""`ddp-amp bench`: real interleaved AMP off/on launches on CPU, their JSON, their table."""
+"""`ddp-amp bench` without launching: its refusals, its table and JSON from given figures, its statistics.
+The interleaved launches themselves: tests/system/test_bench_runs.py."""
 
 import os
 import subprocess

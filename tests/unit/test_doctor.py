@@ -1,5 +1,5 @@
-"""ddp-amp doctor: real ranks measured on gloo, and the judgement of their figures."""
-
+"""ddp-amp doctor without launching: the judgement of measured figures (slow ranks, nodes and links), and bad
+input. Real ranks measured: tests/system/test_doctor_runs.py."""
 
 import pytest
 

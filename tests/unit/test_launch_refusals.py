@@ -102,19 +102,17 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_unopened(tmp_path, cap
     assert not (tmp_path / "run").exists()
 
 
-def _checkpoint(path, config: TrainConfig, weight: torch.Tensor, step: int = 40) -> None:
-    """A checkpoint as a 2-rank run of `config` writes it, as far as the launcher reads one before launching."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"step": step, "trainer": {"model": {"weight": weight}}, "rng": [], "world_size": 2,
-                "config": dataclasses.asdict(config)}, path)
-
-
 def test_a_resume_from_a_nan_checkpoint_names_the_newest_finite_one(tmp_path, capsys):
     """A NaN checkpoint beside finite ones (as an earlier version wrote; a run today never writes one, tested in
-    tests/system/test_checkpoints.py): --resume names the finite one instead."""
-    config = TrainConfig(task=f"{HELPER_TASKS}:resumable", device="cpu")
+    tests/system/test_checkpoints.py): --resume names the finite one instead. Written as a run writes them
+    (save_checkpoint: the file and its sidecar, launch and save times in order)."""
+    from ddp_amp.checkpoint.fileformat import save_checkpoint
+
+    config = dataclasses.asdict(TrainConfig(task=f"{HELPER_TASKS}:resumable", device="cpu", launch_time=1000.0))
     for step, value in [(5, 0.5), (10, 1.0), (15, float("nan"))]:
-        _checkpoint(tmp_path / "checkpoints" / f"step-{step}.pt", config, torch.full((1, 8), value), step)
+        save_checkpoint(tmp_path, {"step": step, "trainer": {"model": {"weight": torch.full((1, 8), value)}},
+                                   "rng": [], "world_size": 2, "config": config, "saved_at": 1000.0 + step}, keep=5)
+    assert (tmp_path / "checkpoints" / "step-15.json").exists()
     planted, newest_finite = tmp_path / "checkpoints" / "step-15.pt", tmp_path / "checkpoints" / "step-10.pt"
     code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--task", f"{HELPER_TASKS}:resumable",
                              "--resume", str(planted), "--run-dir", str(tmp_path / "again")], capsys)

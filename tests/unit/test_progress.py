@@ -1,4 +1,5 @@
-"""Progress: the rich display rendered byte for byte from scripted events, the event channel, real runs."""
+"""Progress: the rich display rendered byte for byte from scripted events, and the event channel. Real runs'
+progress: tests/system/test_progress_runs.py."""
 
 import io
 import json

@@ -1,4 +1,5 @@
-"""`ddp-amp show`: real run directories read back, compared, plotted; bad paths refused in one line."""
+"""`ddp-amp show` without launching: bad paths refused in one line, older run dirs shown. Real run directories
+read back, compared and plotted: tests/system/test_show_runs.py."""
 
 import subprocess
 import sys

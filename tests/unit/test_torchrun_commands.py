@@ -1,4 +1,6 @@
-"""`ddp-amp run` and `ddp-amp multinode`: real torchrun processes, their command lines, their errors."""
+"""`ddp-amp run` and `ddp-amp multinode` without launching: the torchrun command lines they would run, their
+refusals, the Slurm script, and the patch of torch's worker context. Real torchrun processes:
+tests/system/test_torchrun.py."""
 
 import json
 import os
