@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import run_cli, run_main
+from conftest import run_main
 
 BAD_INPUTS = [
     (["--gpus", "0"], "--gpus"),
@@ -143,29 +143,28 @@ def test_spawn_help_lists_training_options_and_torchrun_style_aliases():
     ("x = 1\nraise RuntimeError('broken at import')\n", "importing it failed at {path}, line 2: RuntimeError: broken"),
 ])
 @pytest.mark.parametrize("command", ["spawn", "run"])
-def test_a_broken_task_file_is_one_line_naming_file_and_line(command, source, expected, tmp_path):
+def test_a_broken_task_file_is_one_line_naming_file_and_line(command, source, expected, tmp_path, capsys):
     path = tmp_path / "broken_task.py"
     path.write_text(source)
     run_dir = tmp_path / "run"
-    result = run_cli(command, "-n", "2", "--device", "cpu", "--task", f"{path}:build", "--run-dir", str(run_dir))
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and "--task" in lines[0] and expected.format(path=path) in lines[0], result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
+    code, out, err = run_main([command, "-n", "2", "--device", "cpu", "--task", f"{path}:build", "--run-dir",
+                               str(run_dir)], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and "--task" in lines[0] and expected.format(path=path) in lines[0], err
+    assert "Traceback" not in out + err
     assert not run_dir.exists()
 
 
-def test_tensorboard_without_the_package_is_one_line_and_launches_nothing(tmp_path):
+def test_tensorboard_without_the_package_is_one_line_and_launches_nothing(tmp_path, capsys, monkeypatch):
     """A tensorboard that cannot be imported (as when it is not installed): one line saying how to get it."""
-    (tmp_path / "tensorboard").mkdir()
-    (tmp_path / "tensorboard" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "--device", "cpu", "--tensorboard",
-                             "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--tensorboard" in lines[0] and "pip install" in lines[0], result.stderr
+    code, _, err = run_main(["spawn", "--device", "cpu", "--tensorboard", "--run-dir", str(run_dir)], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--tensorboard" in lines[0] and "pip install" in lines[0], err
     assert not run_dir.exists()
 
 
