@@ -19,11 +19,10 @@ USER_TASKS = TASKS / "user_tasks.py"
 BENCHMARK_TASKS = TESTS.parent / "benchmarks" / "tasks.py"
 sys.path.insert(0, str(TASKS))  # so that tests can import what a task file exports (its constants, its classes)
 
-TIERS = {"unit": (), "system": ("slow",), "cluster": ("slow", "serial")}
+TIERS = {"unit": (), "system": ("slow",), "cluster": ("slow",)}
 """The folder a test sits in is its tier; a system or cluster test starts real ranks and is also `slow`, so
-`-m "not slow"` and `tests/unit` select the same tests. Cluster tests are `serial`: `make test` runs them alone
-(their namespaces and Slurm daemons are the machine's, and doctor's verdicts compare CPU speeds), the rest on
-two pytest workers."""
+`-m "not slow"` and `tests/unit` select the same tests. A file marks itself `serial` where its tests must run
+alone: `make test` runs those first, then the rest on two pytest workers."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which reads these marks

@@ -17,7 +17,9 @@ import pytest
 from conftest import HELPER_TASKS, read_summary
 from helper_tasks import HOLD_AT_CALL
 
-pytestmark = pytest.mark.slow
+# serial: doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota), which another test's
+# load would blur.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 SUBNET = "10.77.{}.{}"
 
 
