@@ -42,17 +42,15 @@ run: $(STAMP)
 
 # Tests marked serial (the network-namespace, start-up-window and elastic tests) run alone first; then the rest
 # on TEST_WORKERS pytest workers, a file per worker at a time (module fixtures are shared within a file), the
-# long files first (the Slurm cluster's, which mostly waits for Slurm; then tests/system) and tests/unit's short
-# ones last, to fill the end. The ranks' start-up and teardown leave a core idle often enough that two workers
-# take 0.76 of the time on 2 cores (docs/benchmarks.md, "The test suite"). Both stages always run; exit 5
-# (PYTEST_ARGS selected none of a stage's tests) counts as a pass, and make fails if either stage failed.
+# long files first (tests/conftest.py orders them) and tests/unit's short ones last, to fill the end. The ranks'
+# start-up and teardown leave a core idle often enough that two workers take 0.76 of the time on 2 cores
+# (docs/benchmarks.md, "The test suite"). Both stages always run; exit 5 (PYTEST_ARGS selected none of a
+# stage's tests) counts as a pass, and make fails if either stage failed.
 TEST_WORKERS ?= 2
-TEST_ORDER  := tests/cluster tests/system tests/unit
 
 test: $(STAMP)
-	@serial=0; $(BIN)/python -m pytest -m serial $(TEST_ORDER) $(PYTEST_ARGS) || serial=$$?; \
-	rest=0; $(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile $(TEST_ORDER) $(PYTEST_ARGS) \
-	  || rest=$$?; \
+	@serial=0; $(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || serial=$$?; \
+	rest=0; $(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || rest=$$?; \
 	for code in $$serial $$rest; do [ $$code = 0 ] || [ $$code = 5 ] || exit $$code; done; \
 	[ $$serial = 0 ] || [ $$rest = 0 ] || { echo "no test selected"; exit 5; }
 

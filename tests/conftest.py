@@ -32,6 +32,13 @@ def pytest_collection_modifyitems(config, items):
         assert tier in TIERS, f"{item.nodeid}: a test belongs in one of the tiers' folders: {', '.join(TIERS)}"
         for mark in (tier, *TIERS[tier]):
             item.add_marker(mark)
+    # The longest files first, so that two workers taking a file at a time do not end with one of them alone on
+    # a long file: the tiers from the slowest (cluster, system) to the fastest (unit), and within a tier the
+    # larger files first (more launches). A file's tests keep their order; every worker sorts alike.
+    tier_rank = {"cluster": 0, "system": 1, "unit": 2}
+    position = {item: index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (tier_rank[item.path.resolve().relative_to(TESTS).parts[0]],
+                                 -item.path.stat().st_size, str(item.path), position[item]))
 
 # --amp auto's measured answers go to a cache of this test session's own, not the user's ~/.cache: every run of
 # one task at one thread count in the session then trains in the same precision.
