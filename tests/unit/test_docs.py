@@ -32,8 +32,9 @@ def test_every_training_flag_is_in_the_options_reference():
     assert not missing, missing
 
 
-def test_a_changed_docstring_changes_the_reference(monkeypatch):
-    """What the staleness test relies on: the page is made from the help the flags carry, so it follows them."""
+def test_a_changed_help_changes_the_reference(monkeypatch):
+    """What the staleness test relies on: the page is made from the help the flags carry (for a training option,
+    its TrainConfig docstring: tests/unit/test_cli.py), so it follows them."""
     generator = _generator()
     before = generator.options_reference()
     from ddp_amp.cli import app
