@@ -31,21 +31,33 @@ def weights(path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-@pytest.mark.parametrize("mode", ["none", "optimizer", "full"])
-def test_each_rank_writes_its_part_and_a_resume_is_bit_exact(mode, tmp_path):
-    """Every 5 of 20 steps, --keep 2: step-15/ and step-20/ are left, each with its sidecar, a part written by
-    each rank (DCP spreads DDP's replicated tensors over the ranks; ZeRO's and FSDP's are each rank's own),
-    files 0644 and directories 0755 under umask 022. Training is the single-file run's, byte for byte, and a
-    run resumed from step-15/ ends on the same model.pt."""
-    os.umask(0o022)
-    single, run = tmp_path / "single", tmp_path / "sharded"
-    train(single, "--shard", mode, "--checkpoint-every", "5")
-    summary = train(run, "--shard", mode, "--checkpoint-every", "5", "--keep", "2", "--checkpoint-format", "sharded")
+@pytest.fixture(scope="module", params=["none", "optimizer", "full"])
+def mode_runs(request, tmp_path_factory):
+    """One 20-step run per format in a --shard mode, a checkpoint every 5 steps and the last 3 kept (step-10, 15
+    and 20): both tests of the mode read them."""
+    mode, root = request.param, tmp_path_factory.mktemp(f"runs-{request.param}")
+    previous = os.umask(0o022)
+    try:
+        summaries = {fmt: train(root / fmt, "--shard", mode, "--checkpoint-every", "5", "--keep", "3",
+                                "--checkpoint-format", fmt) for fmt in ("single", "sharded")}
+    finally:
+        os.umask(previous)
+    return mode, root, summaries
+
+
+def test_each_rank_writes_its_part_and_a_resume_is_bit_exact(mode_runs, tmp_path):
+    """Every 5 of 20 steps, --keep 3: step-10/, step-15/ and step-20/ are left, each with its sidecar, a part
+    written by each rank (DCP spreads DDP's replicated tensors over the ranks; ZeRO's and FSDP's are each rank's
+    own), files 0644 and directories 0755 under umask 022. Training is the single-file run's, byte for byte, and
+    a run resumed from step-15/ ends on the same model.pt."""
+    mode, root, summaries = mode_runs
+    single, run = root / "single", root / "sharded"
     assert (run / "model.pt").read_bytes() == (single / "model.pt").read_bytes()
     directory = run / "checkpoints"
-    assert sorted(p.name for p in directory.iterdir()) == ["step-15", "step-15.json", "step-20", "step-20.json"]
-    assert [p.name for p in checkpoints(run)] == ["step-20", "step-15"]
-    assert summary["checkpoint"] == str(directory / "step-20")
+    assert sorted(p.name for p in directory.iterdir()) == ["step-10", "step-10.json", "step-15", "step-15.json",
+                                                           "step-20", "step-20.json"]
+    assert [p.name for p in checkpoints(run)] == ["step-20", "step-15", "step-10"]
+    assert summaries["sharded"]["checkpoint"] == str(directory / "step-20")
     for checkpoint in checkpoints(run):
         parts = sorted(checkpoint.glob("*.distcp"))
         assert [p.name for p in parts] == ["__0_0.distcp", "__1_0.distcp"]
@@ -65,22 +77,18 @@ def test_each_rank_writes_its_part_and_a_resume_is_bit_exact(mode, tmp_path):
     assert final.keys() == model.keys() and all(torch.equal(final[k], model[k]) for k in model)
 
 
-@pytest.mark.parametrize("mode", ["none", "optimizer", "full"])
-def test_a_sharded_checkpoint_reshards_onto_another_world_size_as_a_single_file_one_does(mode, tmp_path):
+def test_a_sharded_checkpoint_reshards_onto_another_world_size_as_a_single_file_one_does(mode_runs, tmp_path):
     """2 ranks' step-10 continued by 4: the same weights as from the single-file checkpoint of the same step
     (each rank of the new world reads its own share of the state: ZeRO's other parameters, FSDP's other rows;
     4 -> 2 is the 2 -> 4 -> 2 test's, tests/system/test_shard.py)."""
-    for fmt in ("single", "sharded"):
-        train(tmp_path / fmt, "--shard", mode, "--checkpoint-every", "10", "--checkpoint-format", fmt)
-    for nproc in (4,):
-        ends = []
-        for fmt, name in (("single", "step-10.pt"), ("sharded", "step-10")):
-            run = tmp_path / f"{fmt}-{nproc}"
-            summary = train(run, "--shard", mode, "--resume", str(tmp_path / fmt / "checkpoints" / name),
-                            nproc=nproc)
-            assert summary["world_size"] == nproc and summary["resumed_from_step"] == 10
-            ends.append(weights(run / "model.pt"))
-        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), (mode, nproc)
+    mode, root, _ = mode_runs
+    ends = []
+    for fmt, name in (("single", "step-10.pt"), ("sharded", "step-10")):
+        run = tmp_path / f"{fmt}-4"
+        summary = train(run, "--shard", mode, "--resume", str(root / fmt / "checkpoints" / name), nproc=4)
+        assert summary["world_size"] == 4 and summary["resumed_from_step"] == 10
+        ends.append(weights(run / "model.pt"))
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), mode
 
 
 def test_an_optimizer_without_state_is_saved_without_its_part_and_resumes_on_the_schedules_rate(tmp_path):

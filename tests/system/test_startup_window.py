@@ -1,6 +1,7 @@
 """Signals in a rank's first milliseconds: a poller watches the fork server's children (every 0.5 ms on
 /proc/<fork server>/task/*/children) and, a few milliseconds after the first rank is forked, stops the whole
-process group or SIGKILLs the launcher, as a scheduler would at the worst instant. Many trials per case."""
+process group or SIGKILLs the launcher, as a scheduler would at the worst instant. One trial at each of four
+delays per case."""
 
 import os
 import signal
@@ -20,11 +21,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 DELAYS_S = (0.0, 0.002, 0.010, 0.030)
 """After the first rank's fork: the window before a rank installs its stop handler is these first milliseconds."""
-TRIALS = int(os.environ.get("DDP_AMP_TEST_WINDOW_TRIALS", str(2 * len(DELAYS_S))))
-"""Each delay twice in `make test` (40 launches over the five cases). The window bugs these cases were written
-against showed at each of these delays (a dropped SIGTERM at 0, 10 and 30 ms; the launcher's one-time forwarding
-in 8 of 8 trials): the delay, not chance, puts the signal in the window, and a second trial adds a loaded
-machine's jitter around it. For a soak, DDP_AMP_TEST_WINDOW_TRIALS=20 (or more) runs each case that many times."""
+TRIALS = int(os.environ.get("DDP_AMP_TEST_WINDOW_TRIALS", str(len(DELAYS_S))))
+"""Each delay once in `make test` (20 launches over the five cases). The window bugs these cases were written
+against showed at each of these delays, every time (a dropped SIGTERM at 0, 10 and 30 ms; the launcher's one-time
+forwarding in 8 of 8 trials): the delay, not chance, puts the signal in the window, so one trial a delay finds
+them, and the poller's 0.5 ms period and the machine's load add the jitter around each. For a soak,
+DDP_AMP_TEST_WINDOW_TRIALS=20 (or more) runs each case that many times, the delays in turn."""
 RUN = ["--device", "cpu", "--task", "linear", "--steps", "3000", "--batch-size", "8", "--checkpoint-every", "10",
        "--stop-timeout", "20", "--log-format", "json"]
 
