@@ -35,8 +35,12 @@ COMMANDS = (
     export.export,
 )
 """In the order --help lists them."""
+SCRIPT_CONTEXT = {"allow_interspersed_args": False}
+"""spawn, run and multinode: options come before SCRIPT; every word after it is the script's, as torchrun takes
+`training_script [args]` (an --lr after the script is the script's own)."""
+TAKES_A_SCRIPT = (train.spawn, train.run, train.multinode)
 for command in COMMANDS:
-    app.command()(command)
+    app.command(context_settings=SCRIPT_CONTEXT if command in TAKES_A_SCRIPT else None)(command)
 
 
 def _print_version(value: bool) -> None:

@@ -132,6 +132,13 @@ LocalAddr = Annotated[str | None, typer.Option("--local-addr", help="Address thi
                                                "\\[default: the one that routes to the endpoint].")]
 Ifname = Annotated[str | None, typer.Option("--ifname", help="Network interface for gloo/nccl "
                                             "\\[default: the one holding --local-addr].")]
+# A user's script (spawn, run, multinode), as torchrun takes it: every word from the first positional one on is
+# the script's (the commands parse no option after it: cli.SCRIPT_CONTEXT).
+ScriptWords = Annotated[list[str] | None, typer.Argument(
+    metavar="SCRIPT [ARGS]", show_default=False,
+    help="Your own training script and its arguments, run on every rank as torchrun runs it (instead of "
+    "ddp-amp's training loop); everything after SCRIPT is passed to it unchanged.")]
+Module = Annotated[bool, typer.Option("-m", "--module", help="SCRIPT is a module, run as python -m does.")]
 Launcher = Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="spawn or run (torchrun), on one "
                                                            "node.")]
 

@@ -15,10 +15,12 @@ from ddp_amp.commands.options import (
     IsHost,
     LocalAddr,
     MaxRestarts,
+    Module,
     MonitorInterval,
     NprocPerNode,
     RdzvId,
     RdzvTimeout,
+    ScriptWords,
     check_rendezvous_timeout,
     config_toml,
     with_config_file,
@@ -38,12 +40,20 @@ def spawn(
     resolved: dict,
     nproc: Annotated[int, typer.Option("--gpus", "--nproc", "-n",
                                        help="Ranks to start: one per GPU with CUDA, CPU processes otherwise.")] = 1,
+    module: Module = False,
+    script: ScriptWords = None,
 ) -> None:
-    """Launch N ranks on this machine with torch.multiprocessing."""
-    from ddp_amp.launch.preflight import preflight
+    """Launch N ranks on this machine with torch.multiprocessing: ddp-amp's training loop, or your SCRIPT."""
+    from ddp_amp.launch.preflight import preflight, preflight_script
     from ddp_amp.launch.session import Launch, warm_start
 
+    program = user_script(script, module, train)
     config = warm_start(train, start_ranks_soon=nproc >= 1)
+    if program is not None:
+        plan = preflight_script(config, program, nproc_per_node=nproc, flag="--gpus", overwrite=output["overwrite"],
+                                run_dir=output["run_dir"])
+        launch_script(Launch(plan, nproc, script=program), output)
+        return
     plan = preflight(config, nproc_per_node=nproc, flag="--gpus", overwrite=output["overwrite"],
                      run_dir=output["run_dir"])
     launch_training(Launch(plan, nproc), output, resolved)
@@ -60,15 +70,30 @@ def run(
     max_restarts: MaxRestarts = 0,
     monitor_interval: MonitorInterval = 0.1,
     dry_run: DryRun = False,
+    module: Module = False,
+    script: ScriptWords = None,
 ) -> None:
-    """Launch N ranks on this machine through torchrun (standalone rendezvous on loopback)."""
+    """Launch N ranks on this machine through torchrun (standalone rendezvous on loopback): ddp-amp's training
+    loop, or your SCRIPT."""
     from ddp_amp.launch import torchrun
-    from ddp_amp.launch.preflight import preflight
+    from ddp_amp.launch.preflight import preflight, preflight_script
     from ddp_amp.launch.session import Launch, warm_start
 
     check_torchrun_numbers(max_restarts, monitor_interval)
+    program = user_script(script, module, train)
     config = warm_start(train, start_ranks_soon=not dry_run)
     nproc = torchrun.parse_nproc(nproc_per_node)
+    if program is not None:
+        if dry_run:
+            job = torchrun.standalone_job(nproc_per_node=nproc, max_restarts=max_restarts,
+                                          monitor_interval=monitor_interval, device_type="cpu", script=True)
+            typer.echo(job.torchrun_command(Path(), script=program).shell())
+            return
+        plan = preflight_script(config, program, nproc_per_node=nproc, flag="--nproc-per-node",
+                                overwrite=output["overwrite"], run_dir=output["run_dir"])
+        launch_script(Launch.standalone(plan, nproc, max_restarts=max_restarts, monitor_interval=monitor_interval,
+                                        script=program), output)
+        return
     plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
                      run_dir=output["run_dir"])
     if dry_run:
@@ -111,16 +136,20 @@ def multinode(
     emit_slurm: Annotated[Path | None, typer.Option("--emit-slurm", help="Write an sbatch script running this "
                                                     "on every node of an allocation, and exit.")] = None,
     dry_run: DryRun = False,
+    module: Module = False,
+    script: ScriptWords = None,
 ) -> None:
-    """Launch this node's ranks through torchrun with c10d rendezvous across machines."""
+    """Launch this node's ranks through torchrun with c10d rendezvous across machines: ddp-amp's training loop,
+    or your SCRIPT."""
     from ddp_amp import network
     from ddp_amp.config import TrainConfig
     from ddp_amp.launch import torchrun
 
     check_torchrun_numbers(max_restarts, monitor_interval)
+    program = user_script(script, module, train)
     nnodes, endpoint, node_rank, nproc_per_node = _where_nodes_meet(from_env, nnodes, endpoint, node_rank,
                                                                     nproc_per_node)
-    if from_env and k8s["emit_k8s"] is None:
+    if from_env and k8s["emit_k8s"] is None and program is None:
         _take_up_own_run_dir(train, output)
     nodes = torchrun.parse_nnodes(nnodes)
     if node_rank is not None and not 0 <= node_rank < nodes.max:
@@ -133,40 +162,52 @@ def multinode(
     if k8s["emit_k8s"] is not None:
         config = TrainConfig(**train)
         emit_k8s_manifest(k8s, train, output, nodes, nproc_per_node=nproc_per_node, max_restarts=max_restarts,
-                          stop_timeout=config.stop_timeout)
+                          stop_timeout=config.stop_timeout, script=program)
         return
     where = network.parse_endpoint(endpoint)
     TrainConfig(**train)  # every cheap check before the network ones, which can wait up to --rdzv-timeout
     if emit_slurm is not None:
         emit_slurm_script(emit_slurm, train, output, nodes, where, nproc_per_node=nproc_per_node, ifname=ifname,
-                          requeue_signal=requeue_signal, **rendezvous)
+                          requeue_signal=requeue_signal, script=program, **rendezvous)
         return
     _launch_node(train, output, resolved, nodes, where, nproc_per_node, dry_run=dry_run, rdzv_id=rdzv_id,
                  node_rank=node_rank, network_options={"is_host": is_host, "local_addr": local_addr,
-                                                       "ifname": ifname}, **rendezvous)
+                                                       "ifname": ifname}, script=program, **rendezvous)
 
 
 def _launch_node(train: dict, output: dict, resolved: dict, nodes, where, nproc_per_node: str, *, dry_run: bool,
-                 rdzv_id: str | None, node_rank: int | None, network_options: dict[str, Any],
+                 rdzv_id: str | None, node_rank: int | None, network_options: dict[str, Any], script=None,
                  **rendezvous: Any) -> None:
     """multinode: this node's network found, its ranks' plan, and its share of the job launched."""
     from ddp_amp.launch import torchrun
-    from ddp_amp.launch.preflight import preflight
+    from ddp_amp.launch.preflight import preflight, preflight_script
     from ddp_amp.launch.session import Launch, warm_start
 
     config = warm_start(train, start_ranks_soon=not dry_run)
     nproc = torchrun.parse_nproc(nproc_per_node)
     net = torchrun.detect_node_network(where, rdzv_timeout=rendezvous["rdzv_timeout"], check_reachable=not dry_run,
                                        **network_options)
-    job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, training_args(train))
-    plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
-                     run_dir=output["run_dir"], lock_run_dir=False,
-                     world_size=nodes.min * nproc if nodes.min == nodes.max else None,
-                     extra={"elastic": nodes.min != nodes.max, "job_id": job_id})
-    job = torchrun.node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id,
+    job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, " ".join(
+        [*training_args(train), *(script.argv() if script is not None else [])]))
+    extra = {"elastic": nodes.min != nodes.max, "job_id": job_id}
+    if script is not None:
+        plan = preflight_script(config, script, nproc_per_node=nproc, flag="--nproc-per-node",
+                                overwrite=output["overwrite"], run_dir=output["run_dir"], lock_run_dir=False,
+                                extra=extra)
+    else:
+        plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
+                         run_dir=output["run_dir"], lock_run_dir=False,
+                         world_size=nodes.min * nproc if nodes.min == nodes.max else None, extra=extra)
+    job = torchrun.node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id, script=script is not None,
                             **rendezvous)(plan.device_type)
     if net.note:
         typer.echo(f"ddp-amp: {net.note}", err=True)
+    if script is not None:
+        if dry_run:
+            typer.echo(job.torchrun_command(plan.config_path, script=script).shell())
+            return
+        launch_script(Launch(plan, nproc, job=job, script=script), output)
+        return
     if dry_run:
         typer.echo(job.torchrun_command(plan.config_path).shell())
         typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
@@ -195,9 +236,29 @@ def launch_training(launch, output: dict, resolved: dict) -> None:
             Console(stderr=output["log_format"] == "json").print(profile_table(profile))
 
 
+def user_script(words: list[str] | None, module: bool, train: dict):
+    """SCRIPT [ARGS] (or -m MODULE [ARGS]) as a launch.script.Script, checked, with no option of ddp-amp's loop
+    beside it; None when the command trains a task."""
+    from ddp_amp.launch.script import refuse_loop_options, script_from_command_line
+
+    program = script_from_command_line(words, module)
+    if program is not None:
+        refuse_loop_options([name for name, value in train.items()
+                             if value != TRAINING_OPTIONS[name][0] and (value or TRAINING_OPTIONS[name][0])])
+    return program
+
+
+def launch_script(launch, output: dict) -> None:
+    """A launch of the user's script, its ranks' output shown as it comes."""
+    from ddp_amp.launch.session import run_launch
+    from ddp_amp.progress.display import make_display
+
+    run_launch(launch, make_display(output["log_format"], quiet=output["quiet"], script=True))
+
+
 def emit_slurm_script(path: Path, train: dict, output: dict, nodes, where, *, nproc_per_node: str,
                       rdzv_timeout: float, rdzv_last_call: int, monitor_interval: float, max_restarts: int,
-                      ifname: str | None, requeue_signal: str) -> None:
+                      ifname: str | None, requeue_signal: str, script=None) -> None:
     """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation."""
     from ddp_amp.launch import torchrun
 
@@ -215,10 +276,14 @@ def emit_slurm_script(path: Path, train: dict, output: dict, nodes, where, *, np
     if ifname:
         args += ["--ifname", ifname]
     gpus = int(nproc_per_node) if nproc_per_node.isdigit() and train["device"] != "cpu" else None
-    script = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"],
-                                   requeue_signal=requeue_signal)
-    write_new_file(path, script, "--emit-slurm")
+    text = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"],
+                                 requeue_signal=requeue_signal, script=script)
+    write_new_file(path, text, "--emit-slurm")
     typer.echo(f"ddp-amp: wrote {path}; submit it with sbatch {path}")
+    if script is not None:
+        where_from = script.path if not script.module else f"module {script.target} from {script.cwd}"
+        typer.echo(f"ddp-amp: every node runs {where_from} in {script.cwd}: both must be there on the nodes (a "
+                   "shared file system)", err=True)
 
 
 def _where_nodes_meet(from_env: bool, nnodes, endpoint, node_rank, nproc_per_node):
@@ -253,7 +318,7 @@ def _take_up_own_run_dir(train: dict, output: dict) -> None:
 
 
 def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_node: str, max_restarts: int,
-                      stop_timeout: float) -> None:
+                      stop_timeout: float, script=None) -> None:
     """--emit-k8s: the manifest (TrainJob, PyTorchJob or JobSet) that runs this on --nnodes pods; printed, then
     written as YAML."""
     from ddp_amp.launch import kubernetes
@@ -275,7 +340,7 @@ def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_
         nnodes_max=nodes.max, nproc_per_node=nproc_per_node,
         args=[*training_args(train), "--log-format", output["log_format"]], run_dir=run_dir, pvc=k8s["pvc"],
         gpus_per_node=gpus, cpu=k8s["cpu"], memory=k8s["memory"], stop_timeout=stop_timeout,
-        max_restarts=max_restarts)
+        max_restarts=max_restarts, script=script.argv() if script is not None else [])
     import yaml
 
     text = yaml.safe_dump(kubernetes.manifest(k8s["k8s_kind"], spec), sort_keys=False)
@@ -284,6 +349,9 @@ def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_
     if k8s["pvc"] is None:
         typer.echo("ddp-amp: warning: without --pvc the run dir is an emptyDir: checkpoints do not outlive a pod",
                    err=True)
+    if script is not None:
+        typer.echo(f"ddp-amp: the pods run {' '.join(script.argv())} from their working directory: the image must "
+                   "hold it there", err=True)
     typer.echo(f"ddp-amp: wrote {k8s['emit_k8s']}; start it with kubectl apply -f {k8s['emit_k8s']}", err=True)
 
 

@@ -51,6 +51,31 @@ def worker_entry(config_path: str, env: dict[str, str], kind: JobKind) -> None:
         raise
 
 
+def script_entry(script: dict, run_dir: str, env: dict[str, str]) -> None:
+    """A rank running the user's script under the agent. A script that raised: its traceback goes to the
+    agent's error file (as torchrun's @record would write it) and the rank exits 1, without the
+    multiprocessing wrapper printing the traceback a second time into the rank's output."""
+    os.environ.update(env)
+    import sys
+
+    from ddp_amp.launch.script import Script
+    from ddp_amp.rank.script import ScriptFailed, run_script
+
+    try:
+        code = run_script(Script.from_dict(script), Path(run_dir))
+    except ScriptFailed as failed:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(failed)
+        time.sleep(FAILURE_LINGER_S)  # as worker_entry: the agent sees the first failure first
+        sys.exit(1)
+    if code:
+        sys.exit(code)
+    from ddp_amp.rank.signals import leave_once_stopped
+
+    leave_once_stopped()
+
+
 def let_stopped_workers_leave(context_class: type | None = None) -> bool:
     """Make torch's function-entry worker context let its workers leave once it has sent them its death signal;
     whether it now does.
@@ -121,9 +146,10 @@ def _close_is_as_patched(context_class: type, close) -> bool:
 
 
 def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log_path: Path, *,
-              rank_pids=lambda: [], stop_timeout: float = 60.0, kind: JobKind = "train") -> None:
-    """Run this node's share of the job (its ranks doing `kind`) to completion; a failure becomes RunFailed
-    naming the rank that failed first. The agent's log goes to `log_path`."""
+              rank_pids=lambda: [], stop_timeout: float = 60.0, kind: JobKind = "train", script=None) -> None:
+    """Run this node's share of the job (its ranks doing `kind`, or running the user's `script`, a
+    launch.script.Script) to completion; a failure becomes RunFailed naming the rank that failed first. The
+    agent's log goes to `log_path`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
@@ -146,9 +172,17 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     # And polled (_finished_within), never Event.wait: see there.
     finished = threading.Event()
 
+    env = {**job.env, **extra_env}
+    if script is None:
+        entry, args = worker_entry, [str(config_path), env, kind]
+    else:
+        entry, args = script_entry, [script.to_dict(), str(config_path.parent), env]
+    agents: list = []
+
     def agent() -> None:
         try:
-            launch_agent(config, worker_entry, [str(config_path), {**job.env, **extra_env}, kind])
+            with _agents_recorded(agents):
+                launch_agent(config, entry, args)
         except BaseException as exc:  # reported by the launcher's thread
             outcome["error"] = exc
         finally:
@@ -160,6 +194,9 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
             while not _finished_within(finished, 0.2):  # timed: the main thread keeps handling signals
                 pass
         except StopSignal as stop:
+            # A stop is the end of the job: no restart of ranks it ended (a script's, killed by the signal).
+            for running in agents:
+                running._remaining_restarts = 0
             # Pass the signal on to the ranks (their pids come with their first event): they stop together at
             # one step and checkpoint; the agent sees them succeed. A rank still starting reports later: it gets
             # the signal as soon as it does (until then it holds stop signals blocked, so none is lost). Past
@@ -177,6 +214,31 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
                         else 1)
     raise RunFailed(f"the elastic agent failed: {type(error).__name__}: {_first_line(error)} "
                     f"(its log: {log_path})", details=details)
+
+
+@contextlib.contextmanager
+def _agents_recorded(agents: list) -> Iterator[None]:
+    """The agent that launch_agent makes, appended to `agents`, so that a stop can take its remaining restarts
+    away (torchrun's own agent gets the stop signal itself and shuts down; ours runs in a thread that gets none).
+    torch's agent counts down `_remaining_restarts` (torch 2.13); where that changes, a stopped script's ranks
+    may be restarted by the agent, and are killed with it at --stop-timeout."""
+    import torch.distributed.launcher.api as launcher_api
+
+    made = getattr(launcher_api, "LocalElasticAgent", None)
+    if not isinstance(made, type):
+        yield
+        return
+
+    class Recorded(made):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            agents.append(self)
+
+    launcher_api.LocalElasticAgent = Recorded
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = made
 
 
 def _finished_within(finished: threading.Event, timeout: float) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddp_amp.errors import UsageError
@@ -50,6 +50,9 @@ class PodSpec:
     memory: str | None
     stop_timeout: float
     max_restarts: int
+    script: list[str] = field(default_factory=list)
+    """A user's script and its arguments (`-m MODULE ...` for a module), run by every pod's ranks: last on the
+    command line, as ddp-amp takes it."""
 
     @property
     def elastic(self) -> bool:
@@ -73,7 +76,7 @@ def job_name(run_dir: str) -> str:
 def pod_command(spec: PodSpec) -> list[str]:
     # --from-env also takes up the run dir as a restarted job should: from its newest checkpoint where there is one.
     return ["ddp-amp", "multinode", "--from-env", "--nproc-per-node", spec.nproc_per_node, *spec.args,
-            "--run-dir", f"{RUN_DIR_MOUNT}/{spec.run_dir}"]
+            "--run-dir", f"{RUN_DIR_MOUNT}/{spec.run_dir}", *spec.script]
 
 
 def _volume(spec: PodSpec) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Whatever is wrong becomes a UsageError (one line per problem, exit code 2) and n
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import sys
@@ -18,6 +19,7 @@ from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
 from ddp_amp.launch.run_dir import prepare_run_dir, running_job
+from ddp_amp.outputs import METRICS_FILE
 from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
 
 RUNS_ROOT = Path("runs")
@@ -219,3 +221,36 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
         raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
                       run_dir_lock=prepared.lock, init=init)
+
+
+def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",
+                     overwrite: bool = False, run_dir: str | None = None, extra: dict | None = None,
+                     lock_run_dir: bool = True) -> LaunchPlan:
+    """Prepare a launch of the user's `script` (launch.script.Script, checked already): the run directory for its
+    ranks' logs and the record, and config.json (the launch's options and the script). A script's run dir can be
+    launched into again (a requeued or repeated job: its logs and record are replaced); one that holds a finished
+    run of ddp-amp's loop (model.pt) needs --overwrite, as for any launch."""
+    if nproc_per_node < 1:
+        raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
+    config = config.replace(**(extra or {}), run_dir=str(run_dir or default_run_dir()), launch_time=time.time())
+    import torch  # only now: --help and flag errors above stay fast; the ranks need it anyway
+
+    device_type = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
+    existed = Path(config.run_dir).exists()
+    if (Path(config.run_dir) / METRICS_FILE).exists() and not overwrite:
+        raise UsageError(f"--run-dir {config.run_dir!r} holds a run of ddp-amp's own loop (metrics.jsonl); pass "
+                         "--overwrite to start over in it, or choose another directory")
+    # resuming: a script's earlier record (summary.json) is replaced, not refused as an unfinished run's.
+    prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
+                               resuming=True)
+    path = prepared.path
+    STARTUP.run_dir, STARTUP.created, STARTUP.cleared = path, not existed or str(path) != config.run_dir, overwrite
+    config = config.replace(run_dir=str(path))
+    config_path = path / CONFIG_FILE
+    record = {**json.loads(config.to_json()), "script": script.to_dict()}
+    try:
+        atomic_write(config_path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
+    except OSError as exc:
+        raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
+    return LaunchPlan(config=config, device_type=device_type, precision=None, config_path=config_path,
+                      run_dir_lock=prepared.lock)

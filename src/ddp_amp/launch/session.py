@@ -56,6 +56,8 @@ class Launch:
     job: ElasticJob | None = None
     store: Any = field(default=None, repr=False)
     """The rendezvous store this launcher serves on loopback for a standalone job, alive as long as the launch."""
+    script: Any = None
+    """A launch.script.Script: the ranks run the user's script instead of ddp-amp's loop."""
 
     @property
     def agent_log(self) -> Path:
@@ -63,7 +65,7 @@ class Launch:
 
     @classmethod
     def standalone(cls, plan: LaunchPlan, nproc: int, *, max_restarts: int = 0, monitor_interval: float = 0.1,
-                   kind: JobKind = "train") -> Launch:
+                   kind: JobKind = "train", script=None) -> Launch:
         """torchrun's agent on one node, its rendezvous store served by this launcher on loopback only."""
         from ddp_amp.dist import loopback_store
         from ddp_amp.launch import torchrun
@@ -71,8 +73,8 @@ class Launch:
         store = loopback_store(timeout_s=plan.config.timeout)
         job = torchrun.standalone_job(nproc_per_node=nproc, max_restarts=max_restarts,
                                       monitor_interval=monitor_interval, device_type=plan.device_type,
-                                      store_port=store.port)
-        return cls(plan, nproc, kind, job, store)
+                                      store_port=store.port, script=script is not None)
+        return cls(plan, nproc, kind, job, store, script)
 
     def start(self, session) -> None:
         """The ranks, to completion, under `session` (a progress.session.ProgressSession)."""
@@ -83,12 +85,12 @@ class Launch:
         if self.job is None:
             from ddp_amp.launch.spawn import spawn
 
-            spawn(config, self.nproc, extra_env=session.environment(), kind=self.kind)
+            spawn(config, self.nproc, extra_env=session.environment(), kind=self.kind, script=self.script)
             return
         from ddp_amp.launch.agent import run_agent
 
         run_agent(self.job, self.plan.config_path, session.environment(), self.agent_log,
-                  rank_pids=session.rank_pids, stop_timeout=config.stop_timeout, kind=self.kind)
+                  rank_pids=session.rank_pids, stop_timeout=config.stop_timeout, kind=self.kind, script=self.script)
 
 
 def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
@@ -98,6 +100,8 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
     from ddp_amp.progress.session import ProgressSession
 
     plan, config = launch.plan, launch.plan.config
+    if launch.script is not None:
+        return run_script_launch(launch, display)
     if announce:
         _announce(launch)
     session = ProgressSession(display, plan.config_path.parent)
@@ -117,6 +121,46 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
     check_outcome(Path(config.run_dir), config)
     if announce and launch.job is not None:
         report_recovery(config, launch.agent_log, display.model)
+
+
+def run_script_launch(launch: Launch, display) -> None:
+    """A launch of the user's script: its ranks under a progress session that captures their output, then the
+    verdict (the script finished on every rank, a rank failed, or a stop ended it) and the run's record in
+    summary.json (launch.script.script_record), which `ddp-amp show` lists."""
+    import time
+
+    from ddp_amp.launch.script import script_record
+    from ddp_amp.outputs import write_summary
+    from ddp_amp.progress.session import ProgressSession
+
+    plan, config, script = launch.plan, launch.plan.config, launch.script
+    run_dir = Path(config.run_dir)
+    if launch.job is not None:
+        say(f"ddp-amp: torchrun's agent in-process, as "
+            f"{launch.job.torchrun_command(plan.config_path, script=script).shell()}")
+    say(f"ddp-amp: {launch.nproc} rank(s) running {' '.join(script.argv())}, run dir {run_dir} (each rank's "
+        f"output in {run_dir / 'logs'})")
+    session = ProgressSession(display, run_dir, capture_output=True)
+    started, failure = time.time(), None
+    try:
+        with session, stop_signals_raise():
+            launch.start(session)
+    except RunFailed as exc:
+        if session.failure_shown():
+            exc.details = ""  # the display has shown the failing rank's traceback already
+        if exc.exit_code <= 128:
+            world = None if config.job_id else launch.nproc
+            failure = explained_failure(exc, session, config, world)
+        else:
+            failure = RunFailed(f"{exc}: passed on to every rank (each rank's output in {run_dir / 'logs'})",
+                                exit_code=exc.exit_code)
+    model = display.model
+    write_summary(run_dir, script_record(script, launch=launch, model=model, started=started, failure=failure))
+    if failure is not None:
+        raise failure
+    restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""
+    say(f"ddp-amp: the script finished on every rank{restarts} in {time.time() - started:.1f}s; summary "
+        f"{run_dir / 'summary.json'}")
 
 
 def _announce(launch: Launch) -> None:

@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +43,16 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def script_environment(world_size: int, run_id: str) -> dict[str, str]:
+    """What torchrun's agent sets beside rank_environment, for a user's script that may read it: the role (one,
+    "default"), the restart count, the run id; OMP_NUM_THREADS=1 for several ranks unless the user set it."""
+    env = {"ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1",
+           "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": run_id}
+    if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int, extra_env: dict[str, str],
                kind: JobKind) -> None:
     os.environ.update({**extra_env, **rank_environment(rank, world_size, port)})
@@ -50,9 +61,23 @@ def _rank_main(rank: int, config: TrainConfig, world_size: int, port: int, extra
     run_worker(config, kind)
 
 
-def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = None, kind: JobKind = "train") -> None:
-    """Run `nproc` ranks of job `kind` to completion (`extra_env` added to each rank's environment).
-    Raises RunFailed naming the first rank that failed."""
+def _script_rank_main(rank: int, script: dict, run_dir: str, world_size: int, port: int,
+                      extra_env: dict[str, str]) -> None:
+    """A rank running the user's script; its exit status is the script's (an exception: raised, for join)."""
+    os.environ.update({**extra_env, **script_environment(world_size, f"ddp-amp-{port}"),
+                       **rank_environment(rank, world_size, port), "ROLE_RANK": str(rank)})
+    from ddp_amp.launch.script import Script
+    from ddp_amp.rank.script import run_script
+
+    code = run_script(Script.from_dict(script), Path(run_dir))
+    if code:
+        sys.exit(code)
+
+
+def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = None, kind: JobKind = "train",
+          script=None) -> None:
+    """Run `nproc` ranks of job `kind` (or of the user's `script`, a launch.script.Script) to completion
+    (`extra_env` added to each rank's environment). Raises RunFailed naming the first rank that failed."""
     store = loopback_store(world_size=nproc, timeout_s=config.timeout)
     start_forkserver()  # usually already running: the CLI starts it before importing torch
     # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
@@ -63,8 +88,11 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     deferred = DeferredStops()
     deferred.hold()
     try:
-        context = mp.start_processes(_rank_main, args=(config, nproc, store.port, extra_env or {}, kind),
-                                     nprocs=nproc, join=False, start_method="forkserver")
+        if script is None:
+            entry, args = _rank_main, (config, nproc, store.port, extra_env or {}, kind)
+        else:
+            entry, args = _script_rank_main, (script.to_dict(), config.run_dir, nproc, store.port, extra_env or {})
+        context = mp.start_processes(entry, args=args, nprocs=nproc, join=False, start_method="forkserver")
     except BaseException:
         deferred.release()
         raise
@@ -80,6 +108,13 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                     deferred.release()
                 if context.join(timeout=None if stop is None else 0.5, grace_period=FAILURE_GRACE_S):
                     break
+            except (mp.ProcessRaisedException, mp.ProcessExitedException):
+                if stop is None or script is None:
+                    raise
+                # A script's rank that the stop ended (by the signal's default action, or its own handler's
+                # exit): the stop, not a failure. join() has ended the others as well.
+                _stop_ranks(context)
+                break
             except StopSignal as first:
                 # Ask every rank to stop at one step they agree on (and checkpoint); wait --stop-timeout. The
                 # signal itself is passed on (the ranks take every stop signal), so the run records its name.

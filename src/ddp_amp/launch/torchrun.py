@@ -89,6 +89,14 @@ def cpu_threads_env(nproc_per_node: int, device_type: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, cores // nproc_per_node))}
 
 
+def threads_env(nproc_per_node: int, device_type: str, script: bool) -> dict[str, str]:
+    if script:
+        from ddp_amp.launch.script import script_threads_env
+
+        return script_threads_env(nproc_per_node)
+    return cpu_threads_env(nproc_per_node, device_type)
+
+
 def restart_env(max_restarts: int, elastic: bool = False) -> dict[str, str]:
     # With the agent's rendezvous store shared with the workers, restarts failed 4 times in 6 here;
     # with a store of their own, 4 of 4 passed. A node joining an elastic job needs it too: with the shared
@@ -115,7 +123,8 @@ class ElasticJob:
     """Variables set for the agent and the workers on top of the inherited environment."""
     node_rank: int | None = None
 
-    def torchrun_command(self, config_path: Path, kind: str = "train") -> TorchrunCommand:
+    def torchrun_command(self, config_path: Path, kind: str = "train", script=None) -> TorchrunCommand:
+        """`script`: a launch.script.Script run instead of ddp-amp's worker."""
         argv = [sys.executable, "-m", "torch.distributed.run"]
         if self.rdzv_endpoint is None:
             argv += ["--standalone", "--nnodes", str(self.nnodes)]
@@ -130,16 +139,20 @@ class ElasticJob:
             argv += ["--node-rank", str(self.node_rank)]
         if self.local_addr:
             argv += ["--local-addr", self.local_addr]
-        argv += ["-m", WORKER_MODULE, str(config_path), *([kind] if kind != "train" else [])]
+        if script is not None:
+            argv += script.argv()
+        else:
+            argv += ["-m", WORKER_MODULE, str(config_path), *([kind] if kind != "train" else [])]
         return TorchrunCommand(argv, dict(self.env))
 
 
 def standalone_job(*, nproc_per_node: int, max_restarts: int, monitor_interval: float, device_type: str,
-                   store_port: int | None = None) -> ElasticJob:
+                   store_port: int | None = None, script: bool = False) -> ElasticJob:
     """One node. store_port: the port of a loopback-only rendezvous store the launcher serves (see
     ddp_amp.dist.loopback_store); without it, torchrun's --standalone, whose stores listen on every interface
-    (what --dry-run prints, for a command that runs by hand)."""
-    env = {**cpu_threads_env(nproc_per_node, device_type), **restart_env(max_restarts)}
+    (what --dry-run prints, for a command that runs by hand). `script`: the ranks run a user's script, whose
+    threads are torchrun's."""
+    env = {**threads_env(nproc_per_node, device_type, script), **restart_env(max_restarts)}
     common = {"nproc_per_node": nproc_per_node, "nnodes": Nnodes(1, 1), "max_restarts": max_restarts,
               "monitor_interval": monitor_interval}
     if store_port is None:
@@ -161,7 +174,7 @@ def default_rdzv_id(endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, run
 def multinode_job(*, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, node_rank: int | None, rdzv_id: str,
                   is_host: bool | None, local_addr: str | None, ifname_env: dict[str, str] | None,
                   max_restarts: int, monitor_interval: float, rdzv_timeout: float, device_type: str,
-                  rdzv_last_call: int = 30) -> ElasticJob:
+                  rdzv_last_call: int = 30, script: bool = False) -> ElasticJob:
     configs = {} if is_host is None else {"is_host": str(int(is_host))}
     # torchrun reads these as whole seconds (a fraction would fail its int() parse in every agent).
     configs["join_timeout"] = str(math.ceil(rdzv_timeout))
@@ -169,7 +182,7 @@ def multinode_job(*, endpoint: Endpoint, nnodes: Nnodes, nproc_per_node: int, no
         configs["last_call_timeout"] = str(rdzv_last_call)
     # A loopback endpoint puts every node on this machine: their ranks share its cores.
     ranks_here = nproc_per_node * (nnodes.max if network.is_loopback(endpoint.host, resolve=True) else 1)
-    env = {**cpu_threads_env(ranks_here, device_type), **restart_env(max_restarts, nnodes.min != nnodes.max),
+    env = {**threads_env(ranks_here, device_type, script), **restart_env(max_restarts, nnodes.min != nnodes.max),
            **(ifname_env or {})}
     return ElasticJob(nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=str(endpoint), rdzv_id=rdzv_id,
                       rdzv_configs=configs, local_addr=local_addr, max_restarts=max_restarts,
@@ -300,13 +313,17 @@ fi
 
 
 def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_per_node: int | None,
-                 run_dir: str | None, requeue_signal: str = "USR1") -> str:
+                 run_dir: str | None, requeue_signal: str = "USR1", script=None) -> str:
     """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation.
 
     Preemption: Slurm sends `requeue_signal` to every process of the job step before the time limit
     (--signal, without B:), or `scancel --signal` does; ddp-amp stops every rank at one step, checkpoints and
     exits 128 + the signal's number. On exactly that exit code, and only with a checkpoint to continue from,
     the script requeues the job, which resumes from the checkpoint. A finished run exits 0: never requeued.
+
+    `script` (a launch.script.Script): every node runs the user's script, by its absolute path, from the
+    directory it was launched in (both must be reachable on the nodes: a shared file system). Stopped by the
+    requeue signal, the job is requeued and starts the script again: resuming is the script's own business.
     """
     args = shlex.join(multinode_args)
     cores = usable_cores()
@@ -320,6 +337,8 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
     ]
     if gpus_per_node:
         header.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    if script is not None:
+        header.append(f"#SBATCH --chdir={shlex.quote(script.cwd)}    # where the script was launched from")
     header += [
         "#SBATCH --time=01:00:00    # placeholder: your job's time limit",
         f"#SBATCH --signal={requeue_signal}@{SLURM_STOP_WARNING_S}    # ddp-amp stops at one step and checkpoints",
@@ -328,12 +347,16 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
     ]
     directory = shlex.quote(run_dir) if run_dir else '"runs/slurm-$SLURM_JOB_ID"'
     head = "\n".join(header)
+    if script is not None:
+        program = [*(["-m", script.target] if script.module else [script.path]), *script.args]
+        setup = f"set -- {args} --run-dir \"$RUN_DIR\" {shlex.join(program)}\nhas_checkpoint() {{ true; }}\n"
+    else:
+        setup = f"set -- {args} --run-dir \"$RUN_DIR\"\n{_RESUME}"
     return f"""#!/bin/bash
 {head}
 set -uo pipefail
 RUN_DIR={directory}
-set -- {args} --run-dir "$RUN_DIR"
-{_RESUME}# The first node of the allocation hosts the c10d rendezvous store.
+{setup}# The first node of the allocation hosts the c10d rendezvous store.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export DDP_AMP_ENDPOINT="$head_node:{port}"
 # One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes. srun

@@ -38,6 +38,10 @@ class RankState:
     """(step, micro-step, phase index, phase name) from the rank's heartbeat: where its loop is."""
     stall_after_s: float | None = None
     moved_at: float = 0.0
+    world_size: int | None = None
+    last_line: str = ""
+    """A script's rank: the last line it wrote (stdout or stderr)."""
+    exit_code: int | None = None
 
 
 @dataclass
@@ -60,6 +64,8 @@ class ProgressModel:
     """local rank -> the global rank it had when torchrun restarted the group (the agent's log names local ranks)."""
     recovered: list[tuple[int, int, str]] = field(default_factory=list)
     """(attempt, rank, last line) of failures that a restart recovered from: no longer shown as failures."""
+    script: bool = False
+    """The ranks run a user's script: no steps or losses of ours, their output instead."""
 
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()
@@ -80,6 +86,10 @@ class ProgressModel:
             state.local_rank = event.get("local_rank", state.local_rank)
             state.pid = event.get("pid", state.pid)
             state.node = event.get("node", state.node)
+            state.exit_code = event.get("exit_code", state.exit_code)
+            state.world_size = event.get("world_size", state.world_size)
+        elif kind == "output":
+            state.last_line = event["line"]
         elif kind == "log":
             state.status = "slow" if event.get("slow") else "running"
             for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "loss_scale",
@@ -231,7 +241,9 @@ class PlainDisplay:
             return  # tracebacks and each rank's totals are shown once, at the end
         line = plain_line(event)
         if line:
-            print(line, file=self.stream, flush=True)
+            # A script's stderr lines go to stderr, as under torchrun: its stdout can still be piped alone.
+            stream = sys.stderr if event.get("stream") == "stderr" and self.stream is sys.stdout else self.stream
+            print(line, file=stream, flush=True)
 
     def close(self) -> None:
         for rank, text in self.model.failure_reports():
@@ -260,6 +272,10 @@ class JsonDisplay:
         pass
 
 
+_STYLES = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan",
+           "stalled": "bold yellow", "stopped": "yellow", "slow": "yellow"}
+
+
 class RichDisplay:
     """A live table, one row per rank, and a global line; at the end tracebacks, then a summary table."""
 
@@ -270,22 +286,27 @@ class RichDisplay:
         self.model = ProgressModel(clock=clock)
         self._live = None
         if live:
-            from rich.live import Live
+            self.start()
 
-            self._live = Live(self.render(), console=self.console, refresh_per_second=4,
-                              get_renderable=self.render)
-            self._live.start()
+    def start(self) -> None:
+        from rich.live import Live
+
+        self._live = Live(self.render(), console=self.console, refresh_per_second=4, get_renderable=self.render)
+        self._live.start()
 
     def handle(self, event: dict[str, Any]) -> None:
         self.model.apply(event)
-        if event["type"] == "precision":  # a line above the live table, once
-            self.console.print(plain_line(event), highlight=False, markup=False)
+        if event["type"] in ("precision", "output"):  # a line above the live table
+            self.console.print(plain_line(event), highlight=False, markup=False, soft_wrap=True)
 
     def render(self):
         from rich.console import Group
         from rich.progress_bar import ProgressBar
         from rich.table import Table
         from rich.text import Text
+
+        if self.model.script:
+            return self._render_script()
 
         table = Table(box=None, pad_edge=False, expand=False)
         ranks = sorted(self.model.ranks.values(), key=lambda s: s.rank)
@@ -297,8 +318,6 @@ class RichDisplay:
                    "status"]
         for header in headers:
             table.add_column(header, justify="left" if header in ("progress", "status") else "right")
-        styles = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan",
-                  "stalled": "bold yellow", "stopped": "yellow", "slow": "yellow"}
         for state in ranks:
             total = state.total_steps or 0
             row = [str(state.rank)]
@@ -311,7 +330,7 @@ class RichDisplay:
                 row += [_fmt(state.loss_scale, ".0f"), str(state.skipped_steps)]
             if show_micro:
                 row.append(_fmt(state.micro_batch_size, "d"))
-            row.append(Text(state.status, style=styles.get(state.status, "")))
+            row.append(Text(state.status, style=_STYLES.get(state.status, "")))
             table.add_row(*row)
         model = self.model
         throughput = f"{_fmt(model.global_samples_per_s, '.0f')} samples/s"
@@ -321,6 +340,24 @@ class RichDisplay:
         line = Text(f"all ranks: loss {_fmt(model.global_loss, '.4f')}  {norm}{throughput}  "
                     f"elapsed {_duration(model.elapsed)}  ETA {_duration(model.eta)}")
         return Group(table, line)
+
+    def _render_script(self):
+        """A script's ranks: one row each, its state and the last line it wrote."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(box=None, pad_edge=False, expand=False)
+        ranks = sorted(self.model.ranks.values(), key=lambda s: s.rank)
+        show_node = any(s.node for s in ranks)
+        for header in ("rank", *(("node", "local") if show_node else ()), "status", "last line"):
+            table.add_column(header, justify="left" if header in ("status", "last line") else "right",
+                             overflow="ellipsis", no_wrap=True)
+        for state in ranks:
+            row = [str(state.rank), *((_fmt(state.node, "d"), _fmt(state.local_rank, "d")) if show_node else ())]
+            row += [Text(state.status, style=_STYLES.get(state.status, "")), Text(state.last_line)]
+            table.add_row(*row)
+        return Group(table, Text(f"elapsed {_duration(self.model.elapsed)}"))
 
     def close(self) -> None:
         if self._live is not None:
@@ -344,12 +381,18 @@ class RichDisplay:
             self.console.print(line, highlight=False, markup=False)
 
 
-def make_display(log_format: str, *, quiet: bool = False):
-    """auto: rich on a terminal, plain lines otherwise."""
+def make_display(log_format: str, *, quiet: bool = False, script: bool = False):
+    """auto: rich on a terminal, plain lines otherwise. `script`: the ranks run a user's script."""
     if log_format == "auto":
         log_format = "rich" if sys.stdout.isatty() else "plain"
     if log_format == "json":
-        return JsonDisplay()
-    if log_format == "rich" and not quiet:
-        return RichDisplay()
-    return PlainDisplay(quiet=quiet)
+        display = JsonDisplay()
+    elif log_format == "rich" and not quiet:
+        display = RichDisplay(live=False)
+        display.model.script = script
+        display.start()
+        return display
+    else:
+        display = PlainDisplay(quiet=quiet)
+    display.model.script = script
+    return display

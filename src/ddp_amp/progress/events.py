@@ -3,7 +3,7 @@
 Every event has "type" and "rank"; the rest depends on the type:
 
     state  status (starting, running, checkpointing, done, failed, restarting), local_rank, node, world_size,
-           restart (torchrun's restart count)
+           restart (torchrun's restart count); a script's rank also exit_code with done or failed
     log    step, total_steps, epoch, loss (this rank's, over the interval), global_loss (all ranks), lr,
            samples_per_s (this rank), global_samples_per_s, items_per_s / item_name, loss_scale, skipped_steps,
            micro_batch_size (with --micro-batch), slow (this rank holds the others back: train.stragglers)
@@ -17,6 +17,8 @@ Every event has "type" and "rank"; the rest depends on the type:
            where the rank's loop is, sent every second; stall_after_s
     stalled    step, phase, silent_s: made by the launcher when no rank's loop has moved for a while, for the
            ranks furthest behind (the others wait for them)
+    output     stream (stdout, stderr), line: a line a user's script wrote on the rank (made by the launcher
+           from the rank's captured output, progress.output)
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def plain_line(event: dict[str, Any]) -> str | None:
                 f"peak memory {event['peak_memory_mb']:.0f} MB, final loss {loss}")
     if kind == "error":
         return f"[rank {rank}] failed:\n{event['traceback']}"
+    if kind == "output":
+        return f"[rank {rank}] {event['line']}"
     if kind == "precision":
         return f"ddp-amp: --amp auto chose {event['precision']}: {event['reason']}"
     if kind == "stalled":

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from ddp_amp.progress.channel import EventServer
+from ddp_amp.progress.output import OutputServer
 
 LOG_DIR_VAR = "DDP_AMP_WORKER_LOG_DIR"
 
@@ -14,16 +15,21 @@ LOG_DIR_VAR = "DDP_AMP_WORKER_LOG_DIR"
 class ProgressSession:
     """`with ProgressSession(display, run_dir) as session:` launch ranks with `session.environment()`."""
 
-    def __init__(self, display, run_dir: Path) -> None:
+    def __init__(self, display, run_dir: Path, *, capture_output: bool = False) -> None:
+        """capture_output: the ranks run a user's script, whose stdout and stderr come here line by line
+        (progress.output) to be logged and shown."""
         self.display = display
         self.log_dir = Path(run_dir) / "logs"
         self._server = EventServer()
+        self._output = OutputServer(self.log_dir, self._server.events.put) if capture_output else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="ddp-amp-display", daemon=True)
 
     def environment(self) -> dict[str, str]:
         """For every rank: where to send events, and where to write its own stdout/stderr (so that stray
         prints and warnings cannot garble the display; failures still arrive as events)."""
+        if self._output is not None:
+            return {**self._server.environment(), **self._output.environment()}
         return {**self._server.environment(), LOG_DIR_VAR: str(self.log_dir)}
 
     def failure_shown(self) -> bool:
@@ -47,6 +53,8 @@ class ProgressSession:
         try:
             event = self._server.events.get(timeout=timeout) if timeout else self._server.events.get_nowait()
             while True:
+                if event["type"] == "error" and self._output is not None:
+                    self._output.append(event["rank"], event["traceback"])  # shown once, at the end; kept here
                 self.display.handle(event)
                 event = self._server.events.get_nowait()
         except queue.Empty:
@@ -55,10 +63,14 @@ class ProgressSession:
     def __enter__(self) -> ProgressSession:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._server.__enter__()
+        if self._output is not None:
+            self._output.__enter__()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._output is not None:
+            self._output.__exit__(*exc)  # every line the ranks wrote is queued
         self._stop.set()
         self._thread.join()
         self._server.__exit__(*exc)  # closes the listening socket; handler threads finish reading what was sent

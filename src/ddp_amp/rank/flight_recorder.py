@@ -38,20 +38,30 @@ def forget(run_dir: Path, rank: int) -> None:
     dump_path(run_dir, rank).unlink(missing_ok=True)
 
 
-def dump(run_dir: Path, rank: int, reason: str, position: tuple[int, int, str] | None) -> Path | None:
-    """This rank's record now, with why and where its loop was (step from 1, micro-step, phase); None where
-    torch records nothing (the recorder off, or an API this torch lacks)."""
+def entries() -> list[dict[str, Any]] | None:
+    """The collectives torch has recorded on this rank so far, oldest first; None where it records nothing (the
+    recorder off, or an API this torch lacks)."""
     try:
         import torch
 
         raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True)
-        entries = json.loads(raw).get("entries", [])
+        return json.loads(raw).get("entries", [])
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def dump(run_dir: Path, rank: int, reason: str, position: tuple[int, int, str] | None,
+         recorded: list[dict[str, Any]] | None = None) -> Path | None:
+    """This rank's record now (or `recorded`, read already), with why and where its loop was (step from 1,
+    micro-step, phase); None where torch records nothing."""
+    if recorded is None:
+        recorded = entries()
+        if recorded is None:
+            return None
     record: dict[str, Any] = {
         "rank": rank, "reason": reason, "dumped_at_ns": time.time_ns(),
         "position": None if position is None else {"step": position[0], "micro": position[1], "phase": position[2]},
-        "entries": [{key: entry.get(key) for key in KEPT_FIELDS} for entry in entries],
+        "entries": [{key: entry.get(key) for key in KEPT_FIELDS} for entry in recorded],
     }
     from ddp_amp.files import atomic_write
 

@@ -1,0 +1,138 @@
+"""A user's own training script as the ranks' work: `ddp-amp spawn|run|multinode [options] SCRIPT.py [args]` or
+`-m package.module [args]`, as torchrun takes `training_script [args]` and `-m`.
+
+The launcher side only (no torch): what the script is, the checks made before any rank starts (it exists, is a
+readable file that compiles, or a module that can be found), and the options that mean something for a script.
+Each rank runs it through ddp_amp.rank.script, with torchrun's environment contract.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.errors import UsageError
+
+SCRIPT_TRAINING_OPTIONS = ("stop_timeout",)
+"""The training options that apply to a script: how long ranks get to leave after a stop signal. The others
+configure ddp-amp's own loop (its model, optimizer, schedule, precision, checkpoints), which a script does not
+run: given with a script they are refused, never silently ignored."""
+
+
+@dataclass(frozen=True)
+class Script:
+    """What each rank runs, as `python TARGET ARGS` (or `python -m TARGET ARGS` with `module`) would."""
+
+    target: str
+    """The script's path as given (its sys.argv[0]), or the module's dotted name."""
+    args: tuple[str, ...] = ()
+    module: bool = False
+    path: str | None = None
+    """The script's absolute path (None for a module): the ranks run this file whatever their working directory."""
+    cwd: str = "."
+    """The launcher's working directory: the ranks' own, as under torchrun."""
+
+    def argv(self) -> list[str]:
+        """The command line after `python`: what the run record and torchrun's form show."""
+        return [*(["-m"] if self.module else []), self.target, *self.args]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "args": list(self.args)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Script:
+        return cls(**{**values, "args": tuple(values["args"])})
+
+
+def script_from_command_line(words: list[str] | None, module: bool) -> Script | None:
+    """SCRIPT [ARGS...] as typer collected them (every word after the first positional one, verbatim), or None
+    when the command trains a task. Checked here, before anything starts: one line per problem, exit 2."""
+    if not words:
+        if module:
+            raise UsageError("-m needs a module to run: ddp-amp run -n 2 -m package.module [args]")
+        return None
+    target, args = words[0], tuple(words[1:])
+    cwd = os.getcwd()
+    if module:
+        check_module(target)
+        return Script(target, args, module=True, cwd=cwd)
+    path = Path(target)
+    check_script_file(path)
+    return Script(target, args, path=str(path.resolve()), cwd=cwd)
+
+
+def check_script_file(path: Path) -> None:
+    """A file that exists, is readable and compiles (a syntax error is named file:line, as Python would)."""
+    if not path.exists():
+        raise UsageError(f"script {str(path)!r} does not exist")
+    if path.is_dir():
+        raise UsageError(f"script {str(path)!r} is a directory; give the training script's file (or -m "
+                         "package.module)")
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"script {str(path)!r} cannot be read: {exc.strerror}") from None
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise UsageError(f"script {exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}") from None
+    except ValueError as exc:  # source with a NUL byte
+        raise UsageError(f"script {str(path)!r} is not Python source: {exc}") from None
+
+
+def check_module(name: str) -> None:
+    """-m NAME: a module Python can find from this directory, as `python -m NAME` would (its parent packages
+    are imported to look, as Python does)."""
+    import sys
+
+    added = os.getcwd() not in sys.path
+    if added:  # python -m puts the working directory first on the path
+        sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as exc:
+        raise UsageError(f"-m {name}: cannot be found ({type(exc).__name__}: {exc})") from None
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    if spec is None:
+        raise UsageError(f"-m {name}: no module of that name (from {os.getcwd()})")
+
+
+def refuse_loop_options(changed: list[str]) -> None:
+    """`changed`: the training options given, as TrainConfig fields (those that differ from their defaults). A
+    script runs its own loop: the options of ddp-amp's loop are refused by name."""
+    given = ["--" + name.replace("_", "-") for name in changed if name not in SCRIPT_TRAINING_OPTIONS]
+    if given:
+        raise UsageError(f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of ddp-amp's own "
+                         f"training loop, which a script does not run; drop {'it' if len(given) == 1 else 'them'} "
+                         "(a script takes its own arguments after its name; of the training options only "
+                         "--stop-timeout applies to it)")
+
+
+def script_threads_env(nproc_per_node: int) -> dict[str, str]:
+    """OMP_NUM_THREADS as torchrun sets it for a script: 1 for several ranks, unless the user set it."""
+    return {"OMP_NUM_THREADS": "1"} if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ else {}
+
+
+def script_record(script: Script, *, launch, model, started: float, failure) -> dict[str, Any]:
+    """summary.json of a script's run, as its launcher saw it: the command, the ranks, the outcome (finished,
+    failed: the rank and why, stopped: by which signal), the exit code and how long it ran."""
+    import time
+
+    world_sizes = [state.world_size for state in model.ranks.values() if state.world_size]
+    record: dict[str, Any] = {
+        "script": script.argv(), "launcher": "spawn" if launch.job is None else "torchrun's agent",
+        "world_size": max(world_sizes) if world_sizes else launch.nproc, "ranks_on_this_node": launch.nproc,
+        "outcome": "finished", "exit_code": 0, "wall_s": round(time.time() - started, 3),
+        "restarts": model.restarts,
+    }
+    if failure is not None:
+        stopped = failure.exit_code > 128
+        record.update(outcome="stopped" if stopped else "failed", exit_code=failure.exit_code)
+        record["stopped_by" if stopped else "failure"] = str(failure).split(":")[0].removeprefix("stopped by ") \
+            if stopped else str(failure)
+    return record

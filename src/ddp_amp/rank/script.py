@@ -1,0 +1,172 @@
+"""A rank that runs the user's own training script, as `python -u SCRIPT ARGS` under torchrun would.
+
+The launcher has set torchrun's environment contract (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), so the
+script's `init_process_group()` needs no arguments. Before the script starts, the rank
+- ties itself to its launcher (a SIGKILLed launcher leaves nothing running),
+- sends its stdout and stderr to the launcher, which keeps them in RUN_DIR/logs/rank<N>.log and shows them
+  (ddp_amp.progress.output), unbuffered as `python -u`,
+- reports its pid (the launcher passes stop signals on to it) and, at the end, its outcome,
+- turns torch's flight recorder on and writes it out now and then and when the script fails, so that a hang in
+  the script's own collectives can be located (`ddp-amp diagnose RUN_DIR`),
+- gives the stop signals back their default actions (a script handles them, or dies of them, as under torchrun).
+The script's sys.argv, __main__, working directory and sys.path[0] are what `python SCRIPT` gives it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from ddp_amp.launch.script import Script
+from ddp_amp.process import FORKSERVER_PID_VAR, STOP_SIGNALS, die_with_parent
+from ddp_amp.progress.channel import EventSender
+from ddp_amp.progress.output import OUTPUT_VAR, connect_stream
+from ddp_amp.rank import flight_recorder
+
+RUN_DIR_VAR = "DDP_AMP_RUN_DIR"
+"""The run directory, for a script that wants to write its files there (the loop module does)."""
+RECORD_EVERY_S = 2.0
+"""How often the flight recorder is written while the script runs (only when it has changed): a rank stuck in
+user code or killed by the launcher still leaves what it last entered."""
+
+
+class ScriptFailed(Exception):
+    """The script raised: its traceback, as the rank's error."""
+
+
+def run_script(script: Script, run_dir: Path) -> int:
+    """Run `script` on this rank; its exit status (0, or what it passed to sys.exit). An exception the script
+    raised is reported (an error event, the rank's log) and raised again as ScriptFailed."""
+    forkserver = os.environ.get(FORKSERVER_PID_VAR)
+    die_with_parent(parent=int(forkserver) if forkserver else None)
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ[RUN_DIR_VAR] = str(run_dir)
+    _capture_output(rank)
+    sender = EventSender.from_environ()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    send = (lambda event: sender.send({"rank": rank, **event})) if sender is not None else (lambda event: None)
+    send({"type": "state", "status": "restarting" if restart else "starting", "restart": restart, "pid": os.getpid(),
+          "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "node": int(os.environ.get("GROUP_RANK", "0")),
+          "world_size": int(os.environ.get("WORLD_SIZE", "1"))})
+    flight_recorder.enable()
+    flight_recorder.forget(run_dir, rank)
+    recorder = _Recorder(run_dir, rank)
+    _threads_as_a_fresh_interpreter()
+    _default_signal_actions()
+    send({"type": "state", "status": "running"})
+    try:
+        code = _run(script)
+    except BaseException as exc:
+        text = traceback.format_exc()
+        recorder.write(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        send({"type": "error", "traceback": text, "time": time.time()})
+        raise ScriptFailed(text) from None
+    finally:
+        recorder.stop()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    send({"type": "state", "status": "done" if code == 0 else "failed", "exit_code": code})
+    if sender is not None:
+        sender.close()
+    return code
+
+
+def _run(script: Script) -> int:
+    """The script as __main__; its sys.exit status (0 when it returns)."""
+    os.chdir(script.cwd)
+    try:
+        if script.module:
+            sys.argv = [script.target, *script.args]  # run_module puts the module's file first, as python -m
+            sys.path[0] = os.getcwd()
+            runpy.run_module(script.target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script.target, *script.args]
+            sys.path[0] = os.path.dirname(script.path)
+            runpy.run_path(script.path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        print(exc.code, file=sys.stderr)  # as the interpreter does with sys.exit("message")
+        return 1
+    return 0
+
+
+def _capture_output(rank: int) -> None:
+    """fd 1 and 2 become connections to the launcher's output server, and sys.stdout/sys.stderr unbuffered
+    text streams on them, as `python -u` (torchrun starts scripts so): every line reaches the log and the
+    terminal when it is written. Without a launcher reading (a hand-made start), the output stays where it is."""
+    if not os.environ.get(OUTPUT_VAR):
+        return
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        connection = connect_stream(rank, name)
+        if connection is None:
+            return
+        os.dup2(connection.fileno(), fd)
+        connection.close()
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                                   write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                                   errors="backslashreplace", write_through=True)
+
+
+def _threads_as_a_fresh_interpreter() -> None:
+    """The fork server imported torch before this rank's OMP_NUM_THREADS was set: apply it, as a fresh
+    interpreter would have read it at start."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _default_signal_actions() -> None:
+    """The stop signals as a fresh interpreter has them (SIGINT raises KeyboardInterrupt, the others end the
+    process unless the script handles them), then unblocked: a rank forked from the fork server held them
+    blocked since its first instant, and one that came meanwhile is delivered now."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class _Recorder:
+    """Writes this rank's flight record every RECORD_EVERY_S while it changes, from a daemon thread (a rank
+    blocked in a collective or in the script's own code cannot), and once more when the script fails."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir, self.rank = run_dir, rank
+        self._stopped = threading.Event()
+        self._last: tuple | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._loop, name="ddp-amp-flight-recorder", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(RECORD_EVERY_S):
+            self.write("the last record written while the script ran", only_if_changed=True)
+
+    def write(self, reason: str, only_if_changed: bool = False) -> None:
+        with self._lock:
+            entries = flight_recorder.entries()
+            if not entries:
+                return  # no collective yet (or the recorder is off)
+            last = entries[-1]
+            marker = (len(entries), last.get("collective_seq_id"), last.get("state"))
+            if only_if_changed and marker == self._last:
+                return
+            self._last = marker
+            flight_recorder.dump(self.run_dir, self.rank, reason, None, recorded=entries)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
