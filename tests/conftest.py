@@ -15,6 +15,10 @@ TASKS = TESTS / "tasks"
 """Tasks the tests train, each file loaded by the ranks through `--task path/to/file.py:factory` like a user's own:
 helper_tasks.py (shaped for one behaviour each) and user_tasks.py (shaped as users write them)."""
 HELPER_TASKS = TASKS / "helper_tasks.py"
+ORIGIN_SCRIPT = TASKS / "origin_ddp.py"
+"""The example this project grew from, as a torchrun script for CPU ranks."""
+CHECKS_SCRIPT = TASKS / "script_checks.py"
+"""A user's script with ways to fail, hang, record signals and its environment."""
 USER_TASKS = TASKS / "user_tasks.py"
 BENCHMARK_TASKS = TESTS.parent / "benchmarks" / "tasks.py"
 sys.path.insert(0, str(TASKS))  # so that tests can import what a task file exports (its constants, its classes)
@@ -94,6 +98,15 @@ def launch(run_dir: Path, *args: str, command: str = "spawn", nproc: int = 2, en
     if check:
         assert_ok(result)
     return result
+
+
+def launch_script(run_dir: Path, script: Path | str, *script_args: str, command: str = "spawn", nproc: int = 2,
+                  options: tuple[str, ...] = (), env: dict | None = None, timeout: float = 300,
+                  own_session: bool = False, cwd: Path | None = None):
+    """A user's script launched as a user types it: `ddp-amp COMMAND -n NPROC OPTIONS --run-dir RUN_DIR SCRIPT
+    ARGS` (the script and its arguments last), waited for, its output captured."""
+    return run_cli(command, "-n", str(nproc), *options, "--run-dir", str(run_dir), str(script), *script_args,
+                   timeout=timeout, env=env, own_session=own_session, cwd=cwd)
 
 
 def assert_weights_close(a: dict, b: dict, rtol: float) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 from ddp_amp.errors import UsageError
 
@@ -340,3 +340,30 @@ class TrainConfig:
 
 
 CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class Script:
+    """A user's own training script, launched instead of ddp-amp's loop (ddp_amp.launch.script checks it,
+    ddp_amp.rank.script runs it on each rank): what each rank runs, as `python TARGET ARGS` (or `python -m
+    TARGET ARGS` with `module`) would."""
+
+    target: str
+    """The script's path as given (its sys.argv[0]), or the module's dotted name."""
+    args: tuple[str, ...] = ()
+    module: bool = False
+    path: str | None = None
+    """The script's absolute path (None for a module): the ranks run this file whatever their working directory."""
+    cwd: str = "."
+    """The launcher's working directory: the ranks' own, as under torchrun."""
+
+    def argv(self) -> list[str]:
+        """The command line after `python`: what the run record and torchrun's form show."""
+        return [*(["-m"] if self.module else []), self.target, *self.args]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "args": list(self.args)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Script:
+        return cls(**{**values, "args": tuple(values["args"])})

@@ -143,7 +143,6 @@ def multinode(
     or your SCRIPT."""
     from ddp_amp import network
     from ddp_amp.config import TrainConfig
-    from ddp_amp.launch import torchrun
 
     check_torchrun_numbers(max_restarts, monitor_interval)
     program = user_script(script, module, train)
@@ -151,12 +150,7 @@ def multinode(
                                                                     nproc_per_node)
     if from_env and k8s["emit_k8s"] is None and program is None:
         _take_up_own_run_dir(train, output)
-    nodes = torchrun.parse_nnodes(nnodes)
-    if node_rank is not None and not 0 <= node_rank < nodes.max:
-        raise UsageError(f"--node-rank must be in 0..{nodes.max - 1} for --nnodes {nodes}, got {node_rank}")
-    check_rendezvous_timeout(rdzv_timeout)
-    if rdzv_last_call < 1:
-        raise UsageError(f"--rdzv-last-call must be >= 1 second, got {rdzv_last_call}")
+    nodes = _checked_nodes(nnodes, node_rank, rdzv_timeout, rdzv_last_call)
     rendezvous = {"rdzv_timeout": rdzv_timeout, "rdzv_last_call": rdzv_last_call,
                   "monitor_interval": monitor_interval, "max_restarts": max_restarts}
     if k8s["emit_k8s"] is not None:
@@ -173,6 +167,19 @@ def multinode(
     _launch_node(train, output, resolved, nodes, where, nproc_per_node, dry_run=dry_run, rdzv_id=rdzv_id,
                  node_rank=node_rank, network_options={"is_host": is_host, "local_addr": local_addr,
                                                        "ifname": ifname}, script=program, **rendezvous)
+
+
+def _checked_nodes(nnodes: str, node_rank: int | None, rdzv_timeout: float, rdzv_last_call: int):
+    """--nnodes parsed, and the rendezvous numbers checked against it."""
+    from ddp_amp.launch import torchrun
+
+    nodes = torchrun.parse_nnodes(nnodes)
+    if node_rank is not None and not 0 <= node_rank < nodes.max:
+        raise UsageError(f"--node-rank must be in 0..{nodes.max - 1} for --nnodes {nodes}, got {node_rank}")
+    check_rendezvous_timeout(rdzv_timeout)
+    if rdzv_last_call < 1:
+        raise UsageError(f"--rdzv-last-call must be >= 1 second, got {rdzv_last_call}")
+    return nodes
 
 
 def _launch_node(train: dict, output: dict, resolved: dict, nodes, where, nproc_per_node: str, *, dry_run: bool,

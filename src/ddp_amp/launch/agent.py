@@ -58,7 +58,7 @@ def script_entry(script: dict, run_dir: str, env: dict[str, str]) -> None:
     os.environ.update(env)
     import sys
 
-    from ddp_amp.launch.script import Script
+    from ddp_amp.config import Script
     from ddp_amp.rank.script import ScriptFailed, run_script
 
     try:
@@ -151,7 +151,6 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     launch.script.Script) to completion; a failure becomes RunFailed naming the rank that failed first. The
     agent's log goes to `log_path`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     start_forkserver()  # usually running already: the CLI starts it before importing torch
@@ -173,10 +172,8 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     finished = threading.Event()
 
     env = {**job.env, **extra_env}
-    if script is None:
-        entry, args = worker_entry, [str(config_path), env, kind]
-    else:
-        entry, args = script_entry, [script.to_dict(), str(config_path.parent), env]
+    entry, args = (worker_entry, [str(config_path), env, kind]) if script is None else \
+        (script_entry, [script.to_dict(), str(config_path.parent), env])
     agents: list = []
 
     def agent() -> None:
@@ -203,7 +200,13 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
             # --stop-timeout, kill them: anything the agent starts after that dies with this process.
             _pass_on_until_finished(stop.signum, rank_pids, finished, stop_timeout)
             raise RunFailed(str(stop), exit_code=stop.exit_code) from None
-    error = outcome.get("error")
+    _raise_failure(outcome.get("error"), log_path)
+
+
+def _raise_failure(error: BaseException | None, log_path: Path) -> None:
+    """The agent's failure as RunFailed: the rank that failed first and why, or the agent's own error."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     if error is None:
         return
     details = _tail(log_path)

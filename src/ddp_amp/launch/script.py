@@ -10,41 +10,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_amp.config import Script
 from ddp_amp.errors import UsageError
 
 SCRIPT_TRAINING_OPTIONS = ("stop_timeout",)
 """The training options that apply to a script: how long ranks get to leave after a stop signal. The others
 configure ddp-amp's own loop (its model, optimizer, schedule, precision, checkpoints), which a script does not
 run: given with a script they are refused, never silently ignored."""
-
-
-@dataclass(frozen=True)
-class Script:
-    """What each rank runs, as `python TARGET ARGS` (or `python -m TARGET ARGS` with `module`) would."""
-
-    target: str
-    """The script's path as given (its sys.argv[0]), or the module's dotted name."""
-    args: tuple[str, ...] = ()
-    module: bool = False
-    path: str | None = None
-    """The script's absolute path (None for a module): the ranks run this file whatever their working directory."""
-    cwd: str = "."
-    """The launcher's working directory: the ranks' own, as under torchrun."""
-
-    def argv(self) -> list[str]:
-        """The command line after `python`: what the run record and torchrun's form show."""
-        return [*(["-m"] if self.module else []), self.target, *self.args]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "args": list(self.args)}
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Script:
-        return cls(**{**values, "args": tuple(values["args"])})
 
 
 def script_from_command_line(words: list[str] | None, module: bool) -> Script | None:

@@ -66,7 +66,7 @@ def _script_rank_main(rank: int, script: dict, run_dir: str, world_size: int, po
     """A rank running the user's script; its exit status is the script's (an exception: raised, for join)."""
     os.environ.update({**extra_env, **script_environment(world_size, f"ddp-amp-{port}"),
                        **rank_environment(rank, world_size, port), "ROLE_RANK": str(rank)})
-    from ddp_amp.launch.script import Script
+    from ddp_amp.config import Script
     from ddp_amp.rank.script import run_script
 
     code = run_script(Script.from_dict(script), Path(run_dir))
@@ -88,11 +88,7 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     deferred = DeferredStops()
     deferred.hold()
     try:
-        if script is None:
-            entry, args = _rank_main, (config, nproc, store.port, extra_env or {}, kind)
-        else:
-            entry, args = _script_rank_main, (script.to_dict(), config.run_dir, nproc, store.port, extra_env or {})
-        context = mp.start_processes(entry, args=args, nprocs=nproc, join=False, start_method="forkserver")
+        context = _start_ranks(config, nproc, store.port, extra_env or {}, kind, script)
     except BaseException:
         deferred.release()
         raise
@@ -126,20 +122,34 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                 break
         if stop is not None:
             raise RunFailed(str(stop), exit_code=stop.exit_code)
-    except mp.ProcessRaisedException as exc:
-        rank, traceback_text = _first_failure(context, exc)
-        line = exception_line(traceback_text) if traceback_text else "unknown error"
-        raise RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text,
-                        exit_code=2 if is_usage_failure(line) else 1) from None
-    except mp.ProcessExitedException as exc:
-        why = _abort_message(Path(config.run_dir), exc.error_index) if exc.signal_name == "SIGABRT" else None
-        raise RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}"
-                        + (f": {why}" if why else "")) from None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        raise _failure(context, exc, Path(config.run_dir)) from None
     except KeyboardInterrupt:
         _stop_ranks(context)
         raise RunFailed("interrupted", exit_code=130) from None
     finally:
         del store
+
+
+def _failure(context: mp.ProcessContext, exc: mp.ProcessException, run_dir: Path) -> RunFailed:
+    """A rank's failure, as join() reported it, named: the rank that failed first and its exception, or the
+    rank that exited (its code, its signal, what C++ printed as it aborted)."""
+    if isinstance(exc, mp.ProcessRaisedException):
+        rank, traceback_text = _first_failure(context, exc)
+        line = exception_line(traceback_text) if traceback_text else "unknown error"
+        return RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text,
+                         exit_code=2 if is_usage_failure(line) else 1)
+    why = _abort_message(run_dir, exc.error_index) if exc.signal_name == "SIGABRT" else None
+    return RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}" + (f": {why}" if why else ""))
+
+
+def _start_ranks(config: TrainConfig, nproc: int, port: int, extra_env: dict[str, str], kind: JobKind,
+                 script) -> mp.ProcessContext:
+    if script is None:
+        entry, args = _rank_main, (config, nproc, port, extra_env, kind)
+    else:
+        entry, args = _script_rank_main, (script.to_dict(), config.run_dir, nproc, port, extra_env)
+    return mp.start_processes(entry, args=args, nprocs=nproc, join=False, start_method="forkserver")
 
 
 def _stop_ranks(context: mp.ProcessContext) -> None:

@@ -51,9 +51,10 @@ def entries() -> list[dict[str, Any]] | None:
 
 
 def dump(run_dir: Path, rank: int, reason: str, position: tuple[int, int, str] | None,
-         recorded: list[dict[str, Any]] | None = None) -> Path | None:
+         recorded: list[dict[str, Any]] | None = None, where: str | None = None) -> Path | None:
     """This rank's record now (or `recorded`, read already), with why and where its loop was (step from 1,
-    micro-step, phase); None where torch records nothing."""
+    micro-step, phase) or, for a user's script, `where` its code was (file:line in function); None where torch
+    records nothing."""
     if recorded is None:
         recorded = entries()
         if recorded is None:
@@ -63,6 +64,8 @@ def dump(run_dir: Path, rank: int, reason: str, position: tuple[int, int, str] |
         "position": None if position is None else {"step": position[0], "micro": position[1], "phase": position[2]},
         "entries": [{key: entry.get(key) for key in KEPT_FIELDS} for entry in recorded],
     }
+    if where is not None:
+        record["where"] = where
     from ddp_amp.files import atomic_write
 
     path = dump_path(run_dir, rank)

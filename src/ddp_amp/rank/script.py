@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ddp_amp.launch.script import Script
+from ddp_amp.config import Script
 from ddp_amp.process import FORKSERVER_PID_VAR, STOP_SIGNALS, die_with_parent
 from ddp_amp.progress.channel import EventSender
 from ddp_amp.progress.output import OUTPUT_VAR, connect_stream
@@ -64,8 +64,9 @@ def run_script(script: Script, run_dir: Path) -> int:
     try:
         code = _run(script)
     except BaseException as exc:
-        text = traceback.format_exc()
-        recorder.write(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        text = script_traceback(exc)
+        recorder.write(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                       where=_raised_at(exc))
         send({"type": "error", "traceback": text, "time": time.time()})
         raise ScriptFailed(text) from None
     finally:
@@ -90,9 +91,9 @@ def _run(script: Script) -> int:
             sys.path[0] = os.getcwd()
             runpy.run_module(script.target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [script.target, *script.args]
+            sys.argv = [script.target, *script.args]  # as typed: runpy.run_path would make it absolute
             sys.path[0] = os.path.dirname(script.path)
-            runpy.run_path(script.path, run_name="__main__")
+            _run_as_main(script.path)
     except SystemExit as exc:
         if exc.code is None:
             return 0
@@ -101,6 +102,34 @@ def _run(script: Script) -> int:
         print(exc.code, file=sys.stderr)  # as the interpreter does with sys.exit("message")
         return 1
     return 0
+
+
+def _run_as_main(path: str) -> None:
+    """The file as `python PATH` runs it: a fresh __main__ module (its __file__ absolute, no __spec__), the code
+    compiled under its path, so that tracebacks, pickling of its classes and multiprocessing's spawn (which
+    re-runs __main__ by its __file__) see what they would under python."""
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__spec__ = None
+    main.__cached__ = None
+    sys.modules["__main__"] = main
+    with open(path, "rb") as source:
+        code = compile(source.read(), path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def script_traceback(exc: BaseException) -> str:
+    """The traceback as `python SCRIPT` prints it: from the script's first frame, without this module's and
+    runpy's frames above it."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
 def _capture_output(rank: int) -> None:
@@ -140,6 +169,29 @@ def _default_signal_actions() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+LIBRARY_PATHS = ("site-packages", "/lib/python", "<frozen", "<string>", "/ddp_amp/")
+
+
+def _innermost_own(frames) -> str | None:
+    """"file:line in function" of the last of `frames` (outermost first) that is the user's code: not the
+    standard library's, an installed package's or ddp-amp's."""
+    found = None
+    for frame in frames:
+        if not any(part in frame.f_code.co_filename for part in LIBRARY_PATHS):
+            found = frame
+    if found is None:
+        return None
+    return f"{os.path.basename(found.f_code.co_filename)}:{found.f_lineno} in {found.f_code.co_name}"
+
+
+def _raised_at(exc: BaseException) -> str | None:
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return _innermost_own(frames)
+
+
 class _Recorder:
     """Writes this rank's flight record every RECORD_EVERY_S while it changes, from a daemon thread (a rank
     blocked in a collective or in the script's own code cannot), and once more when the script fails."""
@@ -149,13 +201,14 @@ class _Recorder:
         self._stopped = threading.Event()
         self._last: tuple | None = None
         self._lock = threading.Lock()
+        self._main = threading.main_thread().ident
         threading.Thread(target=self._loop, name="ddp-amp-flight-recorder", daemon=True).start()
 
     def _loop(self) -> None:
         while not self._stopped.wait(RECORD_EVERY_S):
             self.write("the last record written while the script ran", only_if_changed=True)
 
-    def write(self, reason: str, only_if_changed: bool = False) -> None:
+    def write(self, reason: str, only_if_changed: bool = False, where: str | None = None) -> None:
         with self._lock:
             entries = flight_recorder.entries()
             if not entries:
@@ -165,7 +218,17 @@ class _Recorder:
             if only_if_changed and marker == self._last:
                 return
             self._last = marker
-            flight_recorder.dump(self.run_dir, self.rank, reason, None, recorded=entries)
+            flight_recorder.dump(self.run_dir, self.rank, reason, None, recorded=entries,
+                                 where=where or self._where())
+
+    def _where(self) -> str | None:
+        """The script's own line the main thread is at (or under)."""
+        frame = sys._current_frames().get(self._main)
+        frames = []
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        return _innermost_own(reversed(frames))
 
     def stop(self) -> None:
         self._stopped.set()

@@ -68,6 +68,8 @@ def _ranks(ranks) -> str:
 
 
 def _where(record: dict[str, Any]) -> str:
+    if record.get("where"):  # a user's script: its code's line
+        return record["where"]
     position = record.get("position")
     return f"step {position['step']} ({position['phase']})" if position else "before training"
 

@@ -204,7 +204,7 @@ def _last(run, key: str):
     return None
 
 
-RUN_TEXT_COLUMNS = ("run", "state", "eval", "loss curve")
+RUN_TEXT_COLUMNS = ("run", "state", "runs", "eval", "loss curve")
 
 
 def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
@@ -214,7 +214,7 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
     from ddp_amp.results.runs import curve
 
     compare = len(runs) > 1
-    headers = ["run", "state", "precision", "world", "steps", "samples/s", *(("vs first",) if compare else ()),
+    headers = ["run", "state", "runs", "precision", "world", "steps", "samples/s", *(("vs first",) if compare else ()),
                "final loss", *(("Δ loss",) if compare else ()), "eval", "wall", "first step", "loss curve"]
     rows = []
     first_speed = first_loss = None
@@ -230,9 +230,10 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
         evaluation = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in {**validation, **s.get("eval", {})}.items()) or (
             "error" if "eval_error" in s else "-")
-        row = [run.name, Text(run.state, style="green" if run.state == "finished" else "yellow"),
+        row = [run.name, Text(run.state, style="green" if run.state == "finished" else "yellow"), run.work,
                s.get("precision", "-"), str(s.get("world_size", "-")),
-               f"{steps}/{total}" if run.state != "finished" else str(steps), _num(speed, ".0f")]
+               "-" if "outcome" in s else f"{steps}/{total}" if run.state != "finished" else str(steps),
+               _num(speed, ".0f")]
         if compare:
             row.append(f"{speed / first_speed:.2f}x" if speed and first_speed else "-")
         row.append(_num(loss, ".4f"))

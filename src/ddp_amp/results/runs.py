@@ -20,8 +20,19 @@ class Run:
     summary: dict[str, Any]
     metrics: list[dict[str, Any]] = field(default_factory=list)
     state: str = "finished"
-    """finished, stopped, diverged, failed (its evaluation raised), in progress (a launch holds it), or
-    unfinished (no summary and no launch: stopped or killed before the end, or another node's)."""
+    """finished, stopped, diverged, failed (its evaluation raised, or a user's script failed), in progress (a
+    launch holds it), or unfinished (no summary and no launch: stopped or killed before the end, or another
+    node's)."""
+
+    @property
+    def work(self) -> str:
+        """What the ranks ran: the task, or the user's script and its arguments (its file's name)."""
+        script = self.config.get("script")
+        if isinstance(script, dict):
+            target = script.get("target", "?")
+            return " ".join([*(["-m", target] if script.get("module") else [Path(target).name]),
+                             *script.get("args", [])])
+        return str(self.config.get("task", "-"))
 
     @property
     def name(self) -> str:
@@ -47,6 +58,8 @@ def load_run(path: Path) -> Run:
         state = "in progress"
     elif not summary:
         state = "unfinished"
+    elif "outcome" in summary:  # a user's script: finished, failed or stopped, as its launcher saw it
+        state = summary["outcome"]
     elif "diverged" in summary:
         state = "diverged"
     elif "stopped_at_step" in summary:
@@ -68,7 +81,8 @@ NOT_RECORDED = "(not recorded)"
 def config_differences(runs: list[Run]) -> dict[str, list[Any]]:
     """The options whose values are not the same in every run (run_dir and the like excepted), in order."""
     keys = sorted({key for run in runs for key in run.config} - IGNORED_DIFFERENCES)
-    values = {key: [run.config.get(key, NOT_RECORDED) for run in runs] for key in keys}
+    values = {key: [run.work if key == "script" and key in run.config else run.config.get(key, NOT_RECORDED)
+                    for run in runs] for key in keys}
     return {key: row for key, row in values.items() if len({json.dumps(value) for value in row}) > 1}
 
 

@@ -1,0 +1,216 @@
+"""A user's own training script, launched as torchrun launches it: `ddp-amp spawn|run -n 2 SCRIPT ARGS`. Real
+2-rank gloo runs of the project's origin example and of a script with ways to fail; real signals."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from conftest import (
+    CHECKS_SCRIPT,
+    MARK_VAR,
+    ORIGIN_SCRIPT,
+    TASKS,
+    last_line,
+    launch_script,
+    read_summary,
+    run_processes,
+)
+
+pytestmark = pytest.mark.slow
+EPOCHS = "20"
+
+
+@pytest.fixture(scope="module")
+def torchrun_weights(tmp_path_factory):
+    """The origin example under plain `torchrun --standalone --nproc-per-node 2`: the weights to match."""
+    out = tmp_path_factory.mktemp("torchrun") / "model.pt"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(ORIGIN_SCRIPT), "--epochs", EPOCHS, "--out", str(out)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_the_origin_example_runs_unchanged_and_ends_on_torchruns_weights(command, tmp_path, torchrun_weights):
+    """Exit 0; every rank's prints in the terminal, prefixed by its rank, and in its log; the same final weights
+    as torchrun's; the run's record says what ran."""
+    out = tmp_path / "model.pt"
+    result = launch_script(tmp_path / "run", ORIGIN_SCRIPT, "--epochs", EPOCHS, "--out", str(out), command=command,
+                           options=("--log-format", "plain"))
+    assert result.returncode == 0, result.stderr
+    weights = torch.load(out, weights_only=True)
+    assert weights.keys() == torchrun_weights.keys()
+    assert all(torch.equal(weights[k], torchrun_weights[k]) for k in weights)
+    for rank in (0, 1):
+        printed = [line for line in result.stdout.splitlines() if line.startswith(f"[rank {rank}] Rank {rank}, Epoch")]
+        assert len(printed) == int(EPOCHS), result.stdout
+        logged = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text().splitlines()
+        assert [line for line in logged if line.startswith(f"Rank {rank}, Epoch")] == \
+            [line.removeprefix(f"[rank {rank}] ") for line in printed]
+    summary = read_summary(tmp_path / "run")
+    assert summary["outcome"] == "finished" and summary["exit_code"] == 0 and summary["world_size"] == 2
+    assert summary["script"] == [str(ORIGIN_SCRIPT), "--epochs", EPOCHS, "--out", str(out)]
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_each_rank_sees_torchruns_environment_argv_path_and_main(command, tmp_path):
+    """What the script can read is what torchrun gives it: the variables of its contract, sys.argv as typed,
+    sys.path[0] its folder, the launcher's working directory, __name__ == "__main__", OMP_NUM_THREADS=1."""
+    seen = tmp_path / "seen"
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-m", "ddp_amp", command, "-n", "2", "--run-dir", str(tmp_path / "run"),
+                             "script_checks.py", "--steps", "1", "--env-to", str(seen)], capture_output=True,
+                            text=True, timeout=300, cwd=TASKS, env=env)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        found = json.loads((seen / f"rank{rank}.json").read_text())
+        variables = found["env"]
+        expected = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                    "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
+                    "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1"}
+        assert {key: variables.get(key) for key in expected} == expected
+        assert variables["MASTER_ADDR"] and variables["MASTER_PORT"].isdigit() and variables["TORCHELASTIC_RUN_ID"]
+        assert found["argv"] == ["script_checks.py", "--steps", "1", "--env-to", str(seen)]
+        assert found["path0"] == str(TASKS) and found["cwd"] == str(TASKS) and found["name"] == "__main__"
+        assert found["threads"] == 1
+
+
+def test_a_module_runs_as_python_m_runs_it(tmp_path):
+    """-m MODULE: found from the working directory, sys.argv[0] its file, sys.path[0] the working directory."""
+    seen = tmp_path / "seen"
+    result = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--run-dir", str(tmp_path / "run"),
+                             "-m", "script_checks", "--steps", "1", "--env-to", str(seen)], capture_output=True,
+                            text=True, timeout=300, cwd=TASKS)
+    assert result.returncode == 0, result.stderr
+    found = json.loads((seen / "rank1.json").read_text())
+    assert found["argv"] == [str(CHECKS_SCRIPT), "--steps", "1", "--env-to", str(seen)]
+    assert found["path0"] == str(TASKS) and found["name"] == "__main__"
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_a_rank_that_raises_is_named_with_its_exception_and_its_traceback_shown_once(command, tmp_path):
+    result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--fail-rank", "1", command=command)
+    assert result.returncode == 1, result.stderr
+    assert last_line(result.stderr).startswith("ddp-amp: error: rank 1 failed: ValueError: rank 1 fails on purpose")
+    shown = result.stdout + result.stderr  # the display's report (stdout), the last line (stderr)
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert shown.count('raise ValueError(f"rank {rank} fails on purpose")') == 1
+    assert "runpy" not in shown and "ddp_amp" not in shown  # it starts in the script, as python SCRIPT shows it
+    log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    assert "rank 1 step 1 sum 4" in log and log.rstrip().endswith("ValueError: rank 1 fails on purpose")
+    summary = read_summary(tmp_path / "run")
+    assert summary["outcome"] == "failed" and summary["exit_code"] == 1
+    assert summary["failure"].startswith("rank 1 failed: ValueError: rank 1 fails on purpose")
+
+
+def _start(command: str, run_dir, *script_args: str, mark: str) -> subprocess.Popen:
+    # run with restarts to spare: a stop must still end the job, not restart the ranks it ended
+    restarts = ["--max-restarts", "2"] if command == "run" else []
+    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", "2", *restarts, "--log-format",
+                             "plain", "--run-dir", str(run_dir), str(CHECKS_SCRIPT), *script_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, MARK_VAR: mark})
+
+
+def _wait_for_steps(run_dir, deadline_s: float = 120) -> None:
+    """Until both ranks have printed a step (their logs say so)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        logs = [run_dir / "logs" / f"rank{rank}.log" for rank in (0, 1)]
+        if all(log.exists() and "step 1 " in log.read_text() for log in logs):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the ranks never printed their second step")
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_sigterm_to_the_process_group_reaches_every_rank_and_exits_143(command, tmp_path):
+    """As a scheduler stops a job: SIGTERM to the whole group. Every rank's own handler ran (it wrote a file),
+    the launcher exits 143 with one line, and nothing is left running."""
+    mark, signals = uuid.uuid4().hex, tmp_path / "signals"
+    signals.mkdir()
+    process = _start(command, tmp_path / "run", "--steps", "1000", "--step-s", "0.1", "--signals-to", str(signals),
+                     mark=mark)
+    try:
+        _wait_for_steps(tmp_path / "run")
+        os.killpg(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143, stderr
+    assert sorted(p.name for p in signals.iterdir()) == ["rank0.SIGTERM", "rank1.SIGTERM"]
+    assert last_line(stderr) == (f"ddp-amp: error: stopped by SIGTERM: passed on to every rank (each rank's output "
+                                 f"in {tmp_path / 'run' / 'logs'})")
+    summary = read_summary(tmp_path / "run")
+    assert summary["outcome"] == "stopped" and summary["restarts"] == 0
+    assert not run_processes(mark)
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_a_sigkilled_launcher_leaves_nothing_running(command, tmp_path):
+    mark = uuid.uuid4().hex
+    process = _start(command, tmp_path / "run", "--steps", "100000", "--step-s", "0.05", mark=mark)
+    try:
+        _wait_for_steps(tmp_path / "run")
+        assert len(run_processes(mark)) >= 3  # the launcher, the fork server, two ranks
+        process.kill()
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while run_processes(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = run_processes(mark)
+    finally:
+        for pid in run_processes(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} processes left 10 s after the launcher was SIGKILLed"
+
+
+def test_run_restarts_a_script_whose_rank_was_killed_and_it_sees_the_count(tmp_path):
+    """run --max-restarts 1: rank 1 SIGKILLs itself in the first attempt; the script runs again, its ranks read
+    TORCHELASTIC_RESTART_COUNT=1, and the run finishes."""
+    result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--kill-once-rank", "1", command="run",
+                           options=("--max-restarts", "1", "--log-format", "plain"))
+    assert result.returncode == 0, result.stderr
+    assert "[rank 1] rank 1 step 4 sum 10 restart 1" in result.stdout
+    assert read_summary(tmp_path / "run")["restarts"] == 1
+
+
+def test_a_hang_in_the_scripts_all_reduce_is_named_by_diagnose(tmp_path):
+    """Rank 1 sleeps instead of entering its third all-reduce; rank 0's times out (the script's own 5 s). The
+    last line and `ddp-amp diagnose` name rank 1, the collective and the script's line where rank 1 was."""
+    result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--hang-rank", "1", "--timeout", "5")
+    assert result.returncode == 1
+    line = last_line(result.stderr)
+    assert "rank 1 never entered collective #3 (all_reduce, 4 B)" in line, line
+    assert "rank 1 was last in script_checks.py:" in line, line
+    diagnosis = subprocess.run([sys.executable, "-m", "ddp_amp", "diagnose", str(tmp_path / "run")],
+                               capture_output=True, text=True, timeout=60)
+    assert diagnosis.returncode == 0
+    assert diagnosis.stdout.splitlines()[0].startswith("rank 1 never entered collective #3 (all_reduce, 4 B)")
+
+
+def test_show_lists_a_script_run_beside_a_task_run(tmp_path):
+    """`ddp-amp show` reads a script's record: its state and what it ran, beside a run of a built-in task."""
+    task = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--device", "cpu", "--task",
+                           "linear", "--steps", "2", "--run-dir", str(tmp_path / "task")], capture_output=True,
+                          text=True, timeout=300)
+    assert task.returncode == 0, task.stderr
+    failed = launch_script(tmp_path / "script", CHECKS_SCRIPT, "--fail-rank", "0", "--fail-step", "0")
+    assert failed.returncode == 1
+    shown = subprocess.run([sys.executable, "-m", "ddp_amp", "show", str(tmp_path / "task"),
+                            str(tmp_path / "script")], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "250"})
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split()[1]: line.split()[3:6] for line in shown.stdout.splitlines() if line.startswith("│ ")}
+    assert rows["task"] == ["finished", "│", "linear"], shown.stdout
+    assert rows["script"] == ["failed", "│", "script_checks.py"], shown.stdout
+    assert "script_checks.py --fail-rank 0 --fail-step 0" in shown.stdout

@@ -1,0 +1,71 @@
+"""A user's training script for the launch tests: a loop of all-reduces over gloo, and ways to go wrong on one rank.
+
+    --steps N            all-reduces (one per step), printing "rank R step S" after each
+    --step-s S           seconds of sleep per step (a job that runs long enough to signal)
+    --env-to DIR         write DIR/rank<R>.json: the environment, sys.argv, sys.path[0], cwd, __name__
+    --fail-rank R        raise ValueError("rank R fails on purpose") on that rank at --fail-step
+    --hang-rank R        sleep for an hour on that rank at --fail-step instead of entering the all-reduce
+    --signals-to DIR     on SIGTERM (or SIGUSR1), write DIR/rank<R>.<SIGNAL> and exit 128 + its number
+    --kill-once-rank R   SIGKILL itself on that rank at --fail-step, on the first attempt only (restart count 0)
+    --timeout S          the process group's timeout (a hang fails after it)
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--env-to")
+    parser.add_argument("--fail-rank", type=int)
+    parser.add_argument("--hang-rank", type=int)
+    parser.add_argument("--kill-once-rank", type=int)
+    parser.add_argument("--fail-step", type=int, default=2)
+    parser.add_argument("--signals-to")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    if args.signals_to:
+        def record(signum, frame):
+            Path(args.signals_to, f"rank{rank}.{signal.Signals(signum).name}").write_text(str(os.getpid()))
+            sys.exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, record)
+        signal.signal(signal.SIGUSR1, record)
+    if args.env_to:
+        Path(args.env_to).mkdir(parents=True, exist_ok=True)
+        Path(args.env_to, f"rank{rank}.json").write_text(json.dumps({
+            "env": dict(os.environ), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+            "threads": torch.get_num_threads()}))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    total = torch.zeros(1)
+    for step in range(args.steps):
+        if step == args.fail_step:
+            if rank == args.fail_rank:
+                raise ValueError(f"rank {rank} fails on purpose")
+            if rank == args.hang_rank:
+                time.sleep(3600)
+            if rank == args.kill_once_rank and restart == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        total += value
+        print(f"rank {rank} step {step} sum {total.item():g} restart {restart}", flush=True)
+        time.sleep(args.step_s)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

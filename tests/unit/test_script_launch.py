@@ -1,0 +1,175 @@
+"""A user's script on the command line, before any rank starts (in-process, through the CLI's own main): what is
+refused (one line, exit 2, nothing made), what the script is given, the jobs emitted for clusters; and the
+launcher's capture of a script's output (progress.output) with real sockets."""
+
+import io
+import socket
+import sys
+import time
+
+import pytest
+import yaml
+
+from ddp_amp.progress.display import PlainDisplay, RichDisplay
+from ddp_amp.progress.output import OutputServer, connect_stream
+
+from conftest import CHECKS_SCRIPT, run_main
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ddp-amp: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", [["spawn", "-n", "2"], ["run", "-n", "2"],
+                                     ["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1:29400"]])
+def test_options_of_the_built_in_loop_with_a_script_are_named_and_refused(command, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, out, err = run_main([*command, "--optimizer", "sgd", "--lr", "0.1", "--no-async-checkpoint",
+                               "--run-dir", str(run_dir), str(CHECKS_SCRIPT), "--steps", "3"], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == ("ddp-amp: error: --optimizer, --lr, --async-checkpoint: options of ddp-amp's own "
+                             "training loop, which a script does not run; drop them (a script takes its own "
+                             "arguments after its name; of the training options only --stop-timeout applies to it)")
+    assert not run_dir.exists()
+
+
+def test_everything_after_the_script_is_the_scripts_verbatim(capsys):
+    """Options after SCRIPT are the script's, even ddp-amp's own names (--lr, -n, --help): the torchrun command
+    that `run --dry-run` prints ends with them unchanged; --stop-timeout before it is accepted."""
+    code, out, err = run_main(["run", "-n", "2", "--stop-timeout", "5", "--dry-run", str(CHECKS_SCRIPT), "--lr",
+                               "0.1", "-n", "7", "--help", "a b"], capsys)
+    assert code == 0, err
+    assert out.strip().endswith(f"--nproc-per-node 2 --max-restarts 0 --monitor-interval 0.1 {CHECKS_SCRIPT} --lr "
+                                "0.1 -n 7 --help 'a b'")
+    assert "OMP_NUM_THREADS=1" in out  # torchrun's setting for a script's ranks
+
+
+@pytest.mark.parametrize("make, line", [
+    (lambda tmp: tmp / "missing.py", "script '{path}' does not exist"),
+    (lambda tmp: tmp, "script '{path}' is a directory; give the training script's file (or -m package.module)"),
+    (lambda tmp: _write(tmp / "broken.py", "import os\n\ndef main(:\n    pass\n"),
+     "script {path}:3: SyntaxError: invalid syntax"),
+])
+def test_a_script_that_cannot_run_is_one_line_before_anything_starts(make, line, tmp_path, capsys):
+    path = make(tmp_path)
+    run_dir = tmp_path / "run"
+    code, _, err = run_main(["spawn", "-n", "2", "--run-dir", str(run_dir), str(path), "--steps", "1"], capsys)
+    assert code == 2
+    assert one_line(err) == "ddp-amp: error: " + line.format(path=path)
+    assert not run_dir.exists()
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-m", "no_such_module_here"], "-m no_such_module_here: no module of that name (from {cwd})"),
+    (["-m", "no_such_package.train"], "-m no_such_package.train: cannot be found (ModuleNotFoundError: No module "
+                                      "named 'no_such_package')"),
+    (["-m"], "-m needs a module to run: ddp-amp run -n 2 -m package.module [args]"),
+])
+def test_a_module_that_cannot_be_found_is_one_line(args, line, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(["run", "-n", "2", "--run-dir", str(tmp_path / "run"), *args], capsys)
+    assert code == 2
+    assert one_line(err) == "ddp-amp: error: " + line.format(cwd=tmp_path)
+    assert not (tmp_path / "run").exists()
+
+
+def test_emit_slurm_with_a_script_runs_it_last_from_the_launch_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(["multinode", "--nnodes", "2", "--endpoint", "head:29400", "--emit-slurm", "job.sh",
+                             "--run-dir", "runs/a", str(CHECKS_SCRIPT), "--steps", "9"], capsys)
+    assert code == 0, err
+    text = (tmp_path / "job.sh").read_text()
+    assert f"#SBATCH --chdir={tmp_path}" in text
+    assert f'set -- --nproc-per-node 1 --rdzv-timeout 600 --monitor-interval 0.1 --log-format auto --run-dir ' \
+           f'"$RUN_DIR" {CHECKS_SCRIPT} --steps 9\n' in text
+    assert "--resume auto" not in text  # a script resumes itself, or not
+    assert "both must be there on the nodes" in err
+
+
+def test_emit_k8s_with_a_script_ends_every_pods_command_with_it(tmp_path, capsys):
+    code, out, err = run_main(["multinode", "--nnodes", "2", "--emit-k8s", str(tmp_path / "job.yaml"), "--image",
+                               "me/train:1", "--k8s-kind", "jobset", "train.py", "--steps", "9"], capsys)
+    # train.py does not exist here: a script is checked before anything is emitted
+    assert code == 2 and "script 'train.py' does not exist" in err
+    code, out, err = run_main(["multinode", "--nnodes", "2", "--emit-k8s", str(tmp_path / "job.yaml"), "--image",
+                               "me/train:1", "--k8s-kind", "jobset", str(CHECKS_SCRIPT), "--steps", "9"], capsys)
+    assert code == 0, err
+    manifest = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    text = yaml.safe_dump(manifest)
+    assert f"- {CHECKS_SCRIPT}\n" in text
+    commands = [c["command"] for job in manifest["spec"]["replicatedJobs"]
+                for c in job["template"]["spec"]["template"]["spec"]["containers"]]
+    assert commands and all(command[-3:] == [str(CHECKS_SCRIPT), "--steps", "9"] for command in commands)
+
+
+def _serve(tmp_path):
+    events = []
+    server = OutputServer(tmp_path / "logs", events.append)
+    return server, events
+
+
+def test_a_ranks_streams_reach_its_log_byte_for_byte_and_the_display_line_by_line(tmp_path, monkeypatch):
+    server, events = _serve(tmp_path)
+    with server:
+        for key, value in server.environment().items():
+            monkeypatch.setenv(key, value)
+        out, err = connect_stream(1, "stdout"), connect_stream(1, "stderr")
+        out.sendall(b"step 1\nstep 2\r\nhalf a li")
+        time.sleep(0.05)
+        err.sendall(b"warning: x\n")
+        time.sleep(0.05)
+        out.sendall(b"ne\nno newline at the end")
+        out.close()
+        err.close()
+    assert (tmp_path / "logs" / "rank1.log").read_bytes() == \
+        b"step 1\nstep 2\r\nhalf a liwarning: x\nne\nno newline at the end"
+    lines = [(e["rank"], e["stream"], e["line"]) for e in events]
+    assert [line for line in lines if line[1] == "stdout"] == [
+        (1, "stdout", "step 1"), (1, "stdout", "step 2"), (1, "stdout", "half a line"),
+        (1, "stdout", "no newline at the end")]
+    assert [line for line in lines if line[1] == "stderr"] == [(1, "stderr", "warning: x")]
+
+
+def test_a_connection_without_the_launchs_token_is_not_read(tmp_path):
+    server, events = _serve(tmp_path)
+    with server:
+        host, port = server.environment()["DDP_AMP_OUTPUT"].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as stray:
+            stray.sendall(b"not-the-token 0 stdout\ninjected\n")
+    assert events == [] and not (tmp_path / "logs" / "rank0.log").exists()
+
+
+def test_a_scripts_lines_are_shown_by_rank_its_stderr_on_stderr(monkeypatch):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    display = PlainDisplay()
+    display.handle({"type": "output", "rank": 1, "stream": "stdout", "line": "Rank 1, Epoch 0, Loss 1.5"})
+    display.handle({"type": "output", "rank": 0, "stream": "stderr", "line": "UserWarning: x"})
+    assert stdout.getvalue() == "[rank 1] Rank 1, Epoch 0, Loss 1.5\n"
+    assert stderr.getvalue() == "[rank 0] UserWarning: x\n"
+
+
+def test_the_live_view_of_a_script_has_a_row_per_rank_with_its_last_line():
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    display = RichDisplay(console, live=False, clock=lambda: 0.0)
+    display.model.script = True
+    display.handle({"type": "state", "rank": 0, "status": "running", "pid": 10})
+    display.handle({"type": "state", "rank": 1, "status": "running", "pid": 11})
+    display.handle({"type": "output", "rank": 0, "stream": "stdout", "line": "epoch 3 loss 0.25"})
+    display.handle({"type": "output", "rank": 1, "stream": "stdout", "line": "epoch 2 loss 0.5"})
+    display.handle({"type": "state", "rank": 1, "status": "done", "exit_code": 0})
+    view = Console(file=io.StringIO(), width=100)
+    view.print(display.render())
+    rows = [line.split() for line in view.file.getvalue().splitlines()]
+    assert ["0", "running", "epoch", "3", "loss", "0.25"] in rows
+    assert ["1", "done", "epoch", "2", "loss", "0.5"] in rows
