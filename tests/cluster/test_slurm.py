@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HELPER_TASKS, MARK_VAR, read_summary, run_processes
+from conftest import HELPER_TASKS, MARK_VAR, ORIGIN_SCRIPT, read_summary, run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -262,3 +262,29 @@ def test_a_plain_scancel_stops_with_a_checkpoint_and_is_not_requeued(slurm, tmp_
     assert summary["stopped_by"] == "SIGTERM" and HOLD_AT <= summary["stopped_at_step"] < STEPS
     assert (tmp_path / "run" / "checkpoints" / f"step-{summary['stopped_at_step']}.pt").exists()
     assert not (tmp_path / "run" / "model.pt").exists()
+
+
+def test_a_users_script_emitted_for_slurm_runs_on_both_nodes_to_torchruns_weights(slurm, tmp_path):
+    """`multinode --emit-slurm job.sbatch SCRIPT ARGS` with the project's origin example: the job runs it on both
+    nodes, one rank each, exits 0, every rank's prints in the job's output, and node 0's rank 0 saves the same
+    weights as `torchrun --standalone --nproc-per-node 2`."""
+    reference = tmp_path / "torchrun.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(ORIGIN_SCRIPT), "--epochs", "20", "--out", str(reference)], check=True, capture_output=True,
+                   timeout=300)
+    script = tmp_path / "job.sbatch"
+    out = tmp_path / "model.pt"
+    emitted = subprocess.run(
+        [sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1", "--endpoint",
+         f"127.0.0.1:{free_port()}", "--device", "cpu", "--log-format", "plain", "--run-dir", str(tmp_path / "run"),
+         "--emit-slurm", str(script), str(ORIGIN_SCRIPT), "--epochs", "20", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert emitted.returncode == 0, emitted.stderr
+    job = slurm.sbatch(script, env=job_env(tmp_path, "script", hold=False))
+    assert slurm.wait_done(job)["JobState"] == "COMPLETED", job_output(tmp_path)
+    output = job_output(tmp_path)
+    assert "[rank 0] Rank 0, Epoch 19" in output and "[rank 1] Rank 1, Epoch 19" in output, output
+    weights, expected = torch.load(out, weights_only=True), torch.load(reference, weights_only=True)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert read_summary(tmp_path / "run")["outcome"] == "finished"
+    assert run_processes("script") == []

@@ -31,7 +31,8 @@ def test_options_of_the_built_in_loop_with_a_script_are_named_and_refused(comman
     assert code == 2 and out == ""
     assert one_line(err) == ("ddp-amp: error: --optimizer, --lr, --async-checkpoint: options of ddp-amp's own "
                              "training loop, which a script does not run; drop them (a script takes its own "
-                             "arguments after its name; of the training options only --stop-timeout applies to it)")
+                             "arguments after its name; of the training options only --stop-timeout and --device "
+                             "apply to it)")
     assert not run_dir.exists()
 
 

@@ -16,10 +16,11 @@ from typing import Any
 from ddp_amp.config import Script
 from ddp_amp.errors import UsageError
 
-SCRIPT_TRAINING_OPTIONS = ("stop_timeout",)
-"""The training options that apply to a script: how long ranks get to leave after a stop signal. The others
-configure ddp-amp's own loop (its model, optimizer, schedule, precision, checkpoints), which a script does not
-run: given with a script they are refused, never silently ignored."""
+SCRIPT_TRAINING_OPTIONS = ("stop_timeout", "device")
+"""The training options that apply to a script: how long ranks get to leave after a stop signal, and the devices
+the job asks for (--device cpu: no GPUs requested by --emit-slurm and --emit-k8s). The others configure
+ddp-amp's own loop (its model, optimizer, schedule, precision, checkpoints), which a script does not run: given
+with a script they are refused, never silently ignored."""
 
 
 def script_from_command_line(words: list[str] | None, module: bool) -> Script | None:
@@ -85,7 +86,7 @@ def refuse_loop_options(changed: list[str]) -> None:
         raise UsageError(f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of ddp-amp's own "
                          f"training loop, which a script does not run; drop {'it' if len(given) == 1 else 'them'} "
                          "(a script takes its own arguments after its name; of the training options only "
-                         "--stop-timeout applies to it)")
+                         "--stop-timeout and --device apply to it)")
 
 
 def script_threads_env(nproc_per_node: int) -> dict[str, str]:
