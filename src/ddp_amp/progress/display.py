@@ -241,9 +241,14 @@ class PlainDisplay:
             return  # tracebacks and each rank's totals are shown once, at the end
         line = plain_line(event)
         if line:
-            # A script's stderr lines go to stderr, as under torchrun: its stdout can still be piped alone.
+            # A script's stderr lines go to stderr, as under torchrun: its stdout can still be piped alone. They
+            # are flushed once per batch of lines (flush), the other events at once.
             stream = sys.stderr if event.get("stream") == "stderr" and self.stream is sys.stdout else self.stream
-            print(line, file=stream, flush=True)
+            print(line, file=stream, flush=event["type"] != "output")
+
+    def flush(self) -> None:
+        for stream in {self.stream, sys.stderr}:
+            stream.flush()
 
     def close(self) -> None:
         for rank, text in self.model.failure_reports():
@@ -266,7 +271,10 @@ class JsonDisplay:
 
     def handle(self, event: dict[str, Any]) -> None:
         self.model.apply(event)
-        print(json.dumps(event, sort_keys=True), file=self.stream, flush=True)
+        print(json.dumps(event, sort_keys=True), file=self.stream, flush=event["type"] != "output")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
     def close(self) -> None:
         pass

@@ -59,6 +59,9 @@ class ProgressSession:
                 event = self._server.events.get_nowait()
         except queue.Empty:
             pass
+        flush = getattr(self.display, "flush", None)
+        if flush is not None:
+            flush()  # a script's lines are written as they come, and flushed once per batch
 
     def __enter__(self) -> ProgressSession:
         self.log_dir.mkdir(parents=True, exist_ok=True)
