@@ -117,18 +117,43 @@ def test_the_nan_guard_writes_no_sharded_checkpoint_of_a_diverged_state(tmp_path
     assert load_checkpoint(tmp_path / "checkpoints" / "step-10")["step"] == 10
 
 
-def test_a_cut_short_directory_is_never_taken_for_a_checkpoint(tmp_path):
-    """A step-N/ without DCP's metadata or the extras (copied in part, or from a foreign tool) is skipped with a
-    warning by --resume auto, which resumes from the complete one before it."""
+def _lose_metadata(step):
+    (step / ".metadata").unlink()
+
+
+def _truncate_metadata(step):
+    data = (step / ".metadata").read_bytes()
+    (step / ".metadata").write_bytes(data[: len(data) // 2])
+
+
+def _lose_a_part(step):
+    (step / "__1_0.distcp").unlink()
+
+
+def _truncate_a_part(step):
+    part = step / "__0_0.distcp"
+    part.write_bytes(part.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage", [_lose_metadata, _truncate_metadata, _lose_a_part, _truncate_a_part],
+                         ids=["metadata-missing", "metadata-truncated", "part-missing", "part-truncated"])
+def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_export(damage, tmp_path):
+    """The newest step-N/ damaged as a copy or a kill leaves it: `--resume auto` says in the console that it
+    skips it and why, and resumes from the complete one before it; export and --init-from of the damaged one are
+    one line, exit 2."""
     run = tmp_path / "run"
     train(run, "--checkpoint-every", "10", "--checkpoint-format", "sharded")
-    (run / "checkpoints" / "step-20" / ".metadata").unlink()
+    damage(run / "checkpoints" / "step-20")
     (run / "model.pt").unlink()  # as if it had stopped at step 20
-    assert [p.name for p in checkpoints(run)][0] == "step-20"
     result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(run), "--resume", "auto",
                      "--checkpoint-format", "sharded", timeout=300)
     assert_ok(result)
     assert read_summary(run)["resumed_from_step"] == 10
+    assert f"ddp-amp: warning: skipping checkpoint {run / 'checkpoints' / 'step-20'}: " in result.stderr
+    assert f"ddp-amp: resuming from {(run / 'checkpoints' / 'step-10').resolve()}\n" in result.stderr
+    exported = run_cli("export", str(run / "checkpoints" / "step-20"), "-o", str(tmp_path / "out.pt"))
+    assert exported.returncode == 2 and len(exported.stderr.strip().splitlines()) == 1, exported.stderr
+    assert "Traceback" not in exported.stderr and not (tmp_path / "out.pt").exists()
 
 
 def free_port() -> int:

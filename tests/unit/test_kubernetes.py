@@ -3,13 +3,14 @@ Trainer's TrainJob and JobSet models, the Training Operator's PyTorchJob models,
 strict mode), the rendezvous each kind injects, and the refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
 from ddp_amp.launch.kubernetes import rendezvous_from_env
 
-from conftest import run_cli
+from conftest import run_cli, run_main
 
 KUBERNETES = "1.30.0"  # a version whose schemas kubernetes-validate ships; the fields used are in every 1.2x too
 
@@ -175,3 +176,17 @@ def test_from_env_reaches_torchrun(tmp_path):
     command = result.stdout.splitlines()[0]
     assert "--nnodes 2" in command and "--nproc-per-node 2" in command and "--node-rank 1" in command
     assert "--rdzv-endpoint 127.0.0.1:29999" in command
+
+
+@pytest.mark.parametrize(("where", "problem"), [
+    (lambda tmp: tmp / "missing" / "job.yaml", "directory '{parent}' does not exist"),
+    (lambda tmp: Path("/proc/ddp-amp-job.yaml"), "cannot be written"),  # not writable, even as root
+])
+def test_emit_k8s_where_it_cannot_write_is_one_line_before_printing_anything(tmp_path, capsys, where, problem):
+    path = where(tmp_path)
+    code, out, err = run_main(["multinode", "--nnodes", "2", "--device", "cpu", "--emit-k8s", str(path), "--image",
+                               "i:1"], capsys)
+    assert code == 2 and out == ""  # the manifest is not printed either
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ddp-amp: error: --emit-k8s '{path}'"), err
+    assert problem.format(parent=path.parent) in lines[0]

@@ -77,6 +77,15 @@ def test_a_bad_task_argument_is_one_line_exit_2_before_anything_starts(tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_task_argument_given_twice_is_one_line_exit_2_not_the_last_silently(tmp_path, capsys):
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg",
+                             "width=3", "--task-arg", "width=4", "--steps", "2", "--run-dir", str(tmp_path / "run")],
+                            capsys)
+    assert code == 2
+    assert one_line(err) == "ddp-amp: error: --task-arg width is given twice (width=3 and 'width=4'); give it once"
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_task_argument_is_one_line_exit_2(tmp_path, capsys):
     code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--steps", "2",
                              "--run-dir", str(tmp_path / "run")], capsys)

@@ -137,8 +137,11 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     A sharded checkpoint (a directory) gives its extras: everything but the model and the optimizer, which the
     ranks read together (sharded.load_local_state); state["format"] is "sharded" then."""
     path = Path(path)
-    if sharded.is_sharded_checkpoint(path) and not sharded.is_complete(path):
-        raise CheckpointError(f"{path}: incomplete (no {sharded.DCP_METADATA_FILE} or {sharded.EXTRAS_FILE})")
+    if sharded.is_sharded_checkpoint(path):
+        if not sharded.is_complete(path):
+            raise CheckpointError(f"{path}: incomplete (no {sharded.DCP_METADATA_FILE} or {sharded.EXTRAS_FILE})")
+        if why := sharded.unreadable_because(path):
+            raise CheckpointError(f"{path}: unreadable, {why}")
     try:
         state = (sharded.read_extras(path) if sharded.is_sharded_checkpoint(path)
                  else torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))

@@ -42,6 +42,31 @@ def is_complete(path: Path) -> bool:
     return (path / DCP_METADATA_FILE).is_file() and (path / EXTRAS_FILE).is_file()
 
 
+def unreadable_because(path: Path) -> str | None:
+    """Why a complete-looking sharded checkpoint could not be read, checked cheaply before it is chosen; None when
+    it can: DCP's metadata readable, and every part it names present and as long as the metadata says (a part
+    lost, truncated or cut short by a copy). The tensors themselves are not read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a truncated or foreign pickle: torch raises several types
+        return f"its {DCP_METADATA_FILE} is unreadable ({type(exc).__name__}: {str(exc).strip()[:120]})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return f"its part {name} is missing"
+        if size < end:
+            return f"its part {name} is cut short ({size} of {end} bytes)"
+    return None
+
+
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """ZeroRedundancyOptimizer's own optimizer over this rank's parameters; any other optimizer itself."""
     return getattr(optimizer, "optim", optimizer)

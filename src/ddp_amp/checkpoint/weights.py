@@ -54,7 +54,14 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if path.is_dir():
         state: dict[str, torch.Tensor] = {}
         if sharded.is_complete(path):  # a sharded ddp-amp checkpoint (a DCP directory)
-            state = sharded.read_model(path)
+            if why := sharded.unreadable_because(path):
+                raise WeightsError(f"{path}: a sharded checkpoint that cannot be read: {why}")
+            try:
+                state = sharded.read_model(path)
+            except Exception as exc:  # what the cheap check above cannot see: corrupt bytes inside a part
+                raise WeightsError(f"{path}: a sharded checkpoint that cannot be read ({type(exc).__name__}: "
+                                   f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''})") \
+                    from None
         elif index := next((path / name for name in INDEX_FILES if (path / name).is_file()), None):
             for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
                 state.update(_load_file(path / shard))

@@ -351,8 +351,8 @@ def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_
     import yaml
 
     text = yaml.safe_dump(kubernetes.manifest(k8s["k8s_kind"], spec), sort_keys=False)
+    write_new_file(k8s["emit_k8s"], text, "--emit-k8s")  # first: a path it cannot be written to prints nothing
     typer.echo(text, nl=False)
-    write_new_file(k8s["emit_k8s"], text, "--emit-k8s")
     if k8s["pvc"] is None:
         typer.echo("ddp-amp: warning: without --pvc the run dir is an emptyDir: checkpoints do not outlive a pod",
                    err=True)
@@ -387,6 +387,11 @@ def training_args(train: dict) -> list[str]:
 def write_new_file(path: Path, text: str, flag: str) -> None:
     if path.exists():
         raise UsageError(f"{flag} {str(path)!r} already exists; remove it or choose another name")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
     from ddp_amp.files import atomic_write
 
-    atomic_write(path, text.encode())
+    try:
+        atomic_write(path, text.encode())
+    except OSError as exc:
+        raise UsageError(f"{flag} {str(path)!r} cannot be written: {exc.strerror}") from None

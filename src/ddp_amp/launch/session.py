@@ -176,6 +176,8 @@ def _announce(launch: Launch) -> None:
         f"task {config.task}, run dir {config.run_dir}")
     if plan.precision.warning:
         say(f"ddp-amp: warning: {plan.precision.warning}")
+    if config.resume is not None:  # the checkpoint --resume chose (any it skipped was named above)
+        say(f"ddp-amp: resuming from {config.resume}")
     if plan.init is not None:
         if config.resume is not None:
             say(f"ddp-amp: --init-from {config.init_from} is not used: --resume continues from {config.resume}")

@@ -177,6 +177,8 @@ def task_arguments(factory: Callable, spec: str, name: str, pairs: Sequence[str]
         key, sep, text = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--task-arg {pair!r} is not KEY=VALUE")
+        if key in kwargs:  # two values for one argument: a typo or a leftover, never silently the last
+            raise UsageError(f"--task-arg {key} is given twice ({key}={kwargs[key]!r} and {pair!r}); give it once")
         if key not in named and not takes_any:
             takes = ", ".join(named) or "no arguments"
             raise UsageError(f"--task-arg {key}: unknown argument {key!r} of {name} (it takes: {takes})")
