@@ -74,7 +74,8 @@ def write_json(path: Path, value: Any) -> Path:
 
 
 def failure_of(summary: dict[str, Any], run_dir: str | Path) -> str | None:
-    """The one line that fails a run whose ranks all finished: divergence, or an evaluation that raised."""
+    """The one line that fails a run whose ranks all finished: divergence, a --keep-best metric never logged, or
+    an evaluation that raised."""
     if diverged := summary.get("diverged"):
         where = f"step {diverged['step']}" + (f" on rank {diverged['rank']}" if diverged.get("rank") is not None
                                                else "")
@@ -82,6 +83,9 @@ def failure_of(summary: dict[str, Any], run_dir: str | Path) -> str | None:
                 if summary.get("checkpoint") else "")
         return (f"training diverged at {where}: {diverged['reason']}; no model.pt written (see --max-nonfinite)"
                 f"{kept}")
+    if summary.get("keep_best_error"):
+        return (f"{summary['keep_best_error']}: no {BEST_MODEL_FILE} kept; the trained weights are in "
+                f"{Path(run_dir) / MODEL_FILE}")
     if summary.get("eval_error"):
         return (f"{summary['eval_error']} (the trained weights are in {Path(run_dir) / MODEL_FILE}; the traceback "
                 f"in {Path(run_dir) / 'logs'}/)")

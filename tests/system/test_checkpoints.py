@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
+from conftest import HELPER_TASKS, USER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow
@@ -105,8 +105,38 @@ def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):
         (tmp_path / name).write_bytes(data)
     prepared = prepare_run_dir(tmp_path, overwrite=True)
     prepared.lock.release()
-    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if not p.name.startswith("."))
+    aside = prepared.set_aside
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")
+                  if not p.name.startswith(".") and aside not in p.parents)
     assert left == [], left
+    # Set aside until the new run has trained (then deleted), or put back after a launch that failed before.
+    from ddp_amp.launch.run_dir import settle_earlier_run
+
+    assert settle_earlier_run(tmp_path, aside, trained=False)
+    assert {name: (tmp_path / name).read_bytes() for name in earlier} == earlier
+    again = prepare_run_dir(tmp_path, overwrite=True)
+    again.lock.release()
+    assert not settle_earlier_run(tmp_path, again.set_aside, trained=True)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == [], list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_refusal_from_the_ranks_under_overwrite_leaves_the_earlier_run_as_it_was(tmp_path):
+    """The ranks refuse a task with an empty data set (found only when they build it): the launch fails, and
+    the earlier run --overwrite was to replace is back, byte for byte, the new attempt's files gone."""
+    run_dir = tmp_path / "run"
+    assert_ok(run_cli("spawn", "-n", "2", "--device", "cpu", "--task", "linear", "--steps", "4", "--checkpoint-every",
+                      "2", "--run-dir", str(run_dir)))
+    earlier = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
+               if p.is_file() and "logs" not in p.parts and p.name != ".lock"}
+    assert {"model.pt", "metrics.jsonl", "summary.json", "config.json", "checkpoints/step-4.pt"} <= earlier.keys()
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", f"{USER_TASKS}:empty_dataset", "--steps",
+                     "4", "--overwrite", "--run-dir", str(run_dir))
+    assert result.returncode != 0 and "empty" in last_line(result.stderr).lower(), result.stderr
+    assert "the earlier run's files in" in result.stderr and "are back as they were" in result.stderr
+    now = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
+           if p.is_file() and "logs" not in p.parts and p.name != ".lock"}
+    assert now == earlier
 
 
 @pytest.mark.slow

@@ -293,11 +293,16 @@ def test_keep_best_survives_a_resume(tmp_path, keep_best_run):
     assert _assert_best_kept(run_dir) == best
 
 
-def test_keep_best_of_a_metric_the_evaluation_does_not_log_is_one_line(tmp_path):
-    result = spawn(tmp_path / "run", "--task", task("with_validation"), "--steps", "2", "--keep-best", "val_acc")
+def test_keep_best_of_a_metric_the_evaluation_does_not_log_is_one_line_and_keeps_the_trained_weights(tmp_path):
+    """Without --eval-every the first evaluation is the last step's: the run is refused there (exit 2), but the
+    trained weights are written, not lost to the refusal."""
+    result = spawn(tmp_path / "run", "--task", task("with_validation"), "--steps", "6", "--keep-best", "val_acc")
     assert result.returncode == 2, result.stderr
     verdict = last_line(result.stderr)
     assert "--keep-best val_acc" in verdict and "val_abs_error" in verdict and "Traceback" not in result.stderr
+    assert verdict.endswith(f"no model_best.pt kept; the trained weights are in {tmp_path / 'run' / 'model.pt'}")
+    assert read_summary(tmp_path / "run")["steps"] == 6 and (tmp_path / "run" / "model.pt").exists()
+    assert not (tmp_path / "run" / "model_best.pt").exists()
 
 
 TINY_LR = ["--optimizer", "sgd", "--momentum", "0", "--lr", "1e-30", "--steps", "1"]

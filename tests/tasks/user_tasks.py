@@ -416,3 +416,16 @@ class _ReportsStart(nn.Module):
 
 def reports_start(width: int = 5) -> Task:
     return Task(model=_ReportsStart(width), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
+
+
+def validation_loss_only() -> Task:
+    """A validation set without val_metrics: the evaluation logs val_loss alone."""
+    task = with_validation()
+    task.val_metrics = None
+    return task
+
+
+def empty_dataset() -> Task:
+    """A data set with no items: the ranks refuse it when they build the task."""
+    return Task(model=nn.Linear(4, 1), dataset=torch.utils.data.TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1)),
+                loss_fn=nn.functional.mse_loss)

@@ -41,7 +41,6 @@ BAD_INPUTS = [
     (["--keep", "0"], "--keep"),
     (["--stop-timeout", "0"], "--stop-timeout"),
     (["--resume", "/no/such/checkpoint.pt"], "--resume"),
-    (["--resume", "auto"], "--resume"),  # the new run dir has no checkpoint to continue from
     (["--optimizer-impl", "turbo"], "--optimizer-impl"),
     (["--grad-compression", "int8"], "--grad-compression"),
     (["--grad-compression", "bf16"], "--grad-compression"),  # torch's hook needs nccl

@@ -193,3 +193,49 @@ def test_diagnose_without_records_is_one_line_exit_2(tmp_path, capsys):
     assert err.strip().splitlines() == [
         f"ddp-amp: error: diagnose: {str(tmp_path)!r} has no flight records (flight_recorder/rank<N>.json): the "
         "ranks write them when a run fails or stalls"]
+
+
+def test_resume_auto_without_a_checkpoint_starts_from_the_beginning_and_says_so(tmp_path, capsys, monkeypatch):
+    """A requeue loop that always passes --resume auto: its first attempt, and one stopped before any checkpoint
+    (its metrics left, no model.pt), start from the beginning, the earlier attempt's files cleared; the line says
+    so. --resume PATH stays strict, and a finished run is never taken over."""
+    launched = []
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 5}\n')  # an attempt stopped before its first checkpoint
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--steps", "2", "--resume", "auto", "--run-dir",
+                             str(run_dir)], capsys)
+    assert code == 0, err
+    assert f"ddp-amp: --resume auto: no checkpoint in {run_dir / 'checkpoints'}: starting from the beginning" \
+        in err.splitlines()
+    assert len(launched) == 1 and launched[0].plan.config.resume is None
+    assert not (run_dir / "metrics.jsonl").exists()
+    (run_dir / "model.pt").write_bytes(b"finished")
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--steps", "2", "--resume", "auto", "--run-dir",
+                             str(run_dir)], capsys)
+    assert code == 2 and "holds a finished run (model.pt)" in one_line(err) and len(launched) == 1
+    assert (run_dir / "model.pt").read_bytes() == b"finished"
+
+
+@pytest.mark.parametrize(("task", "flags", "line"), [
+    ("transformer", ["--eval-every", "50"], "--eval-every: --task transformer has no validation set "
+     "(Task.val_dataset); drop it or give the task one"),
+    ("mlp", ["--eval-every", "5", "--keep-best", "val_loss"], "--eval-every and --keep-best: --task mlp has no "
+     "validation set (Task.val_dataset); drop them or give the task one"),
+    (f"{USER_TASKS}:validation_loss_only", ["--keep-best", "val_acc"], "--keep-best val_acc: the evaluation of "
+     f"--task {USER_TASKS}:validation_loss_only logs val_loss only (the task declares no val_metrics)"),
+])
+def test_validation_options_the_task_cannot_serve_are_refused_before_anything_is_touched(task, flags, line,
+                                                                                           tmp_path, capsys):
+    """Refused before launch, once, and under --overwrite nothing of the earlier run is deleted."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = {"model.pt": b"earlier weights", "metrics.jsonl": b'{"step": 1}\n'}
+    for name, data in earlier.items():
+        (run_dir / name).write_bytes(data)
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--task", task, *flags, "--steps", "10",
+                             "--overwrite", "--run-dir", str(run_dir)], capsys)
+    assert code == 2
+    assert one_line(err) == "ddp-amp: error: " + line
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == earlier

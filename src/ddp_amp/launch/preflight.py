@@ -58,6 +58,8 @@ class LaunchPlan:
     config_path: Path
     run_dir_lock: object = None
     """The run directory's lock, held as long as this plan (the launch) lives."""
+    set_aside: Path | None = None
+    """--overwrite: the earlier run's files, set aside until this launch has trained (launch.run_dir)."""
     init: dict | None = None
     """--init-from: what of the file fits the model (loaded, missing, unexpected tensors)."""
 
@@ -67,18 +69,28 @@ def default_run_dir() -> Path:
     return RUNS_ROOT / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def resolve_resume(config: TrainConfig, world_size: int | None) -> str:
+def resolve_resume(config: TrainConfig, world_size: int | None) -> str | None:
     """--resume auto|PATH -> the checkpoint's path, after checking it loads, is finite and matches this run.
-    A checkpoint of another world size is taken, with one line saying what that changes."""
+    A checkpoint of another world size is taken, with one line saying what that changes. `--resume auto` with no
+    checkpoint at all is None: the run starts from the beginning, and says so (a requeue loop that always passes
+    --resume auto works from its first attempt on); --resume PATH stays strict."""
     from ddp_amp.checkpoint import fileformat as checkpoint
 
     def warn(line: str) -> None:
         print(f"ddp-amp: warning: {line}", file=sys.stderr)
 
     if config.resume == "auto":
+        directory = checkpoint.checkpoint_dir(config.run_dir)
+        if not checkpoint.checkpoints(config.run_dir):
+            if (Path(config.run_dir) / "model.pt").exists():
+                raise UsageError(f"--resume auto: {config.run_dir} holds a finished run (model.pt) and no "
+                                 "checkpoint; choose another --run-dir or pass --overwrite without --resume")
+            print(f"ddp-amp: --resume auto: no checkpoint in {directory}: starting from the beginning",
+                  file=sys.stderr)
+            return None
         found = checkpoint.newest_valid_checkpoint(config.run_dir, warn=warn)
         if found is None:
-            raise UsageError(f"--resume auto: no valid checkpoint in {checkpoint.checkpoint_dir(config.run_dir)}")
+            raise UsageError(f"--resume auto: no valid checkpoint in {directory} (each was skipped, above)")
         path, state = found
     else:
         path = Path(config.resume)
@@ -126,6 +138,46 @@ def check_init_from(config: TrainConfig, factory) -> dict[str, int]:
                          + "; ".join(problems) + ("" if result.mismatched or not config.init_strict else
                                                   " (--no-init-strict loads the tensors that match)"))
     return result.counts()
+
+
+def check_task_options(config: TrainConfig, factory) -> dict[str, int] | None:
+    """The options that depend on the task's model and data, against them: --init-from (what it loads),
+    --eval-every and --keep-best."""
+    init = check_init_from(config, factory) if config.init_from is not None else None
+    if config.eval_every or config.keep_best:
+        check_validation(config, factory)
+    return init
+
+
+def check_validation(config: TrainConfig, factory) -> None:
+    """--eval-every and --keep-best against the task, before anything starts (the ranks would find it only after
+    their start-up, or after training): a validation set, and a --keep-best metric the evaluation logs where the
+    task says what it logs (without val_metrics: val_loss alone). The task is built on the meta device (no
+    memory, no initialisation) where the factory allows, else for real, as check_init_from does."""
+    import torch
+
+    from ddp_amp.tasks import with_built_model
+    from ddp_amp.train.evaluation import parse_keep_best
+
+    try:
+        with torch.device("meta"):
+            task = with_built_model(factory(), config.task)
+    except Exception:  # a factory that computes with its tensors (data made from .item()): built as the ranks will
+        try:
+            torch.manual_seed(config.seed)
+            task = with_built_model(factory(), config.task)
+        except Exception:
+            return  # the ranks build it and say what is wrong
+    flags = " and ".join(flag for flag, given in (("--eval-every", config.eval_every), ("--keep-best",
+                                                                                      config.keep_best)) if given)
+    if task.val_dataset is None:
+        raise UsageError(f"{flags}: --task {config.task} has no validation set (Task.val_dataset); drop "
+                         f"{'it' if ' and ' not in flags else 'them'} or give the task one")
+    if config.keep_best and task.val_metrics is None:
+        metric, _ = parse_keep_best(config.keep_best)
+        if metric != "val_loss":
+            raise UsageError(f"--keep-best {metric}: the evaluation of --task {config.task} logs val_loss only "
+                             "(the task declares no val_metrics)")
 
 
 def check_max_memory(config: TrainConfig, device_type: str) -> None:
@@ -199,17 +251,22 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     from ddp_amp.tasks import resolve_factory
 
     factory = resolve_factory(config.task, config.task_arg)
-    init = check_init_from(config, factory) if config.init_from is not None else None
+    init = check_task_options(config, factory)
+    starting_over = False
     if config.resume is not None:
         config = config.replace(resume=resolve_resume(config, world_size))
+        # --resume auto with no checkpoint: an unfinished earlier attempt's files (no checkpoint, no model.pt)
+        # are cleared, as --overwrite would, and the run starts from the beginning.
+        starting_over = config.resume is None
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None
     joins = joining is not None and running_job(Path(config.run_dir)) == joining
     existed = Path(config.run_dir).exists()
-    prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
-                               resuming=config.resume is not None, joining=joining)
+    prepared = prepare_run_dir(config.run_dir, overwrite=overwrite or starting_over, unique=run_dir is None,
+                               lock=lock_run_dir, resuming=config.resume is not None, joining=joining)
     path = prepared.path
-    STARTUP.run_dir, STARTUP.created, STARTUP.cleared = path, not existed or str(path) != config.run_dir, overwrite
+    STARTUP.run_dir, STARTUP.created = path, not existed or str(path) != config.run_dir
+    STARTUP.cleared = overwrite or starting_over
     if str(path) != config.run_dir:
         config = config.replace(run_dir=str(path))
     # A node joining a running elastic job in a shared run dir keeps the job's config.json (its ranks read it
@@ -220,7 +277,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     except OSError as exc:
         raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
-                      run_dir_lock=prepared.lock, init=init)
+                      run_dir_lock=prepared.lock, init=init, set_aside=prepared.set_aside)
 
 
 def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",
@@ -244,7 +301,8 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
                                resuming=True)
     path = prepared.path
-    STARTUP.run_dir, STARTUP.created, STARTUP.cleared = path, not existed or str(path) != config.run_dir, overwrite
+    STARTUP.run_dir, STARTUP.created = path, not existed or str(path) != config.run_dir
+    STARTUP.cleared = overwrite
     config = config.replace(run_dir=str(path))
     config_path = path / CONFIG_FILE
     record = {**json.loads(config.to_json()), "script": script.to_dict()}
@@ -253,4 +311,4 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     except OSError as exc:
         raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
     return LaunchPlan(config=config, device_type=device_type, precision=None, config_path=config_path,
-                      run_dir_lock=prepared.lock)
+                      run_dir_lock=prepared.lock, set_aside=prepared.set_aside)

@@ -25,6 +25,8 @@ class PreparedRunDir:
     path: Path
     lock: DirectoryLock | None
     """Held by the launcher for the whole launch: a second launch into the same directory is refused."""
+    set_aside: Path | None = None
+    """--overwrite: where the earlier run's files wait (clear_earlier_run, settle_earlier_run)."""
 
 
 EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE)
@@ -32,16 +34,49 @@ EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BE
 EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR)
 
 
-def clear_earlier_run(path: Path) -> None:
-    """--overwrite: everything an earlier run left is gone before this one writes anything. Its checkpoints
-    above all: a longer run's higher steps would outrank this run's in pruning and in --resume auto."""
+SET_ASIDE_DIR = ".overwritten"
+"""--overwrite: where the earlier run's files wait until the new run has trained (then they are deleted) or has
+failed before training (then they are put back): no refusal ever costs the earlier run."""
+
+
+def clear_earlier_run(path: Path) -> Path | None:
+    """--overwrite: everything an earlier run left is out of the way before this one writes anything: its
+    checkpoints above all (a longer run's higher steps would outrank this run's in pruning and in --resume auto).
+    Moved, not deleted, to RUN_DIR/.overwritten (one rename each); the directory, or None if there was nothing."""
     import shutil
 
-    for name in EARLIER_RUN_FILES:
-        (path / name).unlink(missing_ok=True)
-    for name in EARLIER_RUN_DIRS:
-        if (path / name).is_dir():
-            shutil.rmtree(path / name)
+    aside = path / SET_ASIDE_DIR
+    if aside.exists():  # a launch killed before it could settle the last set-aside: that one is older
+        shutil.rmtree(aside)
+    moved = False
+    for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml"):
+        if (path / name).exists():
+            aside.mkdir(exist_ok=True)
+            (path / name).rename(aside / name)
+            moved = True
+    return aside if moved else None
+
+
+def settle_earlier_run(path: Path, aside: Path | None, *, trained: bool) -> bool:
+    """After an --overwrite launch: the earlier run's files deleted once the new run has trained, or put back
+    when it failed before its first step (its record of the failure set aside in turn); whether they came back."""
+    import shutil
+
+    if aside is None or not aside.exists():
+        return False
+    if trained:
+        shutil.rmtree(aside, ignore_errors=True)
+        return False
+    failed = path / ".failed-launch"
+    shutil.rmtree(failed, ignore_errors=True)
+    for item in list(aside.iterdir()):
+        if (path / item.name).exists():
+            failed.mkdir(exist_ok=True)
+            (path / item.name).rename(failed / item.name)
+        item.rename(path / item.name)
+    aside.rmdir()
+    shutil.rmtree(failed, ignore_errors=True)
+    return True
 
 
 def restart_choice(path: Path) -> str | None:
@@ -119,14 +154,19 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
             held.release()
         raise UsageError(f"{flag} holds an unfinished earlier run (metrics, no model.pt); pass --overwrite to "
                          "start over in it, or choose another directory")
+    return PreparedRunDir(path, held, _tidy(path, flag, overwrite=overwrite, resuming=resuming))
+
+
+def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | None:
+    """Partial writes a kill left removed; under --overwrite the earlier run set aside (where it waits)."""
     try:
         remove_partial_writes(path)
         if (path / "checkpoints").is_dir():
             remove_partial_writes(path / "checkpoints")
         if overwrite:
-            clear_earlier_run(path)
-        elif resuming:
+            return clear_earlier_run(path)
+        if resuming:
             (path / SUMMARY_FILE).unlink(missing_ok=True)  # the stopped attempt's; this run writes its own
     except OSError as exc:
         raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
-    return PreparedRunDir(path, held)
+    return None

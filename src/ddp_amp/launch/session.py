@@ -97,11 +97,32 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
     """Start the ranks while a progress session renders their events to `display`; then the verdict, raised as
     RunFailed when the run did not finish. `announce`: the start line first, and a recovery line after a run
     that torchrun restarted (the training commands; the measuring ones are quiet)."""
+    if launch.script is not None:
+        return run_script_launch(launch, display)
+    try:
+        _run_and_judge(launch, display, announce)
+    finally:
+        settle_overwritten(launch.plan)
+
+
+def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None:
+    """--overwrite: the earlier run's files, set aside at the preflight, deleted now that this run has trained
+    (logged a step, or kept a checkpoint or model.pt), or put back after a launch that failed before."""
+    from ddp_amp.launch.run_dir import has_checkpoint, settle_earlier_run
+    from ddp_amp.outputs import METRICS_FILE, MODEL_FILE
+
+    run_dir = Path(plan.config.run_dir)
+    if trained is None:
+        trained = has_checkpoint(run_dir) or any((run_dir / name).exists() for name in (METRICS_FILE, MODEL_FILE))
+    if settle_earlier_run(run_dir, plan.set_aside, trained=trained):
+        say(f"ddp-amp: --overwrite: this launch ended before its first step, so the earlier run's files in "
+            f"{run_dir} are back as they were")
+
+
+def _run_and_judge(launch: Launch, display, announce: bool) -> None:
     from ddp_amp.progress.session import ProgressSession
 
     plan, config = launch.plan, launch.plan.config
-    if launch.script is not None:
-        return run_script_launch(launch, display)
     if announce:
         _announce(launch)
     session = ProgressSession(display, plan.config_path.parent)
@@ -155,6 +176,7 @@ def run_script_launch(launch: Launch, display) -> None:
             failure = RunFailed(f"{exc}: passed on to every rank (each rank's output in {run_dir / 'logs'})",
                                 exit_code=exc.exit_code)
     model = display.model
+    settle_overwritten(plan, trained=True)  # what a script does is its own: the earlier run is not put back
     write_summary(run_dir, script_record(script, launch=launch, model=model, started=started, failure=failure))
     if failure is not None:
         raise failure
@@ -237,7 +259,7 @@ def check_outcome(run_dir: Path, config: TrainConfig) -> None:
     if "stopped_at_step" in summary:  # a stop signal reached a rank, not this launcher
         report_stop(run_dir, config)
     if summary and (failure := failure_of(summary, run_dir)):
-        raise RunFailed(failure)
+        raise RunFailed(failure, exit_code=2 if summary.get("keep_best_error") else 1)
     if skipped := summary.get("resumed_skipping_items"):
         step = summary["resumed_from_step"]
         say(f"ddp-amp: resumed at step {step}: skipped the {skipped} items trained before step {step} (the data set "

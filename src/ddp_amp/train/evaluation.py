@@ -134,14 +134,22 @@ class BestKeeper:
         self.metric, self.mode = parse_keep_best(spec) if spec else (None, "min")
         self.best: dict[str, Any] | None = None
         """{"step", "metric", "value"} of the best evaluation so far (restored on resume)."""
+        self.error: str | None = None
+        """Why no best was kept: the metric was not logged at the last step's evaluation."""
 
-    def offer(self, step: int, values: dict[str, float]) -> bool:
-        """Whether the evaluation of `step` is the best so far."""
-        if self.metric is None:
+    def offer(self, step: int, values: dict[str, float], *, last: bool = False) -> bool:
+        """Whether the evaluation of `step` is the best so far. A metric the evaluation does not log fails the
+        run at its first evaluation; at the last step (the first evaluation of a run without --eval-every) the
+        trained weights are kept: the problem is recorded in `error` and no best is kept, instead."""
+        if self.metric is None or self.error is not None:
             return False
         if self.metric not in values:
-            raise RankUsageError(f"--keep-best {self.metric}: the evaluation logs no such metric (it logs "
-                                 f"{', '.join(sorted(values))})", )
+            problem = (f"--keep-best {self.metric}: the evaluation logs no such metric (it logs "
+                       f"{', '.join(sorted(values))})")
+            if last:
+                self.error = problem
+                return False
+            raise RankUsageError(problem)
         value = values[self.metric]
         if math.isnan(value):
             return False

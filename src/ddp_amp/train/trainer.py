@@ -333,7 +333,8 @@ class Trainer:
             return
         self.last_validation = values
         self.reporter.on_eval({"step": number, **values})
-        if self.best.offer(number, values) and (state := self.model_state()) is not None:  # the same on every rank
+        if self.best.offer(number, values, last=number == self.total_steps) and \
+                (state := self.model_state()) is not None:  # the same on every rank
             save_weights(Path(self.config.run_dir), state, BEST_MODEL_FILE)
 
     def _summary(self, steps_done: int, figures: dict[str, Any], diverged: dict[str, Any] | None) -> dict[str, Any]:
@@ -341,6 +342,8 @@ class Trainer:
         summary = {**self._describe(steps_done), **figures}
         if diverged is not None:
             summary["diverged"] = diverged
+        if self.best.error is not None:
+            summary["keep_best_error"] = self.best.error
         if self.stopped_at is not None:
             summary["stopped_at_step"] = self.stopped_at
             summary["stopped_by"] = signal.Signals(self.stopped_by).name
