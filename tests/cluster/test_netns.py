@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HELPER_TASKS, ORIGIN_SCRIPT, read_summary
+from conftest import HELPER_TASKS, read_summary
 from helper_tasks import HOLD_AT_CALL
 
 # serial: doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota), which another test's
@@ -371,29 +371,3 @@ def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(t
     assert resumed["resumed_from_step"] == stopped_at and resumed["steps"] == 120
     assert (claim / "k8s" / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
 
-
-def test_a_users_script_runs_on_two_namespaces_as_under_torchrun(three_hosts, tmp_path):
-    """`ddp-amp multinode --nnodes 2 ... origin_ddp.py --epochs 20` in two "hosts": exit 0 on both, each node's
-    rank prints shown by its launcher, and the weights node 0 saves are the ones `torchrun --standalone
-    --nproc-per-node 2` gives on one machine."""
-    import torch
-
-    reference = tmp_path / "torchrun.pt"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(ORIGIN_SCRIPT), "--epochs", "20", "--out", str(reference)], check=True, capture_output=True,
-                   timeout=300)
-    (_, host_addr), *_ = three_hosts
-    jobs = []
-    for index, (ns, _) in enumerate(three_hosts[:2]):
-        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2",
-                   "--nproc-per-node", "1", "--endpoint", f"{host_addr}:29400", "--rdzv-timeout", "60",
-                   "--log-format", "plain", "--run-dir", str(tmp_path / f"node{index}"), str(ORIGIN_SCRIPT),
-                   "--epochs", "20", "--out", str(tmp_path / "model.pt")]  # the same command on every node
-        jobs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [job.communicate(timeout=240) for job in jobs]
-    for index, (job, (out, err)) in enumerate(zip(jobs, outputs)):
-        assert job.returncode == 0, out + err
-        assert f"[rank {index}] Rank {index}, Epoch 19, Loss" in out, out
-        assert read_summary(tmp_path / f"node{index}")["outcome"] == "finished"
-    weights, expected = torch.load(tmp_path / "model.pt", weights_only=True), torch.load(reference, weights_only=True)
-    assert all(torch.equal(weights[k], expected[k]) for k in expected)

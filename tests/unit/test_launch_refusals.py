@@ -239,3 +239,16 @@ def test_validation_options_the_task_cannot_serve_are_refused_before_anything_is
     assert code == 2
     assert one_line(err) == "ddp-amp: error: " + line
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == earlier
+
+
+def test_a_dry_run_with_overwrite_takes_nothing_of_the_earlier_run_away(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = {"model.pt": b"earlier weights", "metrics.jsonl": b'{"step": 1}\n'}
+    for name, data in earlier.items():
+        (run_dir / name).write_bytes(data)
+    code, out, err = run_main(["run", "-n", "2", "--device", "cpu", "--overwrite", "--dry-run", "--run-dir",
+                               str(run_dir)], capsys)
+    assert code == 0 and "torch.distributed.run" in out, err
+    assert {name: (run_dir / name).read_bytes() for name in earlier} == earlier
+    assert not (run_dir / ".overwritten").exists()

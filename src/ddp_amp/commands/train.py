@@ -97,6 +97,7 @@ def run(
     plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", overwrite=output["overwrite"],
                      run_dir=output["run_dir"])
     if dry_run:
+        settle_overwritten(plan, trained=False)  # a dry run starts nothing: an --overwrite takes nothing away
         job = torchrun.standalone_job(nproc_per_node=nproc, max_restarts=max_restarts,
                                       monitor_interval=monitor_interval, device_type=plan.device_type)
         typer.echo(job.torchrun_command(plan.config_path).shell())
@@ -211,11 +212,13 @@ def _launch_node(train: dict, output: dict, resolved: dict, nodes, where, nproc_
         typer.echo(f"ddp-amp: {net.note}", err=True)
     if script is not None:
         if dry_run:
+            settle_overwritten(plan, trained=False)
             typer.echo(job.torchrun_command(plan.config_path, script=script).shell())
             return
         launch_script(Launch(plan, nproc, job=job, script=script), output)
         return
     if dry_run:
+        settle_overwritten(plan, trained=False)
         typer.echo(job.torchrun_command(plan.config_path).shell())
         typer.echo(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
                    f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
@@ -241,6 +244,12 @@ def launch_training(launch, output: dict, resolved: dict) -> None:
             from ddp_amp.results.report import profile_table
 
             Console(stderr=output["log_format"] == "json").print(profile_table(profile))
+
+
+def settle_overwritten(plan, *, trained: bool) -> None:
+    from ddp_amp.launch.session import settle_overwritten as settle
+
+    settle(plan, trained=trained)
 
 
 def user_script(words: list[str] | None, module: bool, train: dict):

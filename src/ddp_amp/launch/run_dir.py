@@ -43,11 +43,10 @@ def clear_earlier_run(path: Path) -> Path | None:
     """--overwrite: everything an earlier run left is out of the way before this one writes anything: its
     checkpoints above all (a longer run's higher steps would outrank this run's in pruning and in --resume auto).
     Moved, not deleted, to RUN_DIR/.overwritten (one rename each); the directory, or None if there was nothing."""
-    import shutil
-
     aside = path / SET_ASIDE_DIR
-    if aside.exists():  # a launch killed before it could settle the last set-aside: that one is older
-        shutil.rmtree(aside)
+    if aside.exists():  # a launch killed before it settled: its earlier run is put back unless it trained
+        settle_earlier_run(path, aside, trained=has_checkpoint(path) or any(
+            (path / name).exists() for name in (METRICS_FILE, MODEL_FILE)))
     moved = False
     for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml"):
         if (path / name).exists():
