@@ -77,7 +77,7 @@ def run(
     loop, or your SCRIPT."""
     from ddp_amp.launch import torchrun
     from ddp_amp.launch.preflight import preflight, preflight_script
-    from ddp_amp.launch.session import Launch, warm_start
+    from ddp_amp.launch.session import Launch, settle_overwritten, warm_start
 
     check_torchrun_numbers(max_restarts, monitor_interval)
     program = user_script(script, module, train)
@@ -189,7 +189,7 @@ def _launch_node(train: dict, output: dict, resolved: dict, nodes, where, nproc_
     """multinode: this node's network found, its ranks' plan, and its share of the job launched."""
     from ddp_amp.launch import torchrun
     from ddp_amp.launch.preflight import preflight, preflight_script
-    from ddp_amp.launch.session import Launch, warm_start
+    from ddp_amp.launch.session import Launch, settle_overwritten, warm_start
 
     config = warm_start(train, start_ranks_soon=not dry_run)
     nproc = torchrun.parse_nproc(nproc_per_node)
@@ -244,12 +244,6 @@ def launch_training(launch, output: dict, resolved: dict) -> None:
             from ddp_amp.results.report import profile_table
 
             Console(stderr=output["log_format"] == "json").print(profile_table(profile))
-
-
-def settle_overwritten(plan, *, trained: bool) -> None:
-    from ddp_amp.launch.session import settle_overwritten as settle
-
-    settle(plan, trained=trained)
 
 
 def user_script(words: list[str] | None, module: bool, train: dict):

@@ -125,23 +125,33 @@ def _run_and_judge(launch: Launch, display, announce: bool) -> None:
     plan, config = launch.plan, launch.plan.config
     if announce:
         _announce(launch)
-    session = ProgressSession(display, plan.config_path.parent)
+    failure = _start_ranks(launch, ProgressSession(display, plan.config_path.parent))
+    if failure is not None and failure.exit_code <= 128:
+        raise failure
+    if failure is not None:
+        # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
+        # finished before the stop took effect.
+        report_stop(Path(config.run_dir), config, signalled=str(failure), exit_code=failure.exit_code)
+    check_outcome(Path(config.run_dir), config)
+    if announce and launch.job is not None:
+        report_recovery(config, launch.agent_log, display.model)
+
+
+def _start_ranks(launch: Launch, session) -> RunFailed | None:
+    """The ranks, to completion, under `session`; how they failed (explained: stalls, flight records), or the
+    stop signal this launcher passed on to them (exit code > 128); None when every rank finished."""
+    config = launch.plan.config
     try:
         with session, stop_signals_raise():
             launch.start(session)
     except RunFailed as exc:
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
-        if exc.exit_code <= 128:
-            # One node's records only under multinode (the others are on their hosts): no "left no record" there.
-            world = None if config.job_id else launch.nproc
-            raise explained_failure(exc, session, config, world) from None
-        # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
-        # finished before the stop took effect.
-        report_stop(Path(config.run_dir), config, signalled=str(exc), exit_code=exc.exit_code)
-    check_outcome(Path(config.run_dir), config)
-    if announce and launch.job is not None:
-        report_recovery(config, launch.agent_log, display.model)
+        if exc.exit_code > 128:
+            return exc
+        # One node's records only under multinode (the others are on their hosts): no "left no record" there.
+        return explained_failure(exc, session, config, None if config.job_id else launch.nproc)
+    return None
 
 
 def run_script_launch(launch: Launch, display) -> None:
@@ -161,20 +171,11 @@ def run_script_launch(launch: Launch, display) -> None:
             f"{launch.job.torchrun_command(plan.config_path, script=script).shell()}")
     say(f"ddp-amp: {launch.nproc} rank(s) running {' '.join(script.argv())}, run dir {run_dir} (each rank's "
         f"output in {run_dir / 'logs'})")
-    session = ProgressSession(display, run_dir, capture_output=True)
-    started, failure = time.time(), None
-    try:
-        with session, stop_signals_raise():
-            launch.start(session)
-    except RunFailed as exc:
-        if session.failure_shown():
-            exc.details = ""  # the display has shown the failing rank's traceback already
-        if exc.exit_code <= 128:
-            world = None if config.job_id else launch.nproc
-            failure = explained_failure(exc, session, config, world)
-        else:
-            failure = RunFailed(f"{exc}: passed on to every rank (each rank's output in {run_dir / 'logs'})",
-                                exit_code=exc.exit_code)
+    started = time.time()
+    failure = _start_ranks(launch, ProgressSession(display, run_dir, capture_output=True))
+    if failure is not None and failure.exit_code > 128:
+        failure = RunFailed(f"{failure}: passed on to every rank (each rank's output in {run_dir / 'logs'})",
+                            exit_code=failure.exit_code)
     model = display.model
     settle_overwritten(plan, trained=True)  # what a script does is its own: the earlier run is not put back
     write_summary(run_dir, script_record(script, launch=launch, model=model, started=started, failure=failure))

@@ -247,8 +247,7 @@ class PlainDisplay:
             print(line, file=stream, flush=event["type"] != "output")
 
     def flush(self) -> None:
-        for stream in {self.stream, sys.stderr}:
-            stream.flush()
+        self.stream.flush(), sys.stderr.flush()
 
     def close(self) -> None:
         for rank, text in self.model.failure_reports():
@@ -362,9 +361,8 @@ class RichDisplay:
             table.add_column(header, justify="left" if header in ("status", "last line") else "right",
                              overflow="ellipsis", no_wrap=True)
         for state in ranks:
-            row = [str(state.rank), *((_fmt(state.node, "d"), _fmt(state.local_rank, "d")) if show_node else ())]
-            row += [Text(state.status, style=_STYLES.get(state.status, "")), Text(state.last_line)]
-            table.add_row(*row)
+            table.add_row(str(state.rank), *((_fmt(state.node, "d"), _fmt(state.local_rank, "d")) if show_node else ()),
+                          Text(state.status, style=_STYLES.get(state.status, "")), Text(state.last_line))
         return Group(table, Text(f"elapsed {_duration(self.model.elapsed)}"))
 
     def close(self) -> None:
@@ -393,14 +391,9 @@ def make_display(log_format: str, *, quiet: bool = False, script: bool = False):
     """auto: rich on a terminal, plain lines otherwise. `script`: the ranks run a user's script."""
     if log_format == "auto":
         log_format = "rich" if sys.stdout.isatty() else "plain"
-    if log_format == "json":
-        display = JsonDisplay()
-    elif log_format == "rich" and not quiet:
-        display = RichDisplay(live=False)
-        display.model.script = script
-        display.start()
-        return display
-    else:
-        display = PlainDisplay(quiet=quiet)
+    rich = log_format == "rich" and not quiet
+    display = JsonDisplay() if log_format == "json" else RichDisplay(live=False) if rich else PlainDisplay(quiet=quiet)
     display.model.script = script
+    if isinstance(display, RichDisplay):
+        display.start()  # after `script` is set: the first frame already has the script's table
     return display
