@@ -7,6 +7,7 @@ and workers advertised an unreachable hostname. Traffic stays inside the namespa
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HELPER_TASKS, read_summary
+from conftest import HELPER_TASKS, ORIGIN_SCRIPT, read_summary
 from helper_tasks import HOLD_AT_CALL
 
 # serial: doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota), which another test's
@@ -371,3 +372,75 @@ def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(t
     assert resumed["resumed_from_step"] == stopped_at and resumed["steps"] == 120
     assert (claim / "k8s" / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
 
+
+
+def _finish_or_report(jobs: list[tuple[subprocess.Popen, Path]], timeout: float,
+                      run_dirs: list[Path]) -> list[tuple[str, str]]:
+    """Every job's (stdout, stderr), read from the files `_start_logged` gave it, once all have exited. Past
+    `timeout`, what each job's process group still runs (command line and kernel wait channel) and the run dirs'
+    rank logs go into the failure, and the groups are killed, so that a hang is explained and leaves nothing
+    running."""
+    deadline = time.monotonic() + timeout
+    while any(job.poll() is None for job, _ in jobs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    hung = [job for job, _ in jobs if job.poll() is None]
+    report = []
+    for job in hung:
+        os.kill(job.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER (_start_logged): every thread's stack to stderr
+    if hung:
+        time.sleep(2)
+    for job in hung:
+        for pid in subprocess.run(["pgrep", "-g", str(job.pid)], capture_output=True, text=True).stdout.split():
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+                report.append(f"{pid} [{Path(f'/proc/{pid}/wchan').read_text()}] {command}")
+            except OSError:
+                pass
+        os.killpg(job.pid, 9)
+    for job, _ in jobs:
+        job.wait()
+    outputs = [(prefix.with_suffix(".out").read_text(), prefix.with_suffix(".err").read_text())
+               for _, prefix in jobs]
+    if hung:
+        logs = [f"--- {log}\n{log.read_text()[-2000:]}" for run_dir in run_dirs
+                for log in sorted(run_dir.glob("logs/*.log"))]
+        pytest.fail("\n".join([f"{len(hung)} launcher(s) still running after {timeout}s:", *report, *logs,
+                               *(f"--- job {i} stdout\n{out[-3000:]}\n--- job {i} stderr\n{err[-8000:]}"
+                                 for i, (out, err) in enumerate(outputs))]))
+    return outputs
+
+
+def _start_logged(command: list[str], prefix: Path) -> tuple[subprocess.Popen, Path]:
+    """`command` in a session of its own, its output in files (`prefix`.out/.err): no pipe to fill while the
+    test waits on another job."""
+    with open(prefix.with_suffix(".out"), "w") as out, open(prefix.with_suffix(".err"), "w") as err:
+        return subprocess.Popen(command, stdout=out, stderr=err, text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"}), prefix
+
+
+def test_a_users_script_runs_on_two_namespaces_as_under_torchrun(three_hosts, tmp_path):
+    """`ddp-amp multinode --nnodes 2 ... origin_ddp.py --epochs 20` in two "hosts": exit 0 on both, each node's
+    rank prints shown by its launcher, and the weights node 0 saves are the ones `torchrun --standalone
+    --nproc-per-node 2` gives on one machine."""
+    import torch
+
+    reference = tmp_path / "torchrun.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(ORIGIN_SCRIPT), "--epochs", "20", "--out", str(reference)], check=True, capture_output=True,
+                   timeout=300)
+    (_, host_addr), *_ = three_hosts
+    run_dirs = [tmp_path / f"node{index}" for index in range(2)]
+    jobs = []
+    for index, (ns, _) in enumerate(three_hosts[:2]):
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2",
+                   "--nproc-per-node", "1", "--endpoint", f"{host_addr}:29400", "--rdzv-timeout", "60",
+                   "--log-format", "plain", "--run-dir", str(run_dirs[index]), str(ORIGIN_SCRIPT),
+                   "--epochs", "20", "--out", str(tmp_path / "model.pt")]  # the same command on every node
+        jobs.append(_start_logged(command, tmp_path / f"launcher{index}"))
+    outputs = _finish_or_report(jobs, 240, run_dirs)
+    for index, ((job, _), (out, err)) in enumerate(zip(jobs, outputs)):
+        assert job.returncode == 0, out + err
+        assert f"[rank {index}] Rank {index}, Epoch 19, Loss" in out, out
+        assert read_summary(run_dirs[index])["outcome"] == "finished"
+    weights, expected = torch.load(tmp_path / "model.pt", weights_only=True), torch.load(reference, weights_only=True)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
