@@ -129,6 +129,8 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
                        flush_denormal=flushing,
                        worker_start_s=started - (config.launch_time or started),
                        **({"resumed_from": resumed} if resumed is not None else {}),  # its step: resumed_from_step
+                       **({"checkpoints_skipped": trainer.checkpointer.skipped} if trainer.checkpointer.skipped
+                          else {}),
                        **({"init_from": {**initial, "used": resumed is None}} if initial is not None else {}))
         rank_times = None
         if job == "bench":  # every rank's step times, for the launcher's analysis

@@ -117,6 +117,24 @@ def test_a_restarted_worker_group_resumes_from_the_newest_checkpoint(tmp_path, u
     assert_bit_identical(tmp_path, uninterrupted["fp32"])
 
 
+@pytest.mark.parametrize("damage", ["part-missing", "part-truncated", "metadata-truncated"])
+def test_a_restart_skips_a_damaged_sharded_checkpoint_and_ends_on_the_uninterrupted_weights(damage, tmp_path,
+                                                                                            uninterrupted):
+    """Sharded checkpoints under `run --max-restarts 2`: at step 25 rank 1 damages step-20/ (a part lost or cut
+    short, or the metadata cut short) and SIGKILLs itself. The restarted group skips step-20/, says so in the
+    console, continues from step-10/ and ends on the weights of the run that was never interrupted."""
+    step_20 = tmp_path / "checkpoints" / "step-20"
+    result = run_cli("run", "-n", "2", *ARGS, "--amp", "off", "--checkpoint-format", "sharded", "--max-restarts",
+                     "2", "--run-dir", str(tmp_path),
+                     env={"DDP_AMP_TEST_KILL_AT": "25", "DDP_AMP_TEST_DAMAGE": f"{damage}:{step_20}"})
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 10
+    assert f"ddp-amp: warning: the restart skipped checkpoint {step_20}: " in result.stderr, result.stderr
+    assert last_line(result.stderr).endswith("; resumed from step 10"), result.stderr
+    assert_bit_identical(tmp_path, uninterrupted["fp32"])
+
+
 def test_a_corrupt_newest_checkpoint_is_skipped(tmp_path, uninterrupted):
     process = start("spawn", tmp_path, "fp32")
     wait_for(tmp_path / "checkpoints" / "step-20.pt", process)

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
 
 from conftest import HELPER_TASKS, assert_ok, launch, read_summary, run_cli
+from helper_tasks import DAMAGES
 
 pytestmark = pytest.mark.slow
 ARGS = ["--device", "cpu", "--task", "mlp", "--amp", "off", "--optimizer", "adamw", "--batch-size", "16",
@@ -117,33 +118,14 @@ def test_the_nan_guard_writes_no_sharded_checkpoint_of_a_diverged_state(tmp_path
     assert load_checkpoint(tmp_path / "checkpoints" / "step-10")["step"] == 10
 
 
-def _lose_metadata(step):
-    (step / ".metadata").unlink()
-
-
-def _truncate_metadata(step):
-    data = (step / ".metadata").read_bytes()
-    (step / ".metadata").write_bytes(data[: len(data) // 2])
-
-
-def _lose_a_part(step):
-    (step / "__1_0.distcp").unlink()
-
-
-def _truncate_a_part(step):
-    part = step / "__0_0.distcp"
-    part.write_bytes(part.read_bytes()[:100])
-
-
-@pytest.mark.parametrize("damage", [_lose_metadata, _truncate_metadata, _lose_a_part, _truncate_a_part],
-                         ids=["metadata-missing", "metadata-truncated", "part-missing", "part-truncated"])
+@pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_export(damage, tmp_path):
     """The newest step-N/ damaged as a copy or a kill leaves it: `--resume auto` says in the console that it
     skips it and why, and resumes from the complete one before it; export and --init-from of the damaged one are
     one line, exit 2."""
     run = tmp_path / "run"
     train(run, "--checkpoint-every", "10", "--checkpoint-format", "sharded")
-    damage(run / "checkpoints" / "step-20")
+    DAMAGES[damage](run / "checkpoints" / "step-20")
     (run / "model.pt").unlink()  # as if it had stopped at step 20
     result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(run), "--resume", "auto",
                      "--checkpoint-format", "sharded", timeout=300)

@@ -218,16 +218,22 @@ class _NoisyRegression(nn.Module):
 def resumable() -> Task:
     """A regression with dropout, steered by environment variables for fault tests:
     DDP_AMP_TEST_STEP_SLEEP seconds per step; DDP_AMP_TEST_KILL_AT: rank 1 SIGKILLs itself at that step of the
-    first attempt; DDP_AMP_TEST_BIG_SAMPLE: one sample 10^4 times larger, whose fp16 gradients overflow
-    whenever it is in a batch (a GradScaler skip that depends on the data, so it recurs identically on resume)."""
+    first attempt; DDP_AMP_TEST_DAMAGE=KIND:PATH: before that, it damages the sharded checkpoint PATH (once its
+    write is done) in one of the ways of DAMAGES; DDP_AMP_TEST_BIG_SAMPLE: one sample 10^4 times larger, whose
+    fp16 gradients overflow whenever it is in a batch (a GradScaler skip that depends on the data, so it recurs
+    identically on resume)."""
     pause = float(os.environ.get("DDP_AMP_TEST_STEP_SLEEP", "0"))
     kill_at = int(os.environ.get("DDP_AMP_TEST_KILL_AT", "0"))
+    damage = os.environ.get("DDP_AMP_TEST_DAMAGE")
 
     def on_call(call, loss):
         if pause:
             time.sleep(pause)
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if call == kill_at and first_attempt and os.environ.get("RANK") == "1":
+            if damage:
+                kind, path = damage.split(":", 1)
+                damage_when_written(kind, Path(path))
             os.kill(os.getpid(), signal.SIGKILL)
         return loss
 
@@ -240,6 +246,39 @@ def resumable() -> Task:
         y[0] *= 1e4
         task.dataset = TensorDataset(x, y)
     return task
+
+
+def _lose_metadata(step: Path) -> None:
+    (step / ".metadata").unlink()
+
+
+def _truncate_metadata(step: Path) -> None:
+    data = (step / ".metadata").read_bytes()
+    (step / ".metadata").write_bytes(data[: len(data) // 2])
+
+
+def _lose_a_part(step: Path) -> None:
+    (step / "__1_0.distcp").unlink()
+
+
+def _truncate_a_part(step: Path) -> None:
+    part = step / "__0_0.distcp"
+    part.write_bytes(part.read_bytes()[:100])
+
+
+# The ways a copy or a kill leaves a 2-rank sharded checkpoint directory damaged.
+DAMAGES = {"metadata-missing": _lose_metadata, "metadata-truncated": _truncate_metadata,
+           "part-missing": _lose_a_part, "part-truncated": _truncate_a_part}
+
+
+def damage_when_written(kind: str, step: Path, timeout_s: float = 60) -> None:
+    """Damages the sharded checkpoint `step` in the way DAMAGES names `kind`, once its sidecar says the
+    background write is done."""
+    deadline = time.monotonic() + timeout_s
+    while not step.with_name(step.name + ".json").exists():
+        assert time.monotonic() < deadline, f"{step} was never written"
+        time.sleep(0.05)
+    DAMAGES[kind](step)
 
 
 class Planted:

@@ -46,6 +46,9 @@ class CheckpointManager:
         """Per checkpoint written, the background write's seconds (pickling, temporary file, fsync, rename)."""
         self.waits = 0
         """Saves that had to wait for the previous checkpoint's write (at most one is ever in flight)."""
+        self.skipped: list[str] = []
+        """Why load() passed over each checkpoint it could not continue from ("PATH: why"): after a restart the
+        launcher says them, as its preflight does for --resume auto."""
         self._unlogged: list[dict[str, Any]] = []
         self.sharded = config.checkpoint_format == "sharded"
         """Every rank writes its part of each checkpoint (checkpoint.sharded), on a gloo group of its own: the
@@ -197,7 +200,7 @@ class CheckpointManager:
             raise RankUsageError("--checkpoint-format sharded needs a run directory that every node shares (each "
                                  "rank writes its part of every checkpoint there), and this job's nodes each "
                                  "have their own; drop the flag to write whole checkpoints on every node")
-        found = checkpoint_to_continue(config, self.run_dir)
+        found = checkpoint_to_continue(config, self.run_dir, skipped=self.skipped)
         views = [None] * env.world_size
         dist.all_gather_object(views, found[1]["step"] if found else None)
         steps = [step for step in views if step is not None]
@@ -229,14 +232,21 @@ class CheckpointManager:
         return str(path)
 
 
-def checkpoint_to_continue(config: TrainConfig, run_dir: Path) -> tuple[Path, dict] | None:
-    """This rank's own view: (path, state) of the checkpoint it would continue from, or None.
+def checkpoint_to_continue(config: TrainConfig, run_dir: Path, skipped: list[str] | None = None
+                           ) -> tuple[Path, dict] | None:
+    """This rank's own view: (path, state) of the checkpoint it would continue from, or None. Each checkpoint
+    passed over is warned of in the rank's log and added to `skipped`.
 
     Only this launch's checkpoints count (launch_time tells them apart), restart or not: the run dir may still
     hold an earlier run's (the one --resume continues, or one --overwrite replaced), which a restarted group
     must never pick up as its own. Before this launch wrote one, a restart continues from --resume, if given."""
+    def warn(line: str) -> None:
+        print(f"warning: {line}", flush=True)
+        if skipped is not None:
+            skipped.append(line.removeprefix("skipping checkpoint "))
+
     found = fileformat.newest_valid_checkpoint(
-        run_dir, warn=lambda line: print(f"warning: {line}"),
+        run_dir, warn=warn,
         accept=lambda metadata: metadata["config"].get("launch_time") == config.launch_time)
     if found is not None or config.resume is None:
         return found

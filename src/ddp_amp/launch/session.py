@@ -114,7 +114,13 @@ def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None
     run_dir = Path(plan.config.run_dir)
     if trained is None:
         trained = has_checkpoint(run_dir) or any((run_dir / name).exists() for name in (METRICS_FILE, MODEL_FILE))
-    if settle_earlier_run(run_dir, plan.set_aside, trained=trained):
+    try:
+        restored = settle_earlier_run(run_dir, plan.set_aside, trained=trained)
+    except OSError as exc:  # said, never raised: it runs after the launch, whose own outcome must come through
+        say(f"ddp-amp: warning: --overwrite: the earlier run's files could not be "
+            f"{'deleted' if trained else 'put back'} ({exc}); they are in {plan.set_aside}")
+        return
+    if restored:
         say(f"ddp-amp: --overwrite: this launch ended before its first step, so the earlier run's files in "
             f"{run_dir} are back as they were")
 
@@ -278,6 +284,8 @@ def report_recovery(config: TrainConfig, log_path: Path, model) -> None:
     if not summary.get("restarts"):
         return
     restarts = summary["restarts"]
+    for skipped in summary.get("checkpoints_skipped", []):  # the rank's warning, which only its log holds
+        say(f"ddp-amp: warning: the restart skipped checkpoint {skipped}")
     line = f"ddp-amp: recovered after {restarts} restart{'s' if restarts > 1 else ''}"
     causes = torchrun.restart_causes(log_path.read_text(errors="replace")) if log_path.exists() else []
     if causes:
