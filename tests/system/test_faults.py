@@ -127,17 +127,6 @@ def listening_addresses(pids: list[int]) -> list[str]:
     return found
 
 
-def test_dataset_items_that_are_not_pairs_are_named_in_one_line(tmp_path, helper_task):
-    task = helper_task("triple_items")
-    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", task, "--steps", "5", "--run-dir",
-                     str(tmp_path))
-    assert result.returncode == 1, result.stderr
-    verdict = last_line(result.stderr)
-    assert "dataset items must be (inputs, target) pairs or mappings (called as model(**batch)), but item 0 is " \
-           "a tuple of 3 elements" in verdict
-    assert "Traceback" not in result.stdout + result.stderr
-
-
 @pytest.fixture
 def small_file_system(tmp_path):
     target = tmp_path / "small"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ddp_amp.tasks import Task
 
@@ -277,6 +277,13 @@ def sized(width: int, scale: float = 1.0, bias: bool = True, note: str = "", out
         Path(out).write_text(repr({"width": width, "scale": scale, "bias": bias, "note": note}))
     model = nn.Sequential(nn.Linear(8, width, bias=bias), nn.ReLU(), nn.Linear(width, 1))
     return Task(model=model, dataset=_Regression(), loss_fn=lambda o, t: nn.functional.mse_loss(o * scale, t))
+
+
+def few_samples(count: int) -> Task:
+    """A regression on `count` samples (--task-arg count=6): a data set smaller than a batch, or empty."""
+    inputs = torch.arange(count * 8, dtype=torch.float32).reshape(count, 8)
+    return Task(model=nn.Linear(8, 1), dataset=TensorDataset(inputs, inputs.sum(1, keepdim=True)),
+                loss_fn=nn.functional.mse_loss)
 
 
 class _BatchNormed(nn.Module):

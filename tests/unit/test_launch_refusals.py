@@ -252,3 +252,22 @@ def test_a_dry_run_with_overwrite_takes_nothing_of_the_earlier_run_away(tmp_path
     assert code == 0 and "torch.distributed.run" in out, err
     assert {name: (run_dir / name).read_bytes() for name in earlier} == earlier
     assert not (run_dir / ".overwritten").exists()
+
+
+@pytest.mark.parametrize(("task", "args", "line"), [
+    (f"{USER_TASKS}:few_samples", ["--task-arg", "count=6", "--batch-size", "8"], "--batch-size 8: 2 rank(s) take "
+     "16 samples a step and the data set of --task {task} has 6; give --batch-size 3 or less"),
+    (f"{USER_TASKS}:few_samples", ["--task-arg", "count=0"], "--task {task}: the dataset is empty"),
+    (f"{HELPER_TASKS}:triple_items", [], "--task {task}: dataset items must be (inputs, target) pairs or mappings "
+     "(called as model(**batch)), but item 0 is a tuple of 3 elements"),
+], ids=["batch-larger-than-the-data", "empty", "items-not-pairs"])
+def test_a_data_set_the_run_cannot_use_is_refused_before_launch(task, args, line, tmp_path, monkeypatch, capsys):
+    """A batch larger than the data set (every step would be a whole epoch of 3 samples per rank while the record
+    says a global batch of 16), an empty data set, items that are neither pairs nor mappings: one line, exit 2,
+    no rank started, no run dir made."""
+    launched = []
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", task, *args, "--steps", "2", "--run-dir",
+                             str(tmp_path / "run")], capsys)
+    assert code == 2 and one_line(err) == "ddp-amp: error: " + line.format(task=task)
+    assert not launched and not (tmp_path / "run").exists()

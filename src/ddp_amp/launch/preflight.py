@@ -18,7 +18,7 @@ from pathlib import Path
 from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
-from ddp_amp.launch.run_dir import prepare_run_dir, running_job
+from ddp_amp.launch.run_dir import EARLIER_RUN_DIRS, EARLIER_RUN_FILES, prepare_run_dir, running_job
 from ddp_amp.outputs import METRICS_FILE
 from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
 
@@ -114,9 +114,9 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str | None:
     return str(path.resolve())
 
 
-def check_init_from(config: TrainConfig, factory) -> dict[str, int]:
-    """--init-from against the task's model, before anything starts: its keys and shapes, built on the meta
-    device (no memory, no initialisation) where the factory allows, else for real."""
+def check_init_from(config: TrainConfig, task) -> dict[str, int]:
+    """--init-from against the task's model, before anything starts: its keys and shapes (a model given as the
+    function that builds it is built here, on the meta device)."""
     import torch
 
     from ddp_amp.checkpoint.weights import WeightsError, fit, read_weights
@@ -127,11 +127,10 @@ def check_init_from(config: TrainConfig, factory) -> dict[str, int]:
     except WeightsError as exc:
         raise UsageError(f"--init-from {exc}") from None
     try:
-        with torch.device("meta"):
-            model_state = with_built_model(factory(), config.task).model.state_dict()
-    except Exception:  # a factory that reads files or moves tensors itself: built as the ranks will
+        model_state = with_built_model(task, config.task, model_on_meta=True).model.state_dict()
+    except Exception:  # a model function that computes with its tensors: built as the ranks will
         torch.manual_seed(config.seed)
-        model_state = with_built_model(factory(), config.task).model.state_dict()
+        model_state = with_built_model(task, config.task).model.state_dict()
     result = fit(state, model_state)
     if problems := result.problems(config.init_strict):
         raise UsageError(f"--init-from {config.init_from} does not fit the model of --task {config.task}: "
@@ -140,34 +139,48 @@ def check_init_from(config: TrainConfig, factory) -> dict[str, int]:
     return result.counts()
 
 
-def check_task_options(config: TrainConfig, factory) -> dict[str, int] | None:
-    """The options that depend on the task's model and data, against them: --init-from (what it loads),
-    --eval-every and --keep-best."""
-    init = check_init_from(config, factory) if config.init_from is not None else None
-    if config.eval_every or config.keep_best:
-        check_validation(config, factory)
-    return init
-
-
-def check_validation(config: TrainConfig, factory) -> None:
-    """--eval-every and --keep-best against the task, before anything starts (the ranks would find it only after
-    their start-up, or after training): a validation set, and a --keep-best metric the evaluation logs where the
-    task says what it logs (without val_metrics: val_loss alone). The task is built on the meta device (no
-    memory, no initialisation) where the factory allows, else for real, as check_init_from does."""
+def task_for_checks(config: TrainConfig, factory):
+    """The task as the ranks will build it, for the launcher's checks: on the meta device (no memory, no
+    initialisation) where the factory allows, else for real; None when it cannot be built at all (the ranks
+    build it and say what is wrong, with their traceback). A model given as a function stays unbuilt."""
     import torch
-
-    from ddp_amp.tasks import with_built_model
-    from ddp_amp.train.evaluation import parse_keep_best
 
     try:
         with torch.device("meta"):
-            task = with_built_model(factory(), config.task)
-    except Exception:  # a factory that computes with its tensors (data made from .item()): built as the ranks will
+            return factory()
+    except Exception:  # a factory that computes with its tensors (data made from .item()), or reads files
         try:
             torch.manual_seed(config.seed)
-            task = with_built_model(factory(), config.task)
+            return factory()
         except Exception:
-            return  # the ranks build it and say what is wrong
+            return None
+
+
+def check_task_options(config: TrainConfig, factory, world_size: int | None) -> dict[str, int] | None:
+    """The options that depend on the task's model and data, against them, before any rank starts: the data set
+    (the Task contract, and --batch-size against its length), --init-from (what it loads), --eval-every and
+    --keep-best. Returns what --init-from loads."""
+    from ddp_amp.errors import RankSetupError
+    from ddp_amp.rank.setup import check_task_contract
+
+    task = task_for_checks(config, factory)
+    if task is None:
+        return None
+    try:
+        check_task_contract(task, config, world_size)
+    except RankSetupError as exc:
+        raise UsageError(str(exc)) from None
+    if config.eval_every or config.keep_best:
+        check_validation(config, task)
+    return check_init_from(config, task) if config.init_from is not None else None
+
+
+def check_validation(config: TrainConfig, task) -> None:
+    """--eval-every and --keep-best against the task (the ranks would find it only after their start-up, or
+    after training): a validation set, and a --keep-best metric the evaluation logs where the task says what it
+    logs (without val_metrics: val_loss alone)."""
+    from ddp_amp.train.evaluation import parse_keep_best
+
     flags = " and ".join(flag for flag, given in (("--eval-every", config.eval_every), ("--keep-best",
                                                                                       config.keep_best)) if given)
     if task.val_dataset is None:
@@ -251,13 +264,15 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     from ddp_amp.tasks import resolve_factory
 
     factory = resolve_factory(config.task, config.task_arg)
-    init = check_task_options(config, factory)
+    init = check_task_options(config, factory, world_size)
     starting_over = False
     if config.resume is not None:
         config = config.replace(resume=resolve_resume(config, world_size))
         # --resume auto with no checkpoint: an unfinished earlier attempt's files (no checkpoint, no model.pt)
-        # are cleared, as --overwrite would, and the run starts from the beginning.
-        starting_over = config.resume is None
+        # are cleared, as --overwrite would, and the run starts from the beginning. Only when there are some:
+        # the first attempt of a multinode job in a shared run dir must not set aside another node's config.json.
+        starting_over = config.resume is None and any(
+            (Path(config.run_dir) / name).exists() for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS))
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None
     joins = joining is not None and running_job(Path(config.run_dir)) == joining

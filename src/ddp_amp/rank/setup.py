@@ -123,10 +123,11 @@ def seed_rank_randomness(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def check_task_contract(task: Task, config: TrainConfig) -> None:
+def check_task_contract(task: Task, config: TrainConfig, world_size: int | None) -> None:
     """The data set checked against the Task contract on every rank (its first item, where it has one to look
     at without consuming it): a wrong shape would otherwise surface as a misleading error from deep inside the
-    model."""
+    model. The launcher checks the same before it starts any rank (launch.preflight.check_task_options);
+    world_size None: not known yet (an elastic job), the batch is not checked against the data set's length."""
     dataset, spec = task.dataset, config.task
     if is_iterable(dataset):
         if config.epochs is not None and not hasattr(dataset, "__len__"):
@@ -138,9 +139,15 @@ def check_task_contract(task: Task, config: TrainConfig) -> None:
         raise RankSetupError(f"--task {spec}: the dataset must be map-style (__len__ and __getitem__) or iterable "
                              f"(a torch IterableDataset), got {type(dataset).__name__}")
     if len(dataset) == 0:
-        raise RankSetupError(f"--task {spec}: the dataset is empty")
+        raise RankUsageError(f"--task {spec}: the dataset is empty")
     item = dataset[0]
     if isinstance(item, (tuple, list)) and len(item) == 2 or isinstance(item, Mapping):
+        if world_size is not None and len(dataset) < (wanted := config.batch_size * world_size):
+            # Else every step would be a whole epoch of fewer samples than the batch the run reports.
+            most = len(dataset) // world_size
+            instead = f"give --batch-size {most} or less" if most else f"run {len(dataset)} rank(s) at most"
+            raise RankUsageError(f"--batch-size {config.batch_size}: {world_size} rank(s) take {wanted} samples a "
+                                 f"step and the data set of --task {spec} has {len(dataset)}; {instead}")
         return
     if isinstance(item, (tuple, list)):
         shape = f"a {type(item).__name__} of {len(item)} elements"
@@ -186,7 +193,7 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
     if not model_on_meta and on_meta_device(task.model):
         raise RankUsageError(f"--task {config.task}: Task.model is on the meta device (it has no values); give it "
                              "built with its weights, or give the function that builds it as Task.model")
-    check_task_contract(task, config)
+    check_task_contract(task, config, env.world_size)
     if env.writes_run_dir:
         check_room_for_weights(Path(config.run_dir), task.model)
     # The randomness of training itself (dropout, augmentation) differs between ranks, or every rank would
