@@ -133,6 +133,8 @@ def test_emit_slurm_writes_a_script_and_launches_nothing(tmp_path, capsys):
                  "#SBATCH --signal=USR1@120", "#SBATCH --time="):
         assert line in text
     assert "--rdzv-timeout 600" in text  # torchrun's own join timeout: slow nodes must not fail the job
+    # Every attempt, the first and each requeued one: from the newest checkpoint, else from the beginning.
+    assert 'set -- "$@" --resume auto\n' in text and "--overwrite" not in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 

@@ -314,17 +314,11 @@ def _where_nodes_meet(from_env: bool, nnodes, endpoint, node_rank, nproc_per_nod
 
 
 def _take_up_own_run_dir(train: dict, output: dict) -> None:
-    """--from-env: a pod its controller (re)started continues from the newest checkpoint on the claim, and an
-    attempt that left none starts over, as a requeued Slurm job does (launch.run_dir.restart_choice)."""
-    from ddp_amp.launch.run_dir import restart_choice
-
-    if output["run_dir"] is None or train["resume"] is not None or output["overwrite"]:
-        return
-    choice = restart_choice(Path(output["run_dir"]))
-    if choice == "resume":
+    """--from-env: a pod its controller (re)started takes up its run dir on the claim as a requeued Slurm job
+    does, with --resume auto: from the newest checkpoint, else (the first attempt, or one that left none) from
+    the beginning."""
+    if output["run_dir"] is not None and train["resume"] is None and not output["overwrite"]:
         train["resume"] = "auto"
-    elif choice == "overwrite":
-        output["overwrite"] = True
 
 
 def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_node: str, max_restarts: int,

@@ -4,7 +4,7 @@ PyTorchJob, a plain JobSet), and `--from-env`, which reads the rendezvous each k
 Every pod runs `ddp-amp multinode --from-env ...` as its container's command, so ddp-amp is the
 pod's PID 1: the SIGTERM the kubelet sends at preemption or deletion stops every rank at one agreed step with a
 checkpoint on the claim (terminationGracePeriodSeconds covers --stop-timeout), and a restarted pod resumes from
-the newest one (--from-env takes up the run dir as a requeued Slurm job does: launch.run_dir.restart_choice).
+the newest one (--from-env takes up the run dir as a requeued Slurm job does: --resume auto).
 No torch here: the CLI writes manifests without importing it.
 """
 

@@ -78,17 +78,6 @@ def settle_earlier_run(path: Path, aside: Path | None, *, trained: bool) -> bool
     return True
 
 
-def restart_choice(path: Path) -> str | None:
-    """How a job that its scheduler restarts (a requeued Slurm job, a pod recreated by its controller) takes up its
-    own run dir: "resume" from the newest checkpoint where there is one; "overwrite" an unfinished attempt that
-    left none; None for a new or a finished run (whose model.pt is never overwritten: that is refused)."""
-    if has_checkpoint(path):
-        return "resume"
-    if (path / METRICS_FILE).exists() and not (path / MODEL_FILE).exists():
-        return "overwrite"
-    return None
-
-
 def has_checkpoint(path: Path) -> bool:
     """A checkpoint in the run dir: a step-<N>.pt, or a sharded step-<N>/ that DCP finished (its .metadata)."""
     return any(found.suffix == ".pt" or (found / ".metadata").is_file()

@@ -297,18 +297,15 @@ REQUEUE_SIGNALS = {"USR1": 10, "USR2": 12, "TERM": 15}
 """--requeue-signal: what Slurm sends before the time limit (`--signal=SIG@N`); each is a stop to ddp-amp."""
 
 
-# A requeued job continues from its newest checkpoint; without one, an unfinished run starts over. A finished
-# run (model.pt) is never overwritten: ddp-amp refuses it. A checkpoint: a step-N.pt, or a sharded step-N/
-# directory that DCP finished (--checkpoint-format sharded).
+# Every attempt passes --resume auto: a requeued job continues from its newest checkpoint; without one (the first
+# attempt, or one stopped before its first checkpoint) the run starts from the beginning. A finished run
+# (model.pt) is never overwritten: ddp-amp refuses it. has_checkpoint decides the requeue: a step-N.pt, or a
+# sharded step-N/ directory that DCP finished (--checkpoint-format sharded).
 _RESUME = """has_checkpoint() {
   compgen -G "$RUN_DIR/checkpoints/step-*.pt" >/dev/null ||
     compgen -G "$RUN_DIR/checkpoints/step-*/.metadata" >/dev/null
 }
-if has_checkpoint; then
-  set -- "$@" --resume auto
-elif [ -e "$RUN_DIR/metrics.jsonl" ] && [ ! -e "$RUN_DIR/model.pt" ]; then
-  set -- "$@" --overwrite
-fi
+set -- "$@" --resume auto
 """
 
 
