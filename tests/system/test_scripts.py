@@ -111,10 +111,10 @@ def test_a_rank_that_raises_is_named_with_its_exception_and_its_traceback_shown_
     assert summary["failure"].startswith("rank 1 failed: ValueError: rank 1 fails on purpose")
 
 
-def _start(command: str, run_dir, *script_args: str, mark: str) -> subprocess.Popen:
+def _start(command: str, run_dir, *script_args: str, mark: str, options: list[str] = ()) -> subprocess.Popen:
     # run with restarts to spare: a stop must still end the job, not restart the ranks it ended
     restarts = ["--max-restarts", "2"] if command == "run" else []
-    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", "2", *restarts, "--log-format",
+    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", "2", *restarts, *options, "--log-format",
                              "plain", "--run-dir", str(run_dir), str(CHECKS_SCRIPT), *script_args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, MARK_VAR: mark})
@@ -134,11 +134,12 @@ def _wait_for_steps(run_dir, deadline_s: float = 120) -> None:
 @pytest.mark.parametrize("command", ["spawn", "run"])
 def test_sigterm_to_the_process_group_reaches_every_rank_and_exits_143(command, tmp_path):
     """As a scheduler stops a job: SIGTERM to the whole group. Every rank's own handler ran (it wrote a file),
-    the launcher exits 143 with one line, and nothing is left running."""
+    rank 1's taking 7 s (a checkpoint's write) after rank 0 had exited: within --stop-timeout it is not killed.
+    The launcher exits 143 with one line, and nothing is left running."""
     mark, signals = uuid.uuid4().hex, tmp_path / "signals"
     signals.mkdir()
     process = _start(command, tmp_path / "run", "--steps", "1000", "--step-s", "0.1", "--signals-to", str(signals),
-                     mark=mark)
+                     "--slow-save-rank", "1", "--save-s", "7", mark=mark, options=["--stop-timeout", "60"])
     try:
         _wait_for_steps(tmp_path / "run")
         os.killpg(process.pid, signal.SIGTERM)

@@ -6,6 +6,8 @@
     --fail-rank R        raise ValueError("rank R fails on purpose") on that rank at --fail-step
     --hang-rank R        sleep for an hour on that rank at --fail-step instead of entering the all-reduce
     --signals-to DIR     on SIGTERM (or SIGUSR1), write DIR/rank<R>.<SIGNAL> and exit 128 + its number
+    --slow-save-rank R   with --signals-to: that rank first ignores further stop signals and takes --save-s
+    --save-s S           seconds (a checkpoint's write, which outlasts the other ranks' exits)
     --kill-once-rank R   SIGKILL itself on that rank at --fail-step, on the first attempt only (restart count 0)
     --timeout S          the process group's timeout (a hang fails after it)
 """
@@ -33,11 +35,16 @@ def main() -> None:
     parser.add_argument("--kill-once-rank", type=int)
     parser.add_argument("--fail-step", type=int, default=2)
     parser.add_argument("--signals-to")
+    parser.add_argument("--slow-save-rank", type=int)
+    parser.add_argument("--save-s", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     if args.signals_to:
         def record(signum, frame):
+            if rank == args.slow_save_rank:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                time.sleep(args.save_s)
             Path(args.signals_to, f"rank{rank}.{signal.Signals(signum).name}").write_text(str(os.getpid()))
             sys.exit(128 + signum)
 

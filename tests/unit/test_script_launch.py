@@ -72,9 +72,13 @@ def _write(path, text):
     (["-m", "no_such_package.train"], "-m no_such_package.train: cannot be found (ModuleNotFoundError: No module "
                                       "named 'no_such_package')"),
     (["-m"], "-m needs a module to run: ddp-amp run -n 2 -m package.module [args]"),
+    (["-m", "trainpkg"], "-m trainpkg: a package without a __main__ module, which python -m cannot run; give the "
+                         "module that trains (-m package.module)"),
 ])
 def test_a_module_that_cannot_be_found_is_one_line(args, line, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "trainpkg").mkdir()
+    (tmp_path / "trainpkg" / "__init__.py").write_text("")  # no __main__.py
     code, _, err = run_main(["run", "-n", "2", "--run-dir", str(tmp_path / "run"), *args], capsys)
     assert code == 2
     assert one_line(err) == "ddp-amp: error: " + line.format(cwd=tmp_path)

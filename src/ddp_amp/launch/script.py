@@ -69,6 +69,9 @@ def check_module(name: str) -> None:
         sys.path.insert(0, os.getcwd())
     try:
         spec = importlib.util.find_spec(name)
+        # A package runs as its __main__ submodule, as python -m runs it.
+        main = (importlib.util.find_spec(f"{name}.__main__")
+                if spec is not None and spec.submodule_search_locations is not None else None)
     except (ImportError, ValueError) as exc:
         raise UsageError(f"-m {name}: cannot be found ({type(exc).__name__}: {exc})") from None
     finally:
@@ -76,6 +79,9 @@ def check_module(name: str) -> None:
             sys.path.remove(os.getcwd())
     if spec is None:
         raise UsageError(f"-m {name}: no module of that name (from {os.getcwd()})")
+    if spec.submodule_search_locations is not None and main is None:
+        raise UsageError(f"-m {name}: a package without a __main__ module, which python -m cannot run; give the "
+                         "module that trains (-m package.module)")
 
 
 def refuse_loop_options(changed: list[str]) -> None:

@@ -102,7 +102,11 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                 if not released:  # inside the try: a stop that came during the forks is raised here
                     released = True
                     deferred.release()
-                if context.join(timeout=None if stop is None else 0.5, grace_period=FAILURE_GRACE_S):
+                # A script's ranks under a stop end as their own handlers do: one that exits first must not
+                # cut short another's checkpoint; they get what is left of --stop-timeout, not the failure grace.
+                grace = (FAILURE_GRACE_S if stop is None or script is None
+                         else max(deadline - time.monotonic(), FAILURE_GRACE_S))
+                if context.join(timeout=None if stop is None else 0.5, grace_period=grace):
                     break
             except (mp.ProcessRaisedException, mp.ProcessExitedException):
                 if stop is None or script is None:
