@@ -136,6 +136,12 @@ def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_e
     exported = run_cli("export", str(run / "checkpoints" / "step-20"), "-o", str(tmp_path / "out.pt"))
     assert exported.returncode == 2 and len(exported.stderr.strip().splitlines()) == 1, exported.stderr
     assert "Traceback" not in exported.stderr and not (tmp_path / "out.pt").exists()
+    step_20 = run / "checkpoints" / "step-20"
+    initialised = run_cli("spawn", "-n", "2", *ARGS, "--init-from", str(step_20), "--run-dir", str(tmp_path / "init"))
+    lines = initialised.stderr.strip().splitlines()
+    assert initialised.returncode == 2 and len(lines) == 1, initialised.stderr
+    assert lines[0].startswith(f"ddp-amp: error: --init-from {step_20}: a sharded checkpoint that cannot be read")
+    assert not (tmp_path / "init").exists()
 
 
 def free_port() -> int:

@@ -279,6 +279,13 @@ def sized(width: int, scale: float = 1.0, bias: bool = True, note: str = "", out
     return Task(model=model, dataset=_Regression(), loss_fn=lambda o, t: nn.functional.mse_loss(o * scale, t))
 
 
+def optional_width(record: Path, width: int | None = 16, depth: "int | None" = 1) -> Task:
+    """Arguments that take None (--task-arg width=none), one annotation evaluated and one written as a string:
+    what the factory received is written to `record`."""
+    Path(record).write_text(repr({"width": width, "depth": depth}))
+    return sized(width or 16)
+
+
 def few_samples(count: int) -> Task:
     """A regression on `count` samples (--task-arg count=6): a data set smaller than a batch, or empty."""
     inputs = torch.arange(count * 8, dtype=torch.float32).reshape(count, 8)

@@ -77,6 +77,22 @@ def test_a_bad_task_argument_is_one_line_exit_2_before_anything_starts(tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def test_none_reaches_an_argument_that_takes_it_and_a_bad_value_names_the_whole_annotation(tmp_path, capsys):
+    from ddp_amp.tasks import resolve_factory
+
+    record = tmp_path / "received.txt"
+    resolve_factory(f"{USER_TASKS}:optional_width", [f"record={record}", "width=none", "depth=None"])()
+    assert record.read_text() == repr({"width": None, "depth": None})
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:optional_width", "--task-arg",
+                             f"record={record}", "--task-arg", "width=wide", "--steps", "2", "--run-dir",
+                             str(tmp_path / "run")], capsys)
+    assert code == 2 and one_line(err) == ("ddp-amp: error: --task-arg width='wide' is not an int "
+                                           "(optional_width takes width: int | None)")
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg",
+                             "width=none", "--steps", "2", "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and "--task-arg width='none' is not an int" in one_line(err)  # int alone takes no None
+
+
 def test_a_task_argument_given_twice_is_one_line_exit_2_not_the_last_silently(tmp_path, capsys):
     code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg",
                              "width=3", "--task-arg", "width=4", "--steps", "2", "--run-dir", str(tmp_path / "run")],

@@ -62,6 +62,9 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
                 raise WeightsError(f"{path}: a sharded checkpoint that cannot be read ({type(exc).__name__}: "
                                    f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''})") \
                     from None
+        elif (path / sharded.EXTRAS_FILE).is_file() or any(path.glob("*.distcp")):  # a write cut short, a copy
+            raise WeightsError(f"{path}: a sharded checkpoint that cannot be read: incomplete (no "
+                               f"{sharded.DCP_METADATA_FILE} or {sharded.EXTRAS_FILE})")
         elif index := next((path / name for name in INDEX_FILES if (path / name).is_file()), None):
             for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
                 state.update(_load_file(path / shard))

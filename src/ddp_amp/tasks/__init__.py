@@ -196,6 +196,8 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 def _convert(key: str, text: str, param: inspect.Parameter | None, factory: str) -> Any:
     kind = _argument_type(param)
+    if text.lower() == "none" and _takes_none(param):
+        return None
     try:
         if kind is bool:
             if text.lower() not in _TRUE + _FALSE:
@@ -204,7 +206,30 @@ def _convert(key: str, text: str, param: inspect.Parameter | None, factory: str)
         return kind(text)
     except (TypeError, ValueError):
         raise UsageError(f"--task-arg {key}={text!r} is not {_a(kind.__name__)} ({factory} takes {key}: "
-                         f"{kind.__name__})") from None
+                         f"{_annotation_text(param, kind)})") from None
+
+
+def _takes_none(param: inspect.Parameter | None) -> bool:
+    """An argument annotated `X | None` (or Optional[X]), or unannotated with the default None."""
+    if param is None:
+        return False
+    annotation = param.annotation
+    if annotation is inspect.Parameter.empty:
+        return param.default is None
+    if isinstance(annotation, str):  # unevaluated: read as written
+        return "None" in annotation.replace(" ", "").split("|") or annotation.startswith("Optional[")
+    return type(None) in typing.get_args(annotation)
+
+
+def _annotation_text(param: inspect.Parameter | None, kind: type) -> str:
+    """The argument's annotation as its author wrote it ("int | None"), else the type it is converted to."""
+    if param is None or param.annotation is inspect.Parameter.empty:
+        return kind.__name__
+    annotation = param.annotation
+    if isinstance(annotation, str):
+        return annotation
+    return " | ".join("None" if a is type(None) else getattr(a, "__name__", str(a))
+                      for a in typing.get_args(annotation)) or getattr(annotation, "__name__", str(annotation))
 
 
 def _a(word: str) -> str:
