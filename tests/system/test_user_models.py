@@ -98,14 +98,6 @@ def test_an_iterable_split_by_node_already_is_not_split_again(tmp_path):
     assert sorted(counts) == list(range(32)) and set(counts.values()) == {1}  # every item once, none skipped
 
 
-def test_epochs_over_an_iterable_without_a_length_is_one_line(tmp_path):
-    """Found by the ranks, which build the data set (the launcher does not build the task): one line, exit 2."""
-    result = spawn(tmp_path, "--task", task("stream"), "--epochs", "2", env={"DDP_AMP_TEST_INDEX_LOG": str(tmp_path)})
-    assert result.returncode == 2
-    verdict = last_line(result.stderr)
-    assert "--epochs" in verdict and "--steps" in verdict and "iterable" in verdict, verdict
-
-
 ITERABLE_RUN = ["--steps", "30", "--batch-size", "2", "--checkpoint-every", "2", "--log-every", "1"]
 
 
@@ -168,6 +160,24 @@ def test_frozen_parameters_stay_as_initialised_and_are_counted(tmp_path):
     assert not torch.equal(trained["2.weight"], initial["2.weight"])
     summary = read_summary(tmp_path / "frozen")
     assert summary["trainable_parameters"] == 16 + 1 and summary["frozen_parameters"] == 8 * 16 + 16
+
+
+def test_a_plain_forward_trains_on_dict_items_whose_extra_field_only_the_loss_reads(tmp_path):
+    """{x, y, weight} items, forward(self, x): the model gets x, the loss the whole batch. All weights 0: the loss
+    is 0, so plain SGD leaves the weights as initialised (the loss saw the weight); the start line names the
+    fields left out."""
+    result = spawn(tmp_path, "--task", task("weighted_items"), "--task-arg", "weight=0", "--optimizer", "sgd",
+                   "--schedule", "constant", "--steps", "5", "--batch-size", "8", "--seed", "7")
+    assert_ok(result)
+    assert ("ddp-amp: batch fields y, weight not passed to the model (its forward does not name them): the loss "
+            "and the metrics still get the whole batch (Task.pass_every_field passes them)") in result.stderr
+    torch.manual_seed(7)  # as every rank builds it
+    from ddp_amp.tasks import build_task
+
+    initial = build_task(task("weighted_items"), ["weight=0"]).model.state_dict()
+    trained = load_weights(tmp_path)
+    assert all(torch.equal(trained[k], initial[k]) for k in initial)
+    assert read_summary(tmp_path)["final_loss"] == 0
 
 
 def test_task_arguments_are_converted_by_the_factorys_annotations_and_recorded(tmp_path):

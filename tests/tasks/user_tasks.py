@@ -53,6 +53,46 @@ def bert_dict_items() -> Task:
     return Task(model=_tiny_bert(), dataset=_Tokens(pairs=False))
 
 
+class _WithText(_Tokens):
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "text": f"sentence {i}"}  # a column the tokenizer left behind
+
+
+def bert_with_a_text_column() -> Task:
+    """A Hugging Face model whose items keep their raw `text`: its forward's **kwargs would swallow it."""
+    return Task(model=_tiny_bert(), dataset=_WithText(pairs=False))
+
+
+class PlainNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class _WeightedItems(Dataset):
+    def __init__(self, weight: float) -> None:
+        gen = torch.Generator().manual_seed(5)
+        self.x, self.weight = torch.randn(64, 8, generator=gen), weight
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.x[i].sum(0, keepdim=True), "weight": torch.tensor(self.weight)}
+
+
+def weighted_items(weight: float = 1.0, every_field: bool = False) -> Task:
+    """Dict items with a field only the loss needs (a per-sample weight) and a plain `forward(self, x)`."""
+
+    def loss_fn(output, batch):
+        return (batch["weight"][:, None] * (output - batch["y"]) ** 2).mean()
+
+    return Task(model=PlainNet(), dataset=_WeightedItems(weight), loss_fn=loss_fn, pass_every_field=every_field)
+
+
 class _Wrapper(nn.Module):
     def __init__(self) -> None:
         super().__init__()

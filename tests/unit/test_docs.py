@@ -62,3 +62,12 @@ def test_every_relative_link_leads_to_a_file_that_exists(page):
     broken = [link for link in links if "://" not in link and not link.startswith(("#", "mailto:"))
               and not (page.parent / link.split("#")[0]).exists()]
     assert not broken, broken
+
+
+def test_the_task_snippet_in_models_md_lists_every_field_of_task():
+    import dataclasses
+
+    from ddp_amp.tasks import Task
+
+    snippet = (DOCS / "models.md").read_text().split("```python", 1)[1].split("```", 1)[0]
+    assert [f.name for f in dataclasses.fields(Task) if f"{f.name}=" not in snippet] == []

@@ -287,3 +287,48 @@ def test_a_data_set_the_run_cannot_use_is_refused_before_launch(task, args, line
                              str(tmp_path / "run")], capsys)
     assert code == 2 and one_line(err) == "ddp-amp: error: " + line.format(task=task)
     assert not launched and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("task", "left_out"), [
+    (f"{USER_TASKS}:weighted_items", ("y", "weight")),
+    (f"{USER_TASKS}:bert_with_a_text_column", ("text",)),
+    (f"{USER_TASKS}:bert_dict_items", ()),
+])
+def test_the_batch_fields_the_models_forward_does_not_take_are_known_before_launch(task, left_out, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """What the start line names: a plain forward(self, x) leaves y and weight to the loss; a Hugging Face model
+    (whose **kwargs would swallow anything) gets its named inputs and labels, not the raw text."""
+    launched = []
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", task, "--batch-size", "4", "--steps", "2",
+                             "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    assert launched[0].plan.fields_left_out == left_out
+
+
+def test_a_mapping_batch_gives_the_model_the_fields_its_forward_names_and_the_loss_every_field():
+    from ddp_amp.tasks import batch_loss, build_task, model_fields
+
+    task = build_task(f"{USER_TASKS}:weighted_items", ["weight=0.5"])
+    batch = {"x": torch.ones(2, 8), "y": torch.zeros(2, 1), "weight": torch.tensor([0.5, 0.5])}
+    loss = batch_loss(task.model, batch, task.loss_fn)  # forward(self, x) given y and weight: a TypeError
+    assert torch.allclose(loss, 0.5 * (task.model(batch["x"]) ** 2).mean())
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        batch_loss(task.model, batch, task.loss_fn, every_field=True)  # Task.pass_every_field: as before
+    bert = build_task(f"{USER_TASKS}:bert_dict_items").model
+    assert {"input_ids", "attention_mask", "labels"} <= model_fields(bert) and "text" not in model_fields(bert)
+    ddp_like = torch.nn.Module()
+    ddp_like._orig_mod = bert  # torch.compile's wrapper is looked through
+    assert model_fields(ddp_like) == model_fields(bert)
+
+
+def test_epochs_over_an_iterable_without_a_length_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    launched = []
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
+    monkeypatch.setenv("DDP_AMP_TEST_INDEX_LOG", str(tmp_path))
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:stream", "--epochs", "2",
+                             "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and one_line(err) == (
+        f"ddp-amp: error: --task {USER_TASKS}:stream: --epochs needs a data set with a length, and this iterable "
+        "(Stream) has none; train it for --steps N (it stops earlier if the data runs out)")
+    assert not launched and not (tmp_path / "run").exists()

@@ -62,6 +62,8 @@ class LaunchPlan:
     """--overwrite: the earlier run's files, set aside until this launch has trained (launch.run_dir)."""
     init: dict | None = None
     """--init-from: what of the file fits the model (loaded, missing, unexpected tensors)."""
+    fields_left_out: tuple[str, ...] = ()
+    """The batch fields the model's forward does not take (tasks.fields_left_out): said at the start."""
 
 
 def default_run_dir() -> Path:
@@ -156,23 +158,29 @@ def task_for_checks(config: TrainConfig, factory):
             return None
 
 
-def check_task_options(config: TrainConfig, factory, world_size: int | None) -> dict[str, int] | None:
+def check_task_options(config: TrainConfig, factory, world_size: int | None
+                       ) -> tuple[dict[str, int] | None, tuple[str, ...]]:
     """The options that depend on the task's model and data, against them, before any rank starts: the data set
     (the Task contract, and --batch-size against its length), --init-from (what it loads), --eval-every and
-    --keep-best. Returns what --init-from loads."""
+    --keep-best. Returns what --init-from loads and the batch fields the model's forward does not take."""
     from ddp_amp.errors import RankSetupError
     from ddp_amp.rank.setup import check_task_contract
+    from ddp_amp.tasks import fields_left_out
 
     task = task_for_checks(config, factory)
     if task is None:
-        return None
+        return None, ()
     try:
         check_task_contract(task, config, world_size)
     except RankSetupError as exc:
         raise UsageError(str(exc)) from None
     if config.eval_every or config.keep_best:
         check_validation(config, task)
-    return check_init_from(config, task) if config.init_from is not None else None
+    try:
+        left_out = tuple(fields_left_out(task))
+    except Exception:  # a data set or collate_fn the meta device breaks: the ranks run it for real
+        left_out = ()
+    return (check_init_from(config, task) if config.init_from is not None else None), left_out
 
 
 def check_validation(config: TrainConfig, task) -> None:
@@ -264,7 +272,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     from ddp_amp.tasks import resolve_factory
 
     factory = resolve_factory(config.task, config.task_arg)
-    init = check_task_options(config, factory, world_size)
+    init, left_out = check_task_options(config, factory, world_size)
     starting_over = False
     if config.resume is not None:
         config = config.replace(resume=resolve_resume(config, world_size))
@@ -292,7 +300,8 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     except OSError as exc:
         raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
-                      run_dir_lock=prepared.lock, init=init, set_aside=prepared.set_aside)
+                      run_dir_lock=prepared.lock, init=init, set_aside=prepared.set_aside,
+                      fields_left_out=left_out)
 
 
 def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",

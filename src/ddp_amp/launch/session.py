@@ -205,6 +205,11 @@ def _announce(launch: Launch) -> None:
         f"task {config.task}, run dir {config.run_dir}")
     if plan.precision.warning:
         say(f"ddp-amp: warning: {plan.precision.warning}")
+    if plan.fields_left_out:
+        names = ", ".join(plan.fields_left_out)
+        say(f"ddp-amp: batch field{'s' if len(plan.fields_left_out) > 1 else ''} {names} not passed to the model "
+            "(its forward does not name them): the loss and the metrics still get the whole batch "
+            "(Task.pass_every_field passes them)")
     if config.resume is not None:  # the checkpoint --resume chose (any it skipped was named above)
         say(f"ddp-amp: resuming from {config.resume}")
     if plan.init is not None:

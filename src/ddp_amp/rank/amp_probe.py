@@ -36,7 +36,7 @@ PROBE_BUDGET_S = 0.6
 MAX_SHAPES = 16
 
 
-def layer_shapes(model: torch.nn.Module, batch: Any) -> list[tuple[int, int, int]]:
+def layer_shapes(model: torch.nn.Module, batch: Any, every_field: bool = False) -> list[tuple[int, int, int]]:
     """(rows, in_features, out_features) of every nn.Linear call in one forward of `batch`, the largest
     MAX_SHAPES by work: what the cache keys the answer by. The forward runs in eval mode, without gradients,
     with the random state forked."""
@@ -50,7 +50,7 @@ def layer_shapes(model: torch.nn.Module, batch: Any) -> list[tuple[int, int, int
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model.eval()
-            forward(model, batch)
+            forward(model, batch, every_field)
     finally:
         model.train(was_training)
         for hook in hooks:
@@ -77,7 +77,7 @@ def time_training_passes(model: torch.nn.Module, task: Task, batch: Any, device:
     def one_pass(precision: Precision) -> float:
         start = time.perf_counter()
         with autocast(precision, device.type):
-            output, target = forward(model, batch)
+            output, target = forward(model, batch, task.pass_every_field)
             # Not the task's loss_fn: one that counts its calls (a curriculum, a schedule) would count these. The
             # backward through the model, the cost that matters, is the same from the output's mean.
             loss = output_loss(output, target, None) if task.loss_fn is None else _mean_of(output)
@@ -136,7 +136,7 @@ def _rank0_answer(task: Task, device: torch.device, samples: int, spec: str) -> 
         batch = to_device(_first_samples(task, samples), device)
         # A copy: the run's model (its weights, buffers, gradients and any state its modules keep) is not touched.
         model = copy.deepcopy(task.model)
-        shapes = layer_shapes(model, batch)
+        shapes = layer_shapes(model, batch, task.pass_every_field)
     except Exception as exc:  # the probe is an optimisation: a task it cannot look into trains in fp32
         return {"choice": "fp32", "why": f"the probe could not run the task's forward ({type(exc).__name__})"}
     key = amp_cache_key(torch.__version__, torch.get_num_threads(), shapes, task=f"{spec} x{samples}")

@@ -40,7 +40,8 @@ class Task:
     Each item of `dataset` is either
     - an `(inputs, target)` pair: `output = model(inputs)`, the loss `loss_fn(output, target)`; or
     - a mapping (a Hugging Face item `{input_ids, attention_mask, labels}`): its batch is a dict, `output =
-      model(**batch)`, the loss `loss_fn(output, batch)`.
+      model(**fields)` with the fields its forward names (a Hugging Face model names its labels too; a forward
+      that names none, only `**kwargs`, gets them all), the loss `loss_fn(output, batch)` with every field.
     Without a loss_fn the loss is the output's own `loss` (attribute or key), as Hugging Face models return it
     when the batch holds labels. Any side may be a tensor or any nesting of mappings, namedtuples, lists and
     tuples of tensors, as `collate_fn` (default: torch's default collation) batches them; every tensor of a
@@ -89,25 +90,83 @@ class Task:
     val_metrics: Callable[[Any, Any], dict[str, Any]] | None = None
     """Optional: `val_metrics(output, target_or_batch) -> {name: scalar tensor}`, means over the batch; logged as
     val_<name> beside val_loss."""
+    pass_every_field: bool = False
+    """A mapping batch: True passes every field to `model(**batch)`, also those its forward does not name (a
+    forward that reads them from `**kwargs`); by default they reach only loss_fn and val_metrics, and the
+    launcher names them at the start."""
     shard_units: Sequence[type | str] | None = None
     """Optional, for --shard full: the module classes (or class names) whose instances FSDP shards as one unit
     each, all-gathered for their own forward and backward. None: a Hugging Face model's `_no_split_modules`
     (its decoder layer), else the repeated blocks of the model (train.sharding.unit_rule)."""
 
 
-def forward(model: Any, batch: Any) -> tuple[Any, Any]:
-    """(output, what the loss and the metrics compare it with): `model(**batch)` and the batch for a mapping,
-    `model(inputs)` and the target for a pair."""
+def forward(model: Any, batch: Any, every_field: bool = False) -> tuple[Any, Any]:
+    """(output, what the loss and the metrics compare it with): `model(**fields)` and the whole batch for a
+    mapping (the fields the model's forward names, or all with `every_field`), `model(inputs)` and the target
+    for a pair."""
     if isinstance(batch, Mapping):
-        return model(**batch), batch
+        names = None if every_field else model_fields(model)
+        return model(**(batch if names is None else {k: v for k, v in batch.items() if k in names})), batch
     inputs, target = batch
     return model(inputs), target
 
 
-def batch_loss(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None, spec: str = "") -> Any:
-    """The loss of one batch as the Task contract says: a mapping batch is `model(**batch)` and, without a
+def batch_loss(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None, spec: str = "",
+               every_field: bool = False) -> Any:
+    """The loss of one batch as the Task contract says: a mapping batch is `model(**fields)` and, without a
     loss_fn, the output's own loss; a pair is `model(inputs)` and `loss_fn(output, target)`."""
-    return output_loss(*forward(model, batch), loss_fn, spec)
+    return output_loss(*forward(model, batch, every_field), loss_fn, spec)
+
+
+def model_fields(model: Any) -> frozenset[str] | None:
+    """The keys of a mapping batch that `model(**batch)` is given: the parameters its forward names, as Hugging
+    Face's Trainer keeps them (remove_unused_columns); None: every key, for a forward that names none (only
+    `**kwargs`) or whose signature cannot be read. DDP and torch.compile are looked through to the model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = model
+    while True:
+        if isinstance(inner, DistributedDataParallel):
+            inner = inner.module
+        elif hasattr(inner, "_orig_mod"):  # torch.compile's OptimizedModule
+            inner = inner._orig_mod
+        else:
+            break
+    return _forward_names(type(inner))
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_names(model_class: type) -> frozenset[str] | None:
+    try:
+        params = list(inspect.signature(model_class.forward).parameters.values())[1:]  # after self
+    except (AttributeError, TypeError, ValueError):
+        return None
+    named = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  inspect.Parameter.KEYWORD_ONLY)]
+    return frozenset(named) if named else None
+
+
+def fields_left_out(task: Task) -> list[str]:
+    """The fields of the task's first batch (map-style data: its first item, collated) that its model's forward
+    does not take: they reach loss_fn alone. Empty where the batch is not a mapping, the task passes every field,
+    or the model is not built yet (given as a function) or takes them all."""
+    import torch
+
+    dataset = task.dataset
+    if task.pass_every_field or not isinstance(task.model, torch.nn.Module) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or len(dataset) == 0:
+        return []
+    item = dataset[0]
+    if not isinstance(item, Mapping):
+        return []
+    try:  # the collate function may add fields (a language-modelling collator's labels) or drop some
+        from torch.utils.data import default_collate
+
+        batch = (task.collate_fn or default_collate)([item])
+    except Exception:
+        batch = item
+    names = model_fields(task.model)
+    return [] if names is None or not isinstance(batch, Mapping) else [k for k in batch if k not in names]
 
 
 def output_loss(output: Any, target: Any, loss_fn: Callable[[Any, Any], Any] | None, spec: str = "") -> Any:

@@ -59,7 +59,7 @@ class Validation:
                 batch = to_device(batch, self.device)
             n = batch_length(batch) if counted else 0
             with autocast(self.precision, self.device.type):
-                output, target = forward(module, batch)
+                output, target = forward(module, batch, self.task.pass_every_field)
                 values = {"val_loss": output_loss(output, target, self.task.loss_fn, self.spec)}
                 if self.task.val_metrics is not None:
                     values.update({f"val_{name}": value for name, value in

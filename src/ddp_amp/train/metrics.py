@@ -71,7 +71,7 @@ def _subnormal_share(tensors) -> tuple[int, int]:
 
 
 def probe_numerics(module: torch.nn.Module, loss_fn, batch, optimizer: torch.optim.Optimizer,
-                   precision, device: torch.device) -> dict[str, Any]:
+                   precision, device: torch.device, every_field: bool = False) -> dict[str, Any]:
     """Whether a step's times measure arithmetic, for bench. `subnormal_fraction`: the share of subnormal
     values in one forward and backward of `batch` (activations: every module's output; gradients), in the
     weights and in the optimizer's state; CPUs compute subnormals on a path many times slower.
@@ -94,7 +94,7 @@ def probe_numerics(module: torch.nn.Module, loss_fn, batch, optimizer: torch.opt
     module.eval()
     try:
         with autocast(precision, device.type):
-            loss = batch_loss(module, to_device(batch, device), loss_fn)
+            loss = batch_loss(module, to_device(batch, device), loss_fn, every_field=every_field)
         loss.float().backward()
     finally:
         for hook in hooks:

@@ -57,10 +57,13 @@ class AmpStep:
     def __init__(self, model: DDP, loss_fn: Callable[[Any, Any], torch.Tensor] | None, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision, device: torch.device, *,
                  grad_accum: int, clip_grad: float | None, gradient_reduction: Callable[[], None],
-                 batch_size: int = 0, micro: MicroBatches | None = None, task: str = "") -> None:
+                 batch_size: int = 0, micro: MicroBatches | None = None, task: str = "",
+                 every_field: bool = False) -> None:
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
         self.task = task
         """--task, for the message of a batch whose loss the Task contract cannot find."""
+        self.every_field = every_field
+        """Task.pass_every_field: a mapping batch's every field to the model, not only those its forward names."""
         self.scheduler, self.precision, self.device = scheduler, precision, device
         self.grad_accum, self.clip_grad, self.batch_size = grad_accum, clip_grad, batch_size
         self.micro = micro
@@ -166,7 +169,7 @@ class AmpStep:
         with contextlib.nullcontext() if sync else gradient_sync_off(self.model):
             self.position = (step, index, FORWARD)
             with autocast(self.precision, self.device.type):
-                loss = batch_loss(self.model, batch, self.loss_fn, self.task)
+                loss = batch_loss(self.model, batch, self.loss_fn, self.task, self.every_field)
             self.position = (step, index, BACKWARD)  # DDP's all-reduce runs inside the last backward
             if share is not None:
                 weighted = loss * (share / self.grad_accum)

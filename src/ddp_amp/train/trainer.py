@@ -125,7 +125,7 @@ class Trainer:
         self.step = AmpStep(self.model, task.loss_fn, self.optimizer, self.scaler, self.scheduler, precision,
                             device, grad_accum=config.grad_accum, clip_grad=config.clip_grad,
                             batch_size=config.batch_size, micro=self.micro, gradient_reduction=reduction,
-                            task=config.task)
+                            task=config.task, every_field=task.pass_every_field)
         self.start_step = 0
         self.skipped_steps = 0
         self.checkpointer: Checkpointer | None = None
@@ -175,7 +175,8 @@ class Trainer:
         dataset = self.task.dataset
         batch = (self.task.collate_fn or default_collate)([dataset[i] for i in range(min(len(dataset),
                                                                                     self.config.batch_size))])
-        return probe_numerics(self.module, self.task.loss_fn, batch, self.optimizer, self.precision, self.device)
+        return probe_numerics(self.module, self.task.loss_fn, batch, self.optimizer, self.precision, self.device,
+                              self.task.pass_every_field)
 
     def largest_batch(self) -> dict[str, Any]:
         """bench --max-batch: the largest per-rank batch of this task that trains here (train.batch_search)."""
