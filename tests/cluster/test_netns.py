@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HELPER_TASKS, ORIGIN_SCRIPT, read_summary
+from conftest import CHECKS_SCRIPT, HELPER_TASKS, read_summary
 from helper_tasks import HOLD_AT_CALL
 
 # serial: doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota), which another test's
@@ -36,11 +36,15 @@ def three_hosts():
         pytest.skip("network namespaces need root")
     if shutil.which("ip") is None:
         pytest.skip("iproute2's `ip` is not installed")
-    tag = os.getpid() % 200 + 20
-    switch = f"ddpa{tag}s"
-    names = [f"ddpa{tag}{letter}" for letter in "abc"]
-    if ip("netns", "add", switch).returncode != 0:
+    # A tag of this test's own: one a killed run left behind (its namespaces still there) is passed over.
+    for tag in [os.getpid() % 200 + 20 + step for step in range(0, 200, 37)]:
+        switch = f"ddpa{tag % 200 + 20}s"
+        if ip("netns", "add", switch).returncode == 0:
+            tag = tag % 200 + 20
+            break
+    else:
         pytest.skip("cannot create network namespaces here")
+    names = [f"ddpa{tag}{letter}" for letter in "abc"]
     try:
         def in_ns(ns: str, *command: str) -> None:
             result = ip("netns", "exec", ns, "ip", *command)
@@ -418,29 +422,24 @@ def _start_logged(command: list[str], prefix: Path) -> tuple[subprocess.Popen, P
                                 env={**os.environ, "PYTHONFAULTHANDLER": "1"}), prefix
 
 
-def test_a_users_script_runs_on_two_namespaces_as_under_torchrun(three_hosts, tmp_path):
-    """`ddp-amp multinode --nnodes 2 ... origin_ddp.py --epochs 20` in two "hosts": exit 0 on both, each node's
-    rank prints shown by its launcher, and the weights node 0 saves are the ones `torchrun --standalone
-    --nproc-per-node 2` gives on one machine."""
-    import torch
-
-    reference = tmp_path / "torchrun.pt"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(ORIGIN_SCRIPT), "--epochs", "20", "--out", str(reference)], check=True, capture_output=True,
-                   timeout=300)
+def test_a_users_script_runs_on_two_namespaces_in_one_process_group(three_hosts, tmp_path):
+    """`ddp-amp multinode --nnodes 2 ... script_checks.py --steps 5` in two "hosts", the same command on each:
+    exit 0 on both, each node's launcher shows its own rank's lines, and each all-reduce summed both ranks (one
+    process group across the hosts). Not the origin example: its destroy_process_group() while its DDP model is
+    alive hangs at exit about 1 run in 12 under load, under plain torchrun as well (docs/scripts.md); its
+    weights are checked against torchrun's on one machine (tests/system/test_scripts.py)."""
     (_, host_addr), *_ = three_hosts
     run_dirs = [tmp_path / f"node{index}" for index in range(2)]
     jobs = []
     for index, (ns, _) in enumerate(three_hosts[:2]):
         command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2",
                    "--nproc-per-node", "1", "--endpoint", f"{host_addr}:29400", "--rdzv-timeout", "60",
-                   "--log-format", "plain", "--run-dir", str(run_dirs[index]), str(ORIGIN_SCRIPT),
-                   "--epochs", "20", "--out", str(tmp_path / "model.pt")]  # the same command on every node
+                   "--log-format", "plain", "--run-dir", str(run_dirs[index]), str(CHECKS_SCRIPT), "--steps", "5"]
         jobs.append(_start_logged(command, tmp_path / f"launcher{index}"))
     outputs = _finish_or_report(jobs, 240, run_dirs)
     for index, ((job, _), (out, err)) in enumerate(zip(jobs, outputs)):
         assert job.returncode == 0, out + err
-        assert f"[rank {index}] Rank {index}, Epoch 19, Loss" in out, out
+        lines = [line for line in out.splitlines() if " step " in line]
+        assert lines == [f"[rank {index}] rank {index} step {step} sum {2 * (step + 1)} restart 0"
+                         for step in range(5)], out
         assert read_summary(run_dirs[index])["outcome"] == "finished"
-    weights, expected = torch.load(tmp_path / "model.pt", weights_only=True), torch.load(reference, weights_only=True)
-    assert all(torch.equal(weights[k], expected[k]) for k in expected)
