@@ -326,6 +326,12 @@ def optional_width(record: Path, width: int | None = 16, depth: "int | None" = 1
     return sized(width or 16)
 
 
+def unannotated(record, width=16, scale=1.0):
+    """Arguments without annotations: each converted by its default's type (a str where the default is None)."""
+    Path(record).write_text(repr({"width": width, "scale": scale}))
+    return sized(width)
+
+
 def few_samples(count: int) -> Task:
     """A regression on `count` samples (--task-arg count=6): a data set smaller than a batch, or empty."""
     inputs = torch.arange(count * 8, dtype=torch.float32).reshape(count, 8)

@@ -190,3 +190,11 @@ def test_emit_k8s_where_it_cannot_write_is_one_line_before_printing_anything(tmp
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ddp-amp: error: --emit-k8s '{path}'"), err
     assert problem.format(parent=path.parent) in lines[0]
+
+
+def test_an_elastic_trainjob_asks_for_the_most_nodes_its_range_allows(tmp_path):
+    path = tmp_path / "job.yaml"
+    result = run_cli("multinode", "--nnodes", "1:3", "--nproc-per-node", "2", "--device", "cpu", "--emit-k8s",
+                     str(path), "--k8s-kind", "trainjob", "--image", "registry.example/ddp-amp:1", "--run-dir", "r")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(path.read_text())["spec"]["trainer"]["numNodes"] == 3

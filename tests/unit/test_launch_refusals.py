@@ -332,3 +332,32 @@ def test_epochs_over_an_iterable_without_a_length_is_refused_before_launch(tmp_p
         f"ddp-amp: error: --task {USER_TASKS}:stream: --epochs needs a data set with a length, and this iterable "
         "(Stream) has none; train it for --steps N (it stops earlier if the data runs out)")
     assert not launched and not (tmp_path / "run").exists()
+
+
+def test_an_unannotated_factory_argument_is_converted_by_its_defaults_type(tmp_path):
+    from ddp_amp.tasks import resolve_factory
+
+    record = tmp_path / "received.txt"
+    resolve_factory(f"{USER_TASKS}:unannotated", [f"record={record}", "width=5", "scale=0.5"])()
+    assert record.read_text() == repr({"width": 5, "scale": 0.5})  # not '5' and '0.5'
+
+
+def test_an_output_with_a_loss_attribute_that_is_no_mapping_gives_its_loss():
+    from types import SimpleNamespace
+
+    from ddp_amp.tasks import output_loss
+
+    loss = torch.tensor(2.5)
+    assert output_loss(SimpleNamespace(loss=loss, logits=None), {"labels": None}, None) is loss
+
+
+def test_export_of_a_run_dir_without_which_takes_the_best_weights_it_kept(tmp_path):
+    from ddp_amp.results.export import choose_source
+
+    (tmp_path / "config.json").write_text("{}")
+    for name in ("model.pt", "model_best.pt"):
+        (tmp_path / name).write_bytes(b"weights")
+    assert choose_source(tmp_path, "auto")[0] == tmp_path / "model_best.pt"
+    assert choose_source(tmp_path, "last")[0] == tmp_path / "model.pt"
+    (tmp_path / "model_best.pt").unlink()
+    assert choose_source(tmp_path, "auto")[0] == tmp_path / "model.pt"
