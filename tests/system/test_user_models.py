@@ -12,7 +12,7 @@ import torch
 
 from ddp_amp.checkpoint.sharded import read_model
 
-from conftest import HELPER_TASKS, USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
+from conftest import USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_a_hugging_face_model_with_dict_items_trains_as_the_wrapper_and_pairs_fo
 
 
 def test_an_output_without_a_loss_and_no_loss_fn_is_one_line_naming_the_task(tmp_path):
-    result = spawn(tmp_path, "--task", task("output_without_loss"), "--steps", "2")
+    result = spawn(tmp_path, "--task", task("output_without_loss"), "--steps", "2", "--batch-size", "8")
     assert result.returncode == 1
     verdict = last_line(result.stderr)
     assert "output_without_loss" in verdict and "no loss" in verdict and "loss_fn" in verdict, verdict
@@ -205,7 +205,8 @@ def test_a_task_file_imports_its_sibling_modules(tmp_path):
         "    x = torch.randn(16, shapes.WIDTH)\n"
         "    return Task(nn.Linear(shapes.WIDTH, 1), TensorDataset(x, x.sum(1, keepdim=True)),\n"
         "                nn.functional.mse_loss)\n")
-    assert_ok(spawn(tmp_path / "run", "--task", f"{tmp_path / 'project' / 'train_me.py'}:build", "--steps", "2"))
+    assert_ok(spawn(tmp_path / "run", "--task", f"{tmp_path / 'project' / 'train_me.py'}:build", "--steps", "2",
+                    "--batch-size", "8"))
     assert load_weights(tmp_path / "run")["weight"].shape == (1, 3)
 
 
@@ -470,12 +471,3 @@ def test_the_start_up_line_names_what_the_launch_had_changed():
     assert StartUp(Path("r"), created=True).describe() == "r was created, with this launch's config.json only"
     assert StartUp(Path("r"), cleared=True).describe() == "--overwrite had already removed the earlier run's files in r"
     assert "nothing of an earlier run there was changed" in StartUp(Path("r")).describe()
-
-
-def test_factory_returning_the_wrong_type_names_the_task(tmp_path):
-    """Found by the rank that builds the task (the launcher never calls the factory): rank 0's failure names it."""
-    result = run_cli("spawn", "-n", "1", "--device", "cpu", "--task", f"{HELPER_TASKS}:not_a_task",
-                     "--run-dir", str(tmp_path / "r"))
-    assert result.returncode != 0
-    assert "not ddp_amp.tasks.Task" in result.stderr
-    assert "rank 0 failed" in result.stderr

@@ -361,3 +361,11 @@ def test_export_of_a_run_dir_without_which_takes_the_best_weights_it_kept(tmp_pa
     assert choose_source(tmp_path, "last")[0] == tmp_path / "model.pt"
     (tmp_path / "model_best.pt").unlink()
     assert choose_source(tmp_path, "auto")[0] == tmp_path / "model.pt"
+
+
+def test_a_factory_that_returns_no_task_is_one_line_before_launch(tmp_path, capsys):
+    code, _, err = run_main(["spawn", "-n", "1", "--device", "cpu", "--task", f"{HELPER_TASKS}:not_a_task",
+                             "--run-dir", str(tmp_path / "r")], capsys)
+    assert code == 2 and one_line(err) == (f"ddp-amp: error: --task '{HELPER_TASKS}:not_a_task': the factory "
+                                           "returned str, not ddp_amp.tasks.Task")
+    assert not (tmp_path / "r").exists()

@@ -147,15 +147,21 @@ def task_for_checks(config: TrainConfig, factory):
     build it and say what is wrong, with their traceback). A model given as a function stays unbuilt."""
     import torch
 
+    from ddp_amp.tasks import Task
+
     try:
         with torch.device("meta"):
-            return factory()
+            task = factory()
     except Exception:  # a factory that computes with its tensors (data made from .item()), or reads files
         try:
             torch.manual_seed(config.seed)
-            return factory()
+            task = factory()
         except Exception:
             return None
+    if not isinstance(task, Task):
+        raise UsageError(f"--task {config.task!r}: the factory returned {type(task).__name__}, not "
+                         "ddp_amp.tasks.Task")
+    return task
 
 
 def check_task_options(config: TrainConfig, factory, world_size: int | None
