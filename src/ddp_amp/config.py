@@ -90,8 +90,9 @@ class TrainConfig:
     """Micro-steps accumulated per optimizer step; gradients are all-reduced only on the last."""
     micro_batch: str | None = None
     """Split each rank's --batch-size into micro-batches of N samples (gradients accumulated, the all-reduce
-    once a step, each weighted by its share of the batch: the mathematics stay the full batch's); auto: start
-    from the whole batch and halve it on every rank when any rank runs out of memory, rerunning the same batch."""
+    once a step, each weighted by its share of the batch's samples, or of the global batch's tokens for a loss
+    over tokens: the mathematics stay the full batch's); auto: start from the whole batch and halve it on every
+    rank when any rank runs out of memory, rerunning the same batch."""
     max_memory: float | None = None
     """Cap each rank's memory at this many GB (CUDA: the caching allocator's share of the GPU; CPU: RLIMIT_DATA),
     to rehearse a smaller device or bound --micro-batch auto."""

@@ -63,6 +63,34 @@ def bert_with_a_text_column() -> Task:
     return Task(model=_tiny_bert(), dataset=_WithText(pairs=False))
 
 
+class _UnevenLabels(Dataset):
+    """32 token sequences whose labels end (-100 after) at very different lengths, 2 to SEQ: pieces, accumulated
+    batches and ranks hold very different numbers of label tokens."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(9)
+        self.ids = torch.randint(1, VOCAB, (32, SEQ), generator=gen)
+        lengths = [2 + (i * 7) % (SEQ - 1) for i in range(32)]
+        self.labels = self.ids.clone()
+        for i, length in enumerate(lengths):
+            self.labels[i, length:] = -100
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def tiny_llama_uneven_labels() -> Task:
+    """A causal LM's own loss, the mean over its label tokens, on sequences of uneven label counts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return Task(model=LlamaForCausalLM(config), dataset=_UnevenLabels())
+
+
 class PlainNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

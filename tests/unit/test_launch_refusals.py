@@ -369,3 +369,28 @@ def test_a_factory_that_returns_no_task_is_one_line_before_launch(tmp_path, caps
     assert code == 2 and one_line(err) == (f"ddp-amp: error: --task '{HELPER_TASKS}:not_a_task': the factory "
                                            "returned str, not ddp_amp.tasks.Task")
     assert not (tmp_path / "r").exists()
+
+
+def test_the_items_a_loss_averages_over_are_its_label_tokens_as_the_model_counts_them():
+    """A causal LM's loss counts the labels after the first position (it predicts t + 1 from t), a seq2seq or
+    masked LM's every label other than -100; a classifier's loss is a mean over samples; a task's own count wins,
+    and a loss_fn of the task's own is a mean over samples unless it says otherwise."""
+    import dataclasses
+
+    from transformers import BertConfig, BertForSequenceClassification, T5Config, T5ForConditionalGeneration
+
+    from ddp_amp.tasks import build_task, loss_items_counter
+
+    llama = build_task(f"{USER_TASKS}:tiny_llama_uneven_labels")
+    labels = torch.tensor([[5, 6, -100, -100], [7, 8, 9, -100]])
+    count = loss_items_counter(llama, llama.model)
+    assert int(count({"input_ids": labels.clamp(min=0), "labels": labels})) == 1 + 2
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+    assert int(loss_items_counter(dataclasses.replace(llama, model=t5), t5)({"labels": labels})) == 2 + 3
+    classifier = BertForSequenceClassification(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=16))
+    assert loss_items_counter(dataclasses.replace(llama, model=classifier), classifier) is None
+    assert loss_items_counter(dataclasses.replace(llama, loss_fn=lambda output, batch: output.loss), llama.model) \
+        is None
+    own = dataclasses.replace(llama, loss_fn=lambda output, batch: output.loss, loss_items=lambda batch: 42)
+    assert loss_items_counter(own, llama.model)(None) == 42

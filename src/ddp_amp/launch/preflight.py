@@ -245,6 +245,18 @@ def check_ddp_options(config: TrainConfig, device_type: str, precision: Precisio
                          "picks) or --dtype bf16")
 
 
+def _resumed(config: TrainConfig, world_size: int | None) -> tuple[TrainConfig, bool]:
+    """--resume resolved to its checkpoint, and whether the launch starts over: --resume auto with no checkpoint
+    clears an unfinished earlier attempt's files (no checkpoint, no model.pt), as --overwrite would. Only when
+    there are some: the first attempt of a multinode job in a shared run dir must not set aside another node's
+    config.json."""
+    if config.resume is None:
+        return config, False
+    config = config.replace(resume=resolve_resume(config, world_size))
+    return config, config.resume is None and any(
+        (Path(config.run_dir) / name).exists() for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS))
+
+
 def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
               run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True,
               world_size: int | None = -1) -> LaunchPlan:
@@ -279,14 +291,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
 
     factory = resolve_factory(config.task, config.task_arg)
     init, left_out = check_task_options(config, factory, world_size)
-    starting_over = False
-    if config.resume is not None:
-        config = config.replace(resume=resolve_resume(config, world_size))
-        # --resume auto with no checkpoint: an unfinished earlier attempt's files (no checkpoint, no model.pt)
-        # are cleared, as --overwrite would, and the run starts from the beginning. Only when there are some:
-        # the first attempt of a multinode job in a shared run dir must not set aside another node's config.json.
-        starting_over = config.resume is None and any(
-            (Path(config.run_dir) / name).exists() for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS))
+    config, starting_over = _resumed(config, world_size)
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None
     joins = joining is not None and running_job(Path(config.run_dir)) == joining

@@ -90,6 +90,13 @@ class Task:
     val_metrics: Callable[[Any, Any], dict[str, Any]] | None = None
     """Optional: `val_metrics(output, target_or_batch) -> {name: scalar tensor}`, means over the batch; logged as
     val_<name> beside val_loss."""
+    loss_items: Callable[[Any], Any] | None = None
+    """Optional, for a loss that is a mean over items other than samples (tokens, pixels, label positions):
+    `loss_items(batch)` -> how many items the loss of `batch` averages over (an int or a tensor). Every micro-batch,
+    accumulated batch and rank is then weighted by its items, so that each optimizer step follows the mean over all
+    the items of the global batch, whatever --micro-batch, --grad-accum and the world size. None: a Hugging Face
+    model's own loss over token labels (causal LM, masked LM, token classification, seq2seq) is recognised without
+    it; any other loss is taken as a mean over samples."""
     pass_every_field: bool = False
     """A mapping batch: True passes every field to `model(**batch)`, also those its forward does not name (a
     forward that reads them from `**kwargs`); by default they reach only loss_fn and val_metrics, and the
@@ -118,10 +125,33 @@ def batch_loss(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None
     return output_loss(*forward(model, batch, every_field), loss_fn, spec)
 
 
-def model_fields(model: Any) -> frozenset[str] | None:
-    """The keys of a mapping batch that `model(**batch)` is given: the parameters its forward names, as Hugging
-    Face's Trainer keeps them (remove_unused_columns); None: every key, for a forward that names none (only
-    `**kwargs`) or whose signature cannot be read. DDP and torch.compile are looked through to the model."""
+TOKEN_LOSSES = {"ForCausalLM": 1, "ForMaskedLM": 0, "ForTokenClassification": 0, "ForConditionalGeneration": 0}
+"""A Hugging Face model's `loss_type` whose loss is the mean over its label tokens other than -100, and how many
+leading positions of each row it shifts away (a causal LM predicts token t + 1 from token t)."""
+
+
+def loss_items_counter(task: Task, model: Any) -> Callable[[Any], Any] | None:
+    """How to count the items the loss of a batch averages over, where they are not its samples: the task's own
+    `loss_items`, else, for a Hugging Face model's own loss over token labels, the labels other than -100 (those
+    its loss counts); None for a mean over samples."""
+    if task.loss_items is not None:
+        return task.loss_items
+    shift = TOKEN_LOSSES.get(getattr(_unwrapped_model(model), "loss_type", None))
+    if task.loss_fn is not None or shift is None:
+        return None
+
+    def label_tokens(batch: Any) -> Any:
+        labels = batch["labels"] if isinstance(batch, Mapping) and "labels" in batch else None
+        if labels is None or labels.dim() < 2:
+            raise RankSetupError(f"--task {task!r}: the model's loss is a mean over label tokens, but a batch has "
+                                 "no labels of one per token; give Task.loss_items or a loss_fn")
+        return (labels[..., shift:] != -100).sum()
+
+    return label_tokens
+
+
+def _unwrapped_model(model: Any) -> Any:
+    """The model DDP or torch.compile wraps, as the user built it."""
     from torch.nn.parallel import DistributedDataParallel
 
     inner = model
@@ -131,8 +161,14 @@ def model_fields(model: Any) -> frozenset[str] | None:
         elif hasattr(inner, "_orig_mod"):  # torch.compile's OptimizedModule
             inner = inner._orig_mod
         else:
-            break
-    return _forward_names(type(inner))
+            return inner
+
+
+def model_fields(model: Any) -> frozenset[str] | None:
+    """The keys of a mapping batch that `model(**batch)` is given: the parameters its forward names, as Hugging
+    Face's Trainer keeps them (remove_unused_columns); None: every key, for a forward that names none (only
+    `**kwargs`) or whose signature cannot be read. DDP and torch.compile are looked through to the model."""
+    return _forward_names(type(_unwrapped_model(model)))
 
 
 @functools.lru_cache(maxsize=64)

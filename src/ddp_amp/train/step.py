@@ -58,12 +58,15 @@ class AmpStep:
                  scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision, device: torch.device, *,
                  grad_accum: int, clip_grad: float | None, gradient_reduction: Callable[[], None],
                  batch_size: int = 0, micro: MicroBatches | None = None, task: str = "",
-                 every_field: bool = False) -> None:
+                 every_field: bool = False, count_items: Callable[[Any], Any] | None = None) -> None:
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
         self.task = task
         """--task, for the message of a batch whose loss the Task contract cannot find."""
         self.every_field = every_field
         """Task.pass_every_field: a mapping batch's every field to the model, not only those its forward names."""
+        self.count_items = count_items
+        """The items a batch's loss averages over (tasks.loss_items_counter), where they are not its samples: each
+        piece is then weighted by its share of the global batch's items; None: by its share of samples."""
         self.scheduler, self.precision, self.device = scheduler, precision, device
         self.grad_accum, self.clip_grad, self.batch_size = grad_accum, clip_grad, batch_size
         self.micro = micro
@@ -105,9 +108,9 @@ class AmpStep:
 
     def __call__(self, batches: Iterator[Any], step: int, *, want_norm: bool) -> StepOutcome:
         try:
-            if self.micro is None:
+            if self.micro is None and self.count_items is None:
                 loss_sum = self._accumulate(batches, step)
-            else:
+            else:  # the step's batches in hand: their pieces' weights depend on all of them
                 loss_sum = self._accumulate_pieces([next(batches) for _ in range(self.grad_accum)], step)
             self.position = (step, self.grad_accum, STEP)
             grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
@@ -182,8 +185,11 @@ class AmpStep:
         """--micro-batch: the step's batches in pieces. Under auto, a piece that does not fit on any rank
         halves the pieces on every rank and the same batches run again (train.microbatch)."""
         while True:
-            pieces = [(piece, share) for batch in batches for piece, share in split_batch(batch, self.micro.size)]
-            probe = self.micro.auto and not self.micro.settled
+            pieces = [(piece, share) for batch in batches
+                      for piece, share in (split_batch(batch, self.micro.size) if self.micro else [(batch, 1.0)])]
+            if self.count_items is not None:
+                pieces = self._weighted_by_items(pieces)
+            probe = self.micro is not None and self.micro.auto and not self.micro.settled
             loss_sum = self._run_pieces(pieces, step, probe=probe)
             if loss_sum is not None:
                 break
@@ -194,6 +200,22 @@ class AmpStep:
             self.gradient_reduction()
             self.micro.settled = True
         return loss_sum
+
+    def _weighted_by_items(self, pieces: list[tuple[Any, float]]) -> list[tuple[Any, torch.Tensor]]:
+        """Each piece with its weight by items: its items' share of the global batch's (summed over the ranks, one
+        small all-reduce a step), times K batches and W ranks, which forward_backward's 1/K and the gradient
+        average over the ranks take back. A piece's mean loss so weighted adds up, over every piece of every rank,
+        to the mean over all the step's items (Hugging Face's num_items_in_batch, and its fix of 2024)."""
+        import torch.distributed as dist
+
+        counts = torch.stack([torch.as_tensor(self.count_items(piece)).reshape(()).to(self.device, torch.float32)
+                              for piece, _ in pieces])
+        total = counts.sum().reshape(1)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(total)
+        weights = counts * (self.grad_accum * world) / total.clamp(min=1)  # no items anywhere: zero, not NaN
+        return [(piece, weights[index]) for index, (piece, _) in enumerate(pieces)]
 
     def _run_pieces(self, pieces: list[tuple[Any, float]], step: int, *, probe: bool) -> torch.Tensor | None:
         """Forward and backward of each piece, its mean loss weighted by its share of its batch (and 1/K of

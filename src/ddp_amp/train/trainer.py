@@ -24,7 +24,7 @@ from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankUsageError
 from ddp_amp.outputs import BEST_MODEL_FILE, save_weights
 from ddp_amp.precision import Precision, grad_scaler
-from ddp_amp.tasks import Task
+from ddp_amp.tasks import Task, loss_items_counter
 from ddp_amp.train.batch_search import largest_batch, one_trial
 from ddp_amp.train.data import IterableRankData, RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
@@ -125,7 +125,8 @@ class Trainer:
         self.step = AmpStep(self.model, task.loss_fn, self.optimizer, self.scaler, self.scheduler, precision,
                             device, grad_accum=config.grad_accum, clip_grad=config.clip_grad,
                             batch_size=config.batch_size, micro=self.micro, gradient_reduction=reduction,
-                            task=config.task, every_field=task.pass_every_field)
+                            task=config.task, every_field=task.pass_every_field,
+                            count_items=loss_items_counter(task, self.module))
         self.start_step = 0
         self.skipped_steps = 0
         self.checkpointer: Checkpointer | None = None
