@@ -91,6 +91,15 @@ def tiny_llama_uneven_labels() -> Task:
     return Task(model=LlamaForCausalLM(config), dataset=_UnevenLabels())
 
 
+def tiny_t5_uneven_labels() -> Task:
+    """A seq2seq model's own loss, the mean over its label tokens, on targets of uneven lengths (no dropout)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)
+    return Task(model=T5ForConditionalGeneration(config), dataset=_UnevenLabels())
+
+
 class PlainNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -381,6 +381,31 @@ def test_micro_batches_are_all_reduced_once_per_optimizer_step(one_rank_group, t
         torch.testing.assert_close(pieces[key], whole[key], rtol=1e-6, atol=1e-7)
 
 
+def test_a_seq2seq_token_mean_loss_in_pieces_or_accumulated_gives_the_full_batchs_weights(one_rank_group, tmp_path):
+    """T5's own loss is the mean over its label tokens, and the targets hold 1 to 11 of them: --micro-batch 3 of
+    a batch of 8 and --grad-accum 2 of batches of 4 follow the batch of 8 within 1e-5 (weighted by samples,
+    as before, they drift)."""
+    from ddp_amp.tasks import build_task
+
+    from conftest import USER_TASKS
+
+    def run(**options):
+        config = TrainConfig(task="inline", steps=3, log_every=3, amp="off", seed=5, optimizer="sgd",
+                             schedule="constant", lr=0.5, run_dir=str(tmp_path), **options)
+        torch.manual_seed(5)
+        task = build_task(f"{USER_TASKS}:tiny_t5_uneven_labels")
+        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), task, Recorder())
+        trainer.train()
+        weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+        trainer.close()
+        return weights
+
+    whole = run(batch_size=8)
+    for options in ({"batch_size": 8, "micro_batch": "3"}, {"batch_size": 4, "grad_accum": 2}):
+        other = run(**options)
+        assert max((other[k] - whole[k]).abs().max().item() for k in whole) < 1e-5, options
+
+
 def test_a_piece_that_does_not_fit_is_halved_and_the_same_batch_rerun(one_rank_group, tmp_path, monkeypatch):
     """Under auto, an out-of-memory error in backward (the CPU allocator's) halves the piece, reruns the same
     batch, and steps the optimizer once on the whole batch's gradient: the weights of --micro-batch 4."""
