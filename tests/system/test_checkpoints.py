@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import HELPER_TASKS, USER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
+from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow
@@ -122,17 +122,18 @@ def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):
 
 @pytest.mark.slow
 def test_a_refusal_from_the_ranks_under_overwrite_leaves_the_earlier_run_as_it_was(tmp_path):
-    """The ranks refuse a task with an empty data set (found only when they build it): the launch fails, and
-    the earlier run --overwrite was to replace is back, byte for byte, the new attempt's files gone."""
+    """The ranks refuse a task whose model is on the meta device (found only when they build it; the launcher
+    refuses an empty data set itself, before anything is touched): the launch fails, and the earlier run
+    --overwrite was to replace is back, byte for byte, the new attempt's files gone."""
     run_dir = tmp_path / "run"
     assert_ok(run_cli("spawn", "-n", "2", "--device", "cpu", "--task", "linear", "--steps", "4", "--checkpoint-every",
                       "2", "--run-dir", str(run_dir)))
     earlier = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
                if p.is_file() and "logs" not in p.parts and p.name != ".lock"}
     assert {"model.pt", "metrics.jsonl", "summary.json", "config.json", "checkpoints/step-4.pt"} <= earlier.keys()
-    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", f"{USER_TASKS}:empty_dataset", "--steps",
+    result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", f"{HELPER_TASKS}:model_on_meta", "--steps",
                      "4", "--overwrite", "--run-dir", str(run_dir))
-    assert result.returncode != 0 and "empty" in last_line(result.stderr).lower(), result.stderr
+    assert result.returncode == 2 and "meta device" in last_line(result.stderr), result.stderr
     assert "the earlier run's files in" in result.stderr and "are back as they were" in result.stderr
     now = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
            if p.is_file() and "logs" not in p.parts and p.name != ".lock"}

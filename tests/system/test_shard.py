@@ -278,7 +278,8 @@ def test_a_hugging_face_model_shards_by_its_declared_layers_and_saves_its_own_fo
     save_pretrained writes after a sharded run (gathered into the skeleton, with the trained model's config:
     its first forward set problem_type) is byte for byte what the DDP run writes. So is the ZeRO run's, whose
     parameters are views into its broadcast buckets, and its model.pt."""
-    args = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:bert_dict_items", "--steps", "6"]
+    args = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:bert_dict_items", "--steps", "6",
+            "--batch-size", "16"]  # 48 items: 2 ranks of 16 fit (of the default 32 they would not)
     for mode in ("none", "full", "optimizer"):
         assert_ok(run_cli("spawn", "-n", "2", *args, "--shard", mode, "--run-dir", str(tmp_path / mode), timeout=300))
     assert read_summary(tmp_path / "full")["shard_units"] == {"BertEmbeddings": 1, "BertLayer": 2}

@@ -520,9 +520,3 @@ def validation_loss_only() -> Task:
     task = with_validation()
     task.val_metrics = None
     return task
-
-
-def empty_dataset() -> Task:
-    """A data set with no items: the ranks refuse it when they build the task."""
-    return Task(model=nn.Linear(4, 1), dataset=torch.utils.data.TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1)),
-                loss_fn=nn.functional.mse_loss)
