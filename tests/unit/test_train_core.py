@@ -444,3 +444,22 @@ def test_a_piece_that_does_not_fit_is_halved_and_the_same_batch_rerun(one_rank_g
     assert summary["steps"] == 3 and summary["final_lr"] == pytest.approx(3e-3)
     for key in fixed:
         torch.testing.assert_close(auto[key], fixed[key], rtol=1e-5, atol=1e-7)
+
+
+def test_the_buffer_broadcast_switch_takes_the_name_this_torchs_ddp_knows():
+    """torch 2.13 renamed broadcast_buffers to forward_sync_buffers; torch 2.11 (a GPU machine's) refuses the new
+    name, and every GPU run failed on it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_amp.train.optim import buffer_sync_option
+
+    class Older:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, bucket_cap_mb=None):
+            pass
+
+    assert buffer_sync_option(Older, False) == {"broadcast_buffers": False}
+    import inspect
+
+    known = inspect.signature(DistributedDataParallel.__init__).parameters
+    expected = "forward_sync_buffers" if "forward_sync_buffers" in known else "broadcast_buffers"
+    assert buffer_sync_option(DistributedDataParallel, True) == {expected: True}

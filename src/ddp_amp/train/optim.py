@@ -69,6 +69,17 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return {"trainable_parameters": trainable, "frozen_parameters": sum(p.numel() for p in unique) - trainable}
 
 
+def buffer_sync_option(ddp_class: type, broadcast: bool) -> dict[str, bool]:
+    """DDP's switch for broadcasting buffers from rank 0 at each forward (buffers are made equal once anyway,
+    when DDP wraps the model), by the name this torch takes: `forward_sync_buffers` from torch 2.13 (where
+    `broadcast_buffers` warns), `broadcast_buffers` before (torch 2.11 refuses the new name)."""
+    import inspect
+
+    name = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters
+            else "broadcast_buffers")
+    return {name: broadcast}
+
+
 def wrap_ddp(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> DDP:
     # --compile compiles the module inside DDP. torch documents compiling the DDP wrapper instead (its
     # DDPOptimizer splits the graph at bucket boundaries), but in this torch that captures no graph at all
@@ -78,9 +89,7 @@ def wrap_ddp(model: torch.nn.Module, config: TrainConfig, device: torch.device) 
     ddp = DDP(inner, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=config.bucket_mb, gradient_as_bucket_view=config.bucket_view,
               static_graph=config.static_graph, find_unused_parameters=config.find_unused_parameters,
-              # torch 2.13's name for broadcast_buffers (which now warns): buffers are still made equal once,
-              # when DDP wraps the model, and then broadcast from rank 0 at each forward only when on.
-              forward_sync_buffers=config.broadcast_buffers)
+              **buffer_sync_option(DDP, config.broadcast_buffers))
     if config.grad_compression != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
