@@ -369,6 +369,36 @@ def unannotated(record, width=16, scale=1.0):
     return sized(width)
 
 
+class _IntLabels(Dataset):
+    def __init__(self) -> None:
+        self.x, self.y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])  # .item() on a meta tensor raises: the launcher cannot look
+
+
+def int_labels() -> Task:
+    """A data set whose items read a number from a tensor: built on the meta device, it cannot give an item."""
+    return Task(model=nn.Linear(8, 2), dataset=_IntLabels(), loss_fn=nn.functional.cross_entropy)
+
+
+class _ReadsKwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x, **extra):
+        return self.linear(x) * extra["scale"]
+
+
+def reads_kwargs() -> Task:
+    """A forward that names x and reads a field from its **kwargs: it must be given every field."""
+    return Task(model=_ReadsKwargs(), dataset=_WeightedItems(1.0), loss_fn=lambda o, b: ((o - b["y"]) ** 2).mean())
+
+
 def few_samples(count: int) -> Task:
     """A regression on `count` samples (--task-arg count=6): a data set smaller than a batch, or empty."""
     inputs = torch.arange(count * 8, dtype=torch.float32).reshape(count, 8)

@@ -394,3 +394,19 @@ def test_the_items_a_loss_averages_over_are_its_label_tokens_as_the_model_counts
         is None
     own = dataclasses.replace(llama, loss_fn=lambda output, batch: output.loss, loss_items=lambda batch: 42)
     assert loss_items_counter(own, llama.model)(None) == 42
+
+
+def test_a_data_set_the_launcher_cannot_look_into_on_the_meta_device_is_left_to_the_ranks(tmp_path, monkeypatch,
+                                                                                         capsys):
+    launched = []
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:int_labels", "--steps", "2",
+                             "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 0 and len(launched) == 1, err
+
+
+def test_a_forward_that_reads_fields_from_its_kwargs_gets_them_all_a_hugging_face_ones_do_not():
+    from ddp_amp.tasks import build_task, model_fields
+
+    assert model_fields(build_task(f"{USER_TASKS}:reads_kwargs").model) is None  # every field
+    assert "text" not in model_fields(build_task(f"{USER_TASKS}:bert_dict_items").model)

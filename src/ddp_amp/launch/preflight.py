@@ -180,6 +180,8 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
         check_task_contract(task, config, world_size)
     except RankSetupError as exc:
         raise UsageError(str(exc)) from None
+    except Exception:  # an item the meta-built data set cannot give (an .item() on its tensors): the ranks check
+        pass
     if config.eval_every or config.keep_best:
         check_validation(config, task)
     try:
@@ -259,9 +261,10 @@ def _resumed(config: TrainConfig, world_size: int | None) -> tuple[TrainConfig, 
 
 def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
               run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True,
-              world_size: int | None = -1) -> LaunchPlan:
+              world_size: int | None = -1, batch_check: bool = True) -> LaunchPlan:
     """Validate and prepare one launch of the warm-started `config` (launch.session.warm_start). `flag` names
-    the process-count option in messages; `extra` sets TrainConfig fields that are not command-line options."""
+    the process-count option in messages; `extra` sets TrainConfig fields that are not command-line options;
+    `batch_check` False: a --batch-size larger than the data set is not refused (a measuring command's trials)."""
     launch_time = time.time()
     if overwrite and config.resume is not None:
         raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
@@ -290,7 +293,8 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     from ddp_amp.tasks import resolve_factory
 
     factory = resolve_factory(config.task, config.task_arg)
-    init, left_out = check_task_options(config, factory, world_size)
+    # bench --max-batch tries sizes past the data set's length on purpose: its trials are not refused.
+    init, left_out = check_task_options(config, factory, world_size if batch_check else None)
     config, starting_over = _resumed(config, world_size)
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None

@@ -298,14 +298,19 @@ REQUEUE_SIGNALS = {"USR1": 10, "USR2": 12, "TERM": 15}
 
 
 # Every attempt passes --resume auto: a requeued job continues from its newest checkpoint; without one (the first
-# attempt, or one stopped before its first checkpoint) the run starts from the beginning. A finished run
-# (model.pt) is never overwritten: ddp-amp refuses it. has_checkpoint decides the requeue: a step-N.pt, or a
-# sharded step-N/ directory that DCP finished (--checkpoint-format sharded).
+# attempt, or one stopped before its first checkpoint) the run starts from the beginning. A job emitted with its
+# own --resume PATH or --overwrite keeps it until there is a checkpoint of its own. A finished run (model.pt) is
+# never overwritten: ddp-amp refuses it. has_checkpoint decides the requeue too: a step-N.pt, or a sharded
+# step-N/ directory that DCP finished (--checkpoint-format sharded).
 _RESUME = """has_checkpoint() {
   compgen -G "$RUN_DIR/checkpoints/step-*.pt" >/dev/null ||
     compgen -G "$RUN_DIR/checkpoints/step-*/.metadata" >/dev/null
 }
-set -- "$@" --resume auto
+own_start=0
+for arg in "$@"; do case "$arg" in --resume|--resume=*|--overwrite) own_start=1 ;; esac; done
+if [ "$own_start" = 0 ] || has_checkpoint; then
+  set -- "$@" --resume auto
+fi
 """
 
 

@@ -193,7 +193,9 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
     if not model_on_meta and on_meta_device(task.model):
         raise RankUsageError(f"--task {config.task}: Task.model is on the meta device (it has no values); give it "
                              "built with its weights, or give the function that builds it as Task.model")
-    check_task_contract(task, config, env.world_size)
+    # The batch against the data set's length is the launcher's check alone: an elastic job that grows, and
+    # bench --max-batch's trials, must not be refused here.
+    check_task_contract(task, config, world_size=None)
     if env.writes_run_dir:
         check_room_for_weights(Path(config.run_dir), task.model)
     # The randomness of training itself (dropout, augmentation) differs between ranks, or every rank would

@@ -136,7 +136,10 @@ def loss_items_counter(task: Task, model: Any) -> Callable[[Any], Any] | None:
     its loss counts); None for a mean over samples."""
     if task.loss_items is not None:
         return task.loss_items
-    shift = TOKEN_LOSSES.get(getattr(_unwrapped_model(model), "loss_type", None))
+    inner = _unwrapped_model(model)
+    shift = TOKEN_LOSSES.get(getattr(inner, "loss_type", None))
+    if getattr(inner, "loss_type", None) == "ForConditionalGeneration":  # a decoder-only one (a vision-language
+        shift = 0 if getattr(getattr(inner, "config", None), "is_encoder_decoder", False) else 1  # model) shifts
     if task.loss_fn is not None or shift is None:
         return None
 
@@ -151,7 +154,7 @@ def loss_items_counter(task: Task, model: Any) -> Callable[[Any], Any] | None:
 
 
 def _unwrapped_model(model: Any) -> Any:
-    """The model DDP or torch.compile wraps, as the user built it."""
+    """The model DDP, torch.compile or PEFT wraps, as the user built it."""
     from torch.nn.parallel import DistributedDataParallel
 
     inner = model
@@ -160,6 +163,8 @@ def _unwrapped_model(model: Any) -> Any:
             inner = inner.module
         elif hasattr(inner, "_orig_mod"):  # torch.compile's OptimizedModule
             inner = inner._orig_mod
+        elif callable(getattr(inner, "get_base_model", None)) and inner.get_base_model() is not inner:  # PEFT
+            inner = inner.get_base_model()
         else:
             return inner
 
@@ -179,7 +184,11 @@ def _forward_names(model_class: type) -> frozenset[str] | None:
         return None
     named = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                   inspect.Parameter.KEYWORD_ONLY)]
-    return frozenset(named) if named else None
+    takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    # A Hugging Face model's **kwargs (attention options) swallow any field silently: its named ones are its
+    # inputs. Anyone else's **kwargs may read fields by name: they get every field.
+    hugging_face = any(base.__name__ == "PreTrainedModel" for base in model_class.__mro__)
+    return frozenset(named) if named and (hugging_face or not takes_more) else None
 
 
 def fields_left_out(task: Task) -> list[str]:

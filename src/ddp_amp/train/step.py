@@ -242,6 +242,8 @@ class AmpStep:
             if probe and self.out_of_memory.anyone(failed):
                 return None
             part = loss * share
+            if isinstance(share, torch.Tensor):  # a piece with no items: its mean is 0/0, and it weighs nothing
+                part = torch.where(share > 0, part, torch.zeros_like(part))
             loss_sum = part if loss_sum is None else loss_sum + part
         return loss_sum
 
