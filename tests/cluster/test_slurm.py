@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HELPER_TASKS, MARK_VAR, ORIGIN_SCRIPT, read_summary, run_processes
+from conftest import CHECKS_SCRIPT, HELPER_TASKS, MARK_VAR, read_summary, run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -264,27 +264,22 @@ def test_a_plain_scancel_stops_with_a_checkpoint_and_is_not_requeued(slurm, tmp_
     assert not (tmp_path / "run" / "model.pt").exists()
 
 
-def test_a_users_script_emitted_for_slurm_runs_on_both_nodes_to_torchruns_weights(slurm, tmp_path):
-    """`multinode --emit-slurm job.sbatch SCRIPT ARGS` with the project's origin example: the job runs it on both
-    nodes, one rank each, exits 0, every rank's prints in the job's output, and node 0's rank 0 saves the same
-    weights as `torchrun --standalone --nproc-per-node 2`."""
-    reference = tmp_path / "torchrun.pt"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(ORIGIN_SCRIPT), "--epochs", "20", "--out", str(reference)], check=True, capture_output=True,
-                   timeout=300)
+def test_a_users_script_emitted_for_slurm_runs_on_both_nodes_in_one_process_group(slurm, tmp_path):
+    """`multinode --emit-slurm job.sbatch SCRIPT ARGS`: the job runs the script on both nodes, one rank each, exits
+    0, every rank's lines in the job's output, each all-reduce summing both ranks. Not the origin example: its
+    destroy_process_group() with its DDP model alive can hang at exit under load, under torchrun too
+    (docs/scripts.md); its weights against torchrun's are tested on one machine."""
     script = tmp_path / "job.sbatch"
-    out = tmp_path / "model.pt"
     emitted = subprocess.run(
         [sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1", "--endpoint",
          f"127.0.0.1:{free_port()}", "--device", "cpu", "--log-format", "plain", "--run-dir", str(tmp_path / "run"),
-         "--emit-slurm", str(script), str(ORIGIN_SCRIPT), "--epochs", "20", "--out", str(out)],
+         "--emit-slurm", str(script), str(CHECKS_SCRIPT), "--steps", "5"],
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert emitted.returncode == 0, emitted.stderr
     job = slurm.sbatch(script, env=job_env(tmp_path, "script", hold=False))
     assert slurm.wait_done(job)["JobState"] == "COMPLETED", job_output(tmp_path)
     output = job_output(tmp_path)
-    assert "[rank 0] Rank 0, Epoch 19" in output and "[rank 1] Rank 1, Epoch 19" in output, output
-    weights, expected = torch.load(out, weights_only=True), torch.load(reference, weights_only=True)
-    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} step 4 sum 10 restart 0" in output, output
     assert read_summary(tmp_path / "run")["outcome"] == "finished"
     assert run_processes("script") == []
