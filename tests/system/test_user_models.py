@@ -136,14 +136,28 @@ def test_a_resumed_iterable_run_equals_the_uninterrupted_one(tmp_path, name):
     assert Counter(trained_indices(resumed_logs)) == Counter(trained_indices(logs))
 
 
-def test_find_unused_parameters_trains_a_branch_used_every_other_step(tmp_path):
-    without = spawn(tmp_path / "without", "--task", task("branch_every_other_step"), "--steps", "4")
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-trainable", "a-frozen-layer-first"])
+def test_find_unused_parameters_trains_a_branch_used_every_other_step(tmp_path, frozen):
+    """Without the flag: one line naming the parameters that got no gradient. DDP numbers only the parameters
+    that require gradients: with a frozen layer first, numbering all of them would name the head instead."""
+    args = ("--task", task("branch_every_other_step"), "--task-arg", f"frozen={frozen}", "--steps", "4")
+    without = spawn(tmp_path / "without", *args)
     assert without.returncode == 1
     verdict = last_line(without.stderr)
+    assert "2 parameters got no gradient" in verdict, verdict
     assert "sometimes.weight" in verdict and "sometimes.bias" in verdict, verdict
-    assert "--find-unused-parameters" in verdict and "trunk" not in verdict, verdict
-    assert_ok(spawn(tmp_path / "with", "--task", task("branch_every_other_step"), "--steps", "4",
-                    "--find-unused-parameters"))
+    assert "--find-unused-parameters" in verdict and "trunk" not in verdict and "head" not in verdict, verdict
+    assert "Traceback" not in without.stderr, without.stderr
+    assert_ok(spawn(tmp_path / "with", *args, "--find-unused-parameters"))
+
+
+def test_a_graph_that_changes_under_static_graph_is_one_line_naming_the_flag(tmp_path):
+    result = spawn(tmp_path, "--task", task("branch_every_other_step"), "--steps", "4", "--static-graph")
+    assert result.returncode == 1
+    verdict = last_line(result.stderr)
+    assert "the model used other parameters than in the steps before" in verdict, verdict
+    assert "drop --static-graph" in verdict, verdict
+    assert "Traceback" not in result.stderr and "RuntimeError" not in result.stderr, result.stderr
 
 
 def test_frozen_parameters_stay_as_initialised_and_are_counted(tmp_path):
@@ -180,17 +194,21 @@ def test_a_plain_forward_trains_on_dict_items_whose_extra_field_only_the_loss_re
     assert read_summary(tmp_path)["final_loss"] == 0
 
 
-def test_a_token_mean_loss_gives_the_full_batchs_weights_in_pieces_accumulated_and_on_two_ranks(tmp_path):
-    """A Hugging Face causal LM's loss is the mean over its label tokens, and the sequences hold 1 to 11 of them:
-    --micro-batch 2, --grad-accum 2 and 2 ranks of 4 end on the weights of one rank's batch of 8 (within 1e-5,
-    fp32, no dropout). Weighted by samples instead, as before, --micro-batch 2 ended 8e-3 away."""
-    common = ["--task", task("tiny_llama_uneven_labels"), "--steps", "3"]  # fp32, plain SGD (FP32_SGD)
-    runs = {"full": (1, ["--batch-size", "8"]), "micro": (1, ["--batch-size", "8", "--micro-batch", "2"]),
-            "accum": (1, ["--batch-size", "4", "--grad-accum", "2"]), "ranks": (2, ["--batch-size", "4"])}
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_t5"])
+def test_a_token_mean_loss_gives_the_full_batchs_weights_in_pieces_accumulated_and_on_two_ranks(tmp_path, model):
+    """A Hugging Face causal LM's or seq2seq model's loss is the mean over its label tokens, and the sequences hold
+    2 to 11 of them: 2 ranks of 16 end on the weights of one rank's batch of 32, and (the causal LM; T5's are
+    tests/unit/test_train_core.py's) --micro-batch 8 and --grad-accum 4 of 8 too, within 1e-5, fp32, no dropout.
+    Weighted by samples instead, as before, --micro-batch 2 of 8 ended 8e-3 away."""
+    common = ["--task", task(f"{model}_uneven_labels"), "--steps", "3"]  # fp32, plain SGD (FP32_SGD)
+    runs = {"full": (1, ["--batch-size", "32"]), "ranks": (2, ["--batch-size", "16"])}
+    if model == "tiny_llama":
+        runs |= {"micro": (1, ["--batch-size", "32", "--micro-batch", "8"]),
+                 "accum": (1, ["--batch-size", "8", "--grad-accum", "4"])}
     for name, (nproc, flags) in runs.items():
         assert_ok(spawn(tmp_path / name, *common, *flags, nproc=nproc))
     full = load_weights(tmp_path / "full")
-    for name in ("micro", "accum", "ranks"):
+    for name in set(runs) - {"full"}:
         weights = load_weights(tmp_path / name)
         assert max((weights[k] - full[k]).abs().max().item() for k in full) < 1e-5, name
     logged = {name: read_summary(tmp_path / name)["final_loss"] for name in runs}
@@ -287,6 +305,18 @@ def _assert_best_kept(run_dir: Path, suffix: str = ".pt") -> int:
     for key, value in model.items():
         assert torch.equal(model_best[key], value), key
     return best["step"]
+
+
+def test_the_built_in_transformer_validates_while_training_and_keeps_its_best_weights(tmp_path):
+    """`--task transformer --eval-every N --keep-best val_loss` as a user first types it (default options)."""
+    result = launch(tmp_path, "--device", "cpu", "--task", "transformer", "--steps", "12", "--batch-size", "16",
+                    "--eval-every", "6", "--keep-best", "val_loss")
+    assert_ok(result)
+    evaluations = {m["step"]: m["val_loss"] for m in _metrics_lines(tmp_path) if "val_loss" in m}
+    assert sorted(evaluations) == [6, 12] and evaluations[12] < evaluations[6] < 4.2, evaluations  # ln 64 = 4.16
+    best = read_summary(tmp_path)["best"]
+    assert best["step"] == 12 and best["value"] == pytest.approx(evaluations[12])
+    assert (tmp_path / "model_best.pt").read_bytes() == (tmp_path / "model.pt").read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -308,10 +308,13 @@ def hf_stream_split_by_node() -> Task:
 
 
 class _Branchy(nn.Module):
-    """A second head used on every other forward only: its parameters get no gradient on the others."""
+    """A second head used on every other forward only: its parameters get no gradient on the others. `frozen`
+    puts a frozen layer first, so that DDP's numbering of the parameters that require gradients differs from
+    the numbering of all parameters."""
 
-    def __init__(self) -> None:
+    def __init__(self, frozen: bool = False) -> None:
         super().__init__()
+        self.frozen = nn.Linear(8, 8).requires_grad_(False) if frozen else nn.Identity()
         self.trunk = nn.Linear(8, 8)
         self.head = nn.Linear(8, 1)
         self.sometimes = nn.Linear(8, 1)
@@ -319,7 +322,7 @@ class _Branchy(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        hidden = torch.relu(self.trunk(x))
+        hidden = torch.relu(self.trunk(self.frozen(x)))
         out = self.head(hidden)
         return out + self.sometimes(hidden) if self.calls % 2 else out
 
@@ -337,8 +340,8 @@ class _Regression(Dataset):
         return self.x[i], self.y[i]
 
 
-def branch_every_other_step() -> Task:
-    return Task(model=_Branchy(), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
+def branch_every_other_step(frozen: bool = False) -> Task:
+    return Task(model=_Branchy(frozen), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
 
 
 def frozen_trunk() -> Task:

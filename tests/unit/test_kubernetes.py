@@ -3,6 +3,7 @@ Trainer's TrainJob and JobSet models, the Training Operator's PyTorchJob models,
 strict mode), the rendezvous each kind injects, and the refusals."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,47 @@ def test_an_elastic_trainjob_asks_for_the_most_nodes_its_range_allows(tmp_path):
                      str(path), "--k8s-kind", "trainjob", "--image", "registry.example/ddp-amp:1", "--run-dir", "r")
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(path.read_text())["spec"]["trainer"]["numNodes"] == 3
+
+
+def pod_environment(container: dict, completion_index: int) -> dict[str, str]:
+    """A pod's environment as Kubernetes makes it for an Indexed Job's pod: each `value`, each `valueFrom` of the
+    completion-index annotation resolved, and the JOB_COMPLETION_INDEX every Indexed Job's pod gets."""
+    annotation = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    environ = {"JOB_COMPLETION_INDEX": str(completion_index)}
+    for entry in container["env"]:
+        if "value" in entry:
+            environ[entry["name"]] = entry["value"]
+        else:
+            assert entry["valueFrom"] == {"fieldRef": {"fieldPath": annotation}}, entry
+            environ[entry["name"]] = str(completion_index)
+    return environ
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_each_jobset_pod_reads_its_own_node_and_the_rendezvous_from_the_environment_it_gets(tmp_path, monkeypatch,
+                                                                                           capsys, index):
+    """The JobSet's own pod command, run with the environment its manifest gives pod `index`: torchrun gets both
+    nodes, this pod's node rank, node 0's DNS name and the per-node count (a variable left out of the manifest,
+    PET_NNODES say, fails here)."""
+    manifest, _ = emit(tmp_path, "jobset")
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    container = job["template"]["spec"]["containers"][0]
+    for name in [name for name in os.environ if name.startswith(("PET_", "MASTER_", "JOB_COMPLETION"))] + [
+            "WORLD_SIZE", "RANK"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in pod_environment(container, index).items():
+        monkeypatch.setenv(name, value)
+    import socket
+
+    resolve = socket.getaddrinfo
+    master = "ddp-amp-bert-node-0-0.ddp-amp-bert"  # the cluster's DNS answers for the headless service
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: resolve("10.0.0.1" if host == master else host,
+                                                                             *a, **k))
+    command = container["command"] + container.get("args", [])
+    assert command[:3] == ["ddp-amp", "multinode", "--from-env"], command
+    code, out, err = run_main([*command[1:], "--dry-run"], capsys)
+    assert code == 0, err
+    torchrun = out.splitlines()[0]
+    assert f"--nnodes {job['completions']}" in torchrun and job["completions"] == 2, torchrun
+    assert f"--node-rank {index}" in torchrun and "--nproc-per-node 2" in torchrun, torchrun
+    assert f"--rdzv-endpoint {master}:29400" in torchrun, torchrun

@@ -235,10 +235,11 @@ def test_resume_auto_without_a_checkpoint_starts_from_the_beginning_and_says_so(
 
 
 @pytest.mark.parametrize(("task", "flags", "line"), [
-    ("transformer", ["--eval-every", "50"], "--eval-every: --task transformer has no validation set "
-     "(Task.val_dataset); drop it or give the task one"),
-    ("mlp", ["--eval-every", "5", "--keep-best", "val_loss"], "--eval-every and --keep-best: --task mlp has no "
-     "validation set (Task.val_dataset); drop them or give the task one"),
+    (f"{USER_TASKS}:frozen_trunk", ["--eval-every", "50"], f"--eval-every: --task {USER_TASKS}:frozen_trunk has "
+     "no validation set (Task.val_dataset); drop it or give the task one"),
+    (f"{USER_TASKS}:frozen_trunk", ["--eval-every", "5", "--keep-best", "val_loss"], "--eval-every and "
+     f"--keep-best: --task {USER_TASKS}:frozen_trunk has no validation set (Task.val_dataset); drop them or give "
+     "the task one"),
     (f"{USER_TASKS}:validation_loss_only", ["--keep-best", "val_acc"], "--keep-best val_acc: the evaluation of "
      f"--task {USER_TASKS}:validation_loss_only logs val_loss only (the task declares no val_metrics)"),
 ])
@@ -255,6 +256,24 @@ def test_validation_options_the_task_cannot_serve_are_refused_before_anything_is
     assert code == 2
     assert one_line(err) == "ddp-amp: error: " + line
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == earlier
+
+
+@pytest.mark.parametrize(("task", "metric"), [("linear", "val_loss"), ("mlp", "val_accuracy"),
+                                              ("mlp-wide", "val_accuracy"), ("transformer", "val_loss")])
+def test_every_built_in_task_has_a_validation_set_for_eval_every_and_keep_best(task, metric, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Launched, not refused; the validation set is held out (none of its items is a training item)."""
+    from ddp_amp.tasks import build_task
+
+    launched = []
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--task", task, "--eval-every", "50",
+                             "--keep-best", metric, "--steps", "100", "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 0 and len(launched) == 1, err
+    built = build_task(task)
+    train_inputs = {tuple(x.flatten().tolist()) for x, _ in built.dataset}
+    assert len(built.val_dataset) >= 256 and not any(
+        tuple(x.flatten().tolist()) in train_inputs for x, _ in built.val_dataset)
 
 
 def test_a_dry_run_with_overwrite_takes_nothing_of_the_earlier_run_away(tmp_path, capsys):
@@ -307,7 +326,8 @@ def test_the_batch_fields_the_models_forward_does_not_take_are_known_before_laun
 
 
 def test_a_mapping_batch_gives_the_model_the_fields_its_forward_names_and_the_loss_every_field():
-    from ddp_amp.tasks import batch_loss, build_task, model_fields
+    from ddp_amp.tasks import build_task
+    from ddp_amp.tasks.batches import batch_loss, model_fields
 
     task = build_task(f"{USER_TASKS}:weighted_items", ["weight=0.5"])
     batch = {"x": torch.ones(2, 8), "y": torch.zeros(2, 1), "weight": torch.tensor([0.5, 0.5])}
@@ -345,7 +365,7 @@ def test_an_unannotated_factory_argument_is_converted_by_its_defaults_type(tmp_p
 def test_an_output_with_a_loss_attribute_that_is_no_mapping_gives_its_loss():
     from types import SimpleNamespace
 
-    from ddp_amp.tasks import output_loss
+    from ddp_amp.tasks.batches import output_loss
 
     loss = torch.tensor(2.5)
     assert output_loss(SimpleNamespace(loss=loss, logits=None), {"labels": None}, None) is loss
@@ -379,7 +399,8 @@ def test_the_items_a_loss_averages_over_are_its_label_tokens_as_the_model_counts
 
     from transformers import BertConfig, BertForSequenceClassification, T5Config, T5ForConditionalGeneration
 
-    from ddp_amp.tasks import build_task, loss_items_counter
+    from ddp_amp.tasks import build_task
+    from ddp_amp.tasks.batches import loss_items_counter
 
     llama = build_task(f"{USER_TASKS}:tiny_llama_uneven_labels")
     labels = torch.tensor([[5, 6, -100, -100], [7, 8, 9, -100]])
@@ -406,7 +427,8 @@ def test_a_data_set_the_launcher_cannot_look_into_on_the_meta_device_is_left_to_
 
 
 def test_a_forward_that_reads_fields_from_its_kwargs_gets_them_all_a_hugging_face_ones_do_not():
-    from ddp_amp.tasks import build_task, model_fields
+    from ddp_amp.tasks import build_task
+    from ddp_amp.tasks.batches import model_fields
 
     assert model_fields(build_task(f"{USER_TASKS}:reads_kwargs").model) is None  # every field
     assert "text" not in model_fields(build_task(f"{USER_TASKS}:bert_dict_items").model)

@@ -63,7 +63,7 @@ class LaunchPlan:
     init: dict | None = None
     """--init-from: what of the file fits the model (loaded, missing, unexpected tensors)."""
     fields_left_out: tuple[str, ...] = ()
-    """The batch fields the model's forward does not take (tasks.fields_left_out): said at the start."""
+    """The batch fields the model's forward does not take (tasks.batches.fields_left_out): said at the start."""
 
 
 def default_run_dir() -> Path:
@@ -171,7 +171,7 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
     --keep-best. Returns what --init-from loads and the batch fields the model's forward does not take."""
     from ddp_amp.errors import RankSetupError
     from ddp_amp.rank.setup import check_task_contract
-    from ddp_amp.tasks import fields_left_out
+    from ddp_amp.tasks.batches import fields_left_out
 
     task = task_for_checks(config, factory)
     if task is None:

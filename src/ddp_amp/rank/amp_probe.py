@@ -25,7 +25,8 @@ from torch.utils.data import default_collate
 
 from ddp_amp.dist import DistEnv
 from ddp_amp.precision import Precision, amp_cache_key, autocast, cached_amp_choices, remember_amp_choice
-from ddp_amp.tasks import Task, forward, output_loss
+from ddp_amp.tasks import Task
+from ddp_amp.tasks.batches import forward, output_loss
 from ddp_amp.train.data import to_device
 
 BF16_MARGIN = 0.05

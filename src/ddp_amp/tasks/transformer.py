@@ -1,7 +1,8 @@
 """A small causal language model on a synthetic token stream with learnable structure.
 
 The stream comes from a fixed random Markov chain in which every token has a few likely successors, so the
-model can learn it down to the chain's entropy (reported as `entropy_floor`, in nats per token).
+model can learn it down to the chain's entropy (reported as `entropy_floor`, in nats per token). A further
+stretch of the same walk is its validation set (--eval-every, --keep-best val_loss).
 """
 
 import math
@@ -19,6 +20,7 @@ D_MODEL = 128
 HEADS = 4
 LAYERS = 2
 SEQUENCES = 2048
+VAL_SEQUENCES = 256
 SUCCESSORS = 4
 DATA_SEED = 1234
 
@@ -57,24 +59,29 @@ class TinyLM(nn.Module):
         return self.head(self.norm(self.blocks(self.tok(tokens) + self.pos(positions))))
 
 
-def _markov_stream(gen: torch.Generator, length: int) -> tuple[torch.Tensor, float]:
+def _markov_streams(gen: torch.Generator, *lengths: int) -> tuple[list[torch.Tensor], float]:
+    """Streams of the given lengths, one walk of one chain cut in pieces, and the chain's entropy."""
     successors = torch.stack([torch.randperm(VOCAB, generator=gen)[:SUCCESSORS] for _ in range(VOCAB)])
     probs = torch.softmax(torch.randn(VOCAB, SUCCESSORS, generator=gen) * 2, dim=1)
     entropy = -(probs * probs.log()).sum(dim=1).mean().item()  # uniform over states: close enough for a floor
     # The walk is sequential; plain Python lists keep it to a fraction of a second.
     next_of = successors.tolist()
-    choices = torch.multinomial(probs, length, replacement=True, generator=gen).tolist()  # (VOCAB, length)
-    state, stream = 0, []
-    for i in range(length):
-        state = next_of[state][choices[state][i]]
-        stream.append(state)
-    return torch.tensor(stream), entropy
+    state, streams = 0, []
+    for length in lengths:  # one draw per piece, so a piece added at the end leaves the earlier ones as they were
+        choices = torch.multinomial(probs, length, replacement=True, generator=gen).tolist()  # (VOCAB, length)
+        stream = []
+        for i in range(length):
+            state = next_of[state][choices[state][i]]
+            stream.append(state)
+        streams.append(torch.tensor(stream))
+    return streams, entropy
 
 
 def build() -> Task:
     gen = torch.Generator().manual_seed(DATA_SEED)
-    stream, entropy = _markov_stream(gen, SEQUENCES * (SEQ_LEN + 1))
+    (stream, val_stream), entropy = _markov_streams(gen, SEQUENCES * (SEQ_LEN + 1), VAL_SEQUENCES * (SEQ_LEN + 1))
     windows = stream.view(SEQUENCES, SEQ_LEN + 1)
+    val_windows = val_stream.view(VAL_SEQUENCES, SEQ_LEN + 1)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
@@ -86,6 +93,7 @@ def build() -> Task:
     return Task(
         model=model,
         dataset=TensorDataset(windows[:, :-1].contiguous(), windows[:, 1:].contiguous()),
+        val_dataset=TensorDataset(val_windows[:, :-1].contiguous(), val_windows[:, 1:].contiguous()),
         loss_fn=loss_fn,
         evaluate=lambda model: {"entropy_floor": entropy, "uniform_loss": math.log(VOCAB)},
         items_per_sample=SEQ_LEN,

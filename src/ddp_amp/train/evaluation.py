@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, Subset, default_collate
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankUsageError
 from ddp_amp.precision import Precision, autocast
-from ddp_amp.tasks import Task, forward, output_loss
+from ddp_amp.tasks import Task
+from ddp_amp.tasks.batches import forward, output_loss
 from ddp_amp.train.data import IterableShard, is_iterable, shards_itself, to_device
 from ddp_amp.train.microbatch import batch_length
 

@@ -79,7 +79,7 @@ def probe_numerics(module: torch.nn.Module, loss_fn, batch, optimizer: torch.opt
     exp(-100)), which is how subnormals arise. Run once, after training, on the unwrapped module in eval mode
     (no all-reduce, no running statistics updated); the gradients it makes are dropped."""
     from ddp_amp.precision import autocast
-    from ddp_amp.tasks import batch_loss
+    from ddp_amp.tasks.batches import batch_loss
     from ddp_amp.train.data import to_device
 
     counts = {"activations": [0, 0], "gradients": [0, 0]}

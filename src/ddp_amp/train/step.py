@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.errors import RankOutOfMemory, RankSetupError
 from ddp_amp.precision import Precision, autocast
-from ddp_amp.tasks import batch_loss
+from ddp_amp.tasks.batches import batch_loss
 from ddp_amp.train.data import to_device
 from ddp_amp.train.microbatch import (
     MicroBatches,
@@ -65,7 +65,7 @@ class AmpStep:
         self.every_field = every_field
         """Task.pass_every_field: a mapping batch's every field to the model, not only those its forward names."""
         self.count_items = count_items
-        """The items a batch's loss averages over (tasks.loss_items_counter), where they are not its samples: each
+        """The items a batch's loss averages over (loss_items_counter), where they are not its samples: each
         piece is then weighted by its share of the global batch's items; None: by its share of samples."""
         self.scheduler, self.precision, self.device = scheduler, precision, device
         self.grad_accum, self.clip_grad, self.batch_size = grad_accum, clip_grad, batch_size
