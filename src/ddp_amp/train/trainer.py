@@ -24,7 +24,8 @@ from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankUsageError
 from ddp_amp.outputs import BEST_MODEL_FILE, save_weights
 from ddp_amp.precision import Precision, grad_scaler
-from ddp_amp.tasks import Task, loss_items_counter
+from ddp_amp.tasks import Task
+from ddp_amp.tasks.batches import loss_items_counter
 from ddp_amp.train.batch_search import largest_batch, one_trial
 from ddp_amp.train.data import IterableRankData, RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
