@@ -1,5 +1,6 @@
 """This working tree's ddp-amp against an earlier revision's (default HEAD), interleaved, medians: the
-throughput of the training core and the time to the first step, on the built-in mlp task and the wide MLP.
+throughput of the training core, the time to the first step, and a whole launch's wall time and CPU seconds (every
+process it starts; the machine's /proc/stat), on the built-in mlp task and the wide MLP.
 
     .venv/bin/python benchmarks/against_revision.py [--base REV] [--repeats 5] [--nproc 2] [--tasks mlp wide]
 
@@ -55,13 +56,15 @@ def main() -> None:
             print(f"task {task}, batch {batch} per rank, {args.nproc} ranks, {steps} steps, {args.repeats} rounds")
             for name, runs in rows.items():
                 print(f"  {name:<10} samples/s {spread([r['samples_per_s'] for r in runs], '.0f'):>22}   first step s "
-                      f"{spread([r['time_to_first_step_s'] for r in runs])}")
-            ours, theirs = rows["this tree"], rows[args.base]
-            throughput = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(ours, theirs)]
-            first = [a["time_to_first_step_s"] / b["time_to_first_step_s"] for a, b in zip(ours, theirs)]
-            print(f"  this tree / {args.base}: throughput {spread(throughput, '.3f')} (median "
-                  f"{statistics.median(throughput):.3f}), time to first step {spread(first, '.3f')}")
-
+                      f"{spread([r['time_to_first_step_s'] for r in runs])}   launch wall s "
+                      f"{spread([r['process_wall_s'] for r in runs])}   launch CPU s "
+                      f"{spread([r['machine_cpu_s'] for r in runs])}")
+            ratios = {key: [a[key] / b[key] for a, b in zip(rows["this tree"], rows[args.base])]
+                      for key in ("samples_per_s", "time_to_first_step_s", "process_wall_s", "machine_cpu_s")}
+            print(f"  this tree / {args.base}: throughput {spread(ratios['samples_per_s'], '.3f')} (median "
+                  f"{statistics.median(ratios['samples_per_s']):.3f}), time to first step "
+                  f"{spread(ratios['time_to_first_step_s'], '.3f')}, launch wall "
+                  f"{spread(ratios['process_wall_s'], '.3f')}, launch CPU {spread(ratios['machine_cpu_s'], '.3f')}")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: run ddp-amp as a user would and read its summary."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -8,13 +9,23 @@ import time
 from pathlib import Path
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds (user + nice + system) all cores have spent since boot, from /proc/stat: the difference
+    around a launch counts every process it started (the fork server's ranks, which no rusage of ours sees), and
+    whatever else ran meanwhile."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return sum(int(v) for v in fields[1:4]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_ddp_amp(args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> dict:
-    """One `python -m ddp_amp ARGS --run-dir RUN_DIR`; its summary.json plus the process's own wall time."""
-    started = time.perf_counter()
+    """One `python -m ddp_amp ARGS --run-dir RUN_DIR`; its summary.json plus the process's own wall time and the
+    machine's CPU seconds while it ran."""
+    started, cpu = time.perf_counter(), machine_cpu_s()
     subprocess.run([sys.executable, "-m", "ddp_amp", *args, "--run-dir", str(run_dir)], check=True,
                    capture_output=True, env=env)
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["process_wall_s"] = time.perf_counter() - started
+    summary["machine_cpu_s"] = machine_cpu_s() - cpu
     return summary
 
 

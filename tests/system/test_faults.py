@@ -3,6 +3,7 @@
 import ipaddress
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_line, run_cli
+from conftest import HELPER_TASKS, last_line, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,26 @@ def test_killing_the_launcher_kills_the_whole_run(command, tmp_path, long_run):
     run.process.wait()
     assert run.wait_until_gone() == [], "processes of the run outlived its launcher"
     assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("how", ["SIGKILL to the launcher", "SIGINT to the group"])
+def test_a_launch_stopped_while_its_checks_build_the_task_leaves_nothing_running(how, tmp_path, long_run):
+    """The launcher builds the task for its checks in a child of the fork server (launch.forkserver.call_warm):
+    killed, or Ctrl-C'd, while the factory runs, nothing of it is left, and nothing is written in the run dir."""
+    marker = tmp_path / "building"  # the factory writes it in the run dir, which holds nothing else
+    run = long_run("spawn", tmp_path, args=["--device", "cpu", "--task", f"{HELPER_TASKS}:slow_to_build",
+                                            "--task-arg", f"marker={marker}", "--steps", "2"],
+                   ready="building", own_session=how.endswith("group"))
+    builder = int(marker.read_text())
+    assert builder != run.pid and builder in run.processes()  # built in a child, not in the launcher
+    if how.endswith("group"):
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.process.wait(timeout=30) == 130, run.process.stderr.read()
+    else:
+        run.process.kill()
+        run.process.wait()
+    assert run.wait_until_gone() == [], "processes of the launch outlived it"
+    assert [p.name for p in tmp_path.iterdir()] == ["building"]
 
 
 @pytest.mark.parametrize("command", ["spawn", "run"])

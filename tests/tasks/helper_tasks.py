@@ -532,6 +532,14 @@ def activation_heavy() -> Task:
     return Task(model=model, dataset=TensorDataset(x, y), loss_fn=nn.functional.cross_entropy)
 
 
+def slow_to_build(marker: Path, build_s: float = 120.0) -> Task:
+    """A factory that takes long (a data set read from a slow disk, say): writes its pid to `marker`, then
+    sleeps `build_s` seconds."""
+    Path(marker).write_text(str(os.getpid()))
+    time.sleep(build_s)
+    return plain_regression()
+
+
 def plain_regression() -> Task:
     """The linear regression alone: no dropout, so any split of a batch draws no random numbers."""
     return _regression_with(lambda call, loss: loss)

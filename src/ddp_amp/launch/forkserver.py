@@ -7,6 +7,10 @@ torch itself, the two imports overlap instead of running one after the other. No
 The ranks' parent is the fork server, not the launcher, so a rank's own parent-death signal fires only when
 the fork server dies; the fork server itself outlived a SIGKILLed launcher. Its first preload therefore ties
 it to the launcher (`ddp_amp.launch.forkserver_tether`): launcher dies -> fork server dies -> ranks die.
+
+The launcher's own checks that build the task (launch.preflight) run in a child of the fork server too
+(`call_warm`): building a task on the meta device runs torch's Python reference kernels, whose first call
+imports torch._dynamo, ~1.4 s of CPU that the fork server has spent already.
 """
 
 from __future__ import annotations
@@ -15,14 +19,26 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import signal
+from collections.abc import Callable
+from typing import Any
 
-from ddp_amp.process import LAUNCHER_PID_VAR, stop_signals_blocked
+from ddp_amp.process import LAUNCHER_PID_VAR, die_with_parent, stop_signals_blocked
 
 PRELOAD = ["ddp_amp.launch.forkserver_tether", "torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
 
 
+_started = False
+
+
+class WarmChildDied(Exception):
+    """call_warm's child ended without an answer (killed by a signal, or it exited the process itself)."""
+
+
 def start_forkserver() -> None:
     """Idempotent; torch.multiprocessing's "forkserver" context uses this same server."""
+    global _started
+    _started = True
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # inherited by the fork server: whom it must die with
     multiprocessing.set_forkserver_preload(PRELOAD)
     # The resource tracker starts first, inside ensure_running: both inherit the blocked stop signals. A rank,
@@ -34,3 +50,47 @@ def start_forkserver() -> None:
         multiprocessing.resource_tracker.ensure_running()
     with stop_signals_blocked():
         multiprocessing.forkserver.ensure_running()
+
+
+def call_warm(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a child of the fork server, where torch is imported already, with this process's
+    environment and working directory: its result, or its exception raised here. In this process when no fork
+    server was started (a dry run). The child dies with the fork server, which dies with this launcher; this
+    launcher interrupted (Ctrl-C) kills it."""
+    if not _started:
+        return function(*args)
+    context = multiprocessing.get_context("forkserver")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_call_and_send, args=(send, dict(os.environ), os.getcwd(), function, args),
+                            daemon=True, name="ddp-amp-checks")
+    child.start()
+    send.close()
+    try:
+        succeeded, value = receive.recv()
+    except EOFError:  # the child died without an answer
+        child.join(5)
+        raise WarmChildDied(f"exit code {child.exitcode}") from None
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.kill()
+        child.join()
+    if not succeeded:
+        raise value
+    return value
+
+
+def _call_and_send(send, environ: dict[str, str], cwd: str, function: Callable[..., Any], args: tuple) -> None:
+    die_with_parent(signal.SIGKILL)  # the fork server: it dies with the launcher
+    # As in this launcher now, not as when the fork server started (a variable set in between, a chdir).
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    try:
+        result = (True, function(*args))
+    except BaseException as exc:  # noqa: BLE001 -- handed to the launcher, which raises it
+        result = (False, exc)
+    try:
+        send.send(result)
+    except Exception as exc:  # an unpicklable exception or result
+        send.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}"[:2000] + f" ({exc})")))

@@ -1,0 +1,37 @@
+"""launch.forkserver.call_warm: the launcher's checks in a child of the fork server. Its answer, its exception
+(type and message), this process's environment and directory as they are now, and a child that dies unanswered."""
+
+import os
+
+import pytest
+
+from ddp_amp.errors import UsageError
+from ddp_amp.launch.forkserver import WarmChildDied, call_warm, start_forkserver
+
+
+def _where_and_what(name: str) -> tuple[int, str, str | None]:
+    return os.getpid(), os.getcwd(), os.environ.get(name)
+
+
+def _refuse(line: str) -> None:
+    raise UsageError(line)
+
+
+def test_the_child_answers_with_this_processs_environment_and_directory_as_they_are_now(tmp_path, monkeypatch):
+    start_forkserver()
+    monkeypatch.setenv("DDP_AMP_TEST_CALL_WARM", "set after the fork server started")
+    monkeypatch.chdir(tmp_path)
+    pid, cwd, value = call_warm(_where_and_what, "DDP_AMP_TEST_CALL_WARM")
+    assert pid != os.getpid() and cwd == str(tmp_path) and value == "set after the fork server started"
+
+
+def test_the_childs_exception_is_raised_here_with_its_type_and_message():
+    start_forkserver()
+    with pytest.raises(UsageError, match="^--task x: no such thing$"):
+        call_warm(_refuse, "--task x: no such thing")
+
+
+def test_a_child_that_dies_without_an_answer_is_told_apart():
+    start_forkserver()
+    with pytest.raises(WarmChildDied, match="exit code 3"):
+        call_warm(os._exit, 3)
