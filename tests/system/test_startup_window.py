@@ -53,13 +53,22 @@ def _forkserver_of(launcher: int, deadline: float) -> int:
     raise AssertionError("no fork server appeared")
 
 
-def _first_rank_forked(forkserver: int, deadline: float) -> None:
-    """Returns right after the fork server forks its first child (the resource tracker is the launcher's)."""
+def _first_rank_forked(forkserver: int, run_dir: Path, deadline: float) -> None:
+    """Returns right after the fork server forks its first rank (the resource tracker is the launcher's). The
+    launcher's checks run in a child of the fork server before it writes config.json and waits for that child:
+    a live child once config.json exists is a rank."""
     while time.monotonic() < deadline:
-        if _children(forkserver):
+        if (run_dir / "config.json").exists() and any(_alive(child) for child in _children(forkserver)):
             return
         time.sleep(0.0005)
     raise AssertionError("the fork server never forked a rank")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _launch(command: str, run_dir: Path, mark: str) -> subprocess.Popen:
@@ -69,9 +78,9 @@ def _launch(command: str, run_dir: Path, mark: str) -> subprocess.Popen:
                             start_new_session=True, env={**os.environ, MARK_VAR: mark})
 
 
-def _signal_in_the_window(process: subprocess.Popen, delay_s: float, deliver) -> None:
+def _signal_in_the_window(process: subprocess.Popen, run_dir: Path, delay_s: float, deliver) -> None:
     deadline = time.monotonic() + 120
-    _first_rank_forked(_forkserver_of(process.pid, deadline), deadline)
+    _first_rank_forked(_forkserver_of(process.pid, deadline), run_dir, deadline)
     if delay_s:
         time.sleep(delay_s)
     deliver(process)
@@ -85,7 +94,7 @@ def test_a_stop_in_a_ranks_first_milliseconds_is_a_stop(tmp_path, command):
         run_dir = tmp_path / f"trial-{trial}"
         process = _launch(command, run_dir, uuid.uuid4().hex)
         delay = DELAYS_S[trial % len(DELAYS_S)]
-        _signal_in_the_window(process, delay, lambda p: os.killpg(p.pid, signal.SIGTERM))
+        _signal_in_the_window(process, run_dir, delay, lambda p: os.killpg(p.pid, signal.SIGTERM))
         _, stderr = process.communicate(timeout=120)
         where = f"trial {trial}, {delay * 1000:.0f} ms after the fork:\n{stderr}"
         assert process.returncode == 143, where
@@ -101,10 +110,10 @@ def test_a_stop_in_a_ranks_first_milliseconds_is_a_stop(tmp_path, command):
 @pytest.mark.parametrize("command", ["spawn", "run"])
 def test_a_launcher_killed_in_a_ranks_first_milliseconds_leaves_nothing_running(tmp_path, command):
     for trial in range(TRIALS):
-        mark = uuid.uuid4().hex
-        process = _launch(command, tmp_path / f"trial-{trial}", mark)
+        mark, run_dir = uuid.uuid4().hex, tmp_path / f"trial-{trial}"
+        process = _launch(command, run_dir, mark)
         delay = DELAYS_S[trial % len(DELAYS_S)]
-        _signal_in_the_window(process, delay, lambda p: p.kill())
+        _signal_in_the_window(process, run_dir, delay, lambda p: p.kill())
         process.wait(timeout=30)
         deadline = time.monotonic() + 10  # the issue's bound: nothing left within 10 s of the kill
         while run_processes(mark) and time.monotonic() < deadline:
@@ -128,9 +137,9 @@ def test_a_rank_killed_in_its_first_milliseconds_costs_run_a_plain_restart(tmp_p
         delay = DELAYS_S[trial % len(DELAYS_S)]
         deadline = time.monotonic() + 120
         forkserver = _forkserver_of(process.pid, deadline)
-        _first_rank_forked(forkserver, deadline)
+        _first_rank_forked(forkserver, run_dir, deadline)
         time.sleep(delay)
-        os.kill(_children(forkserver)[0], signal.SIGKILL)
+        os.kill(next(child for child in _children(forkserver) if _alive(child)), signal.SIGKILL)
         try:
             _, stderr = process.communicate(timeout=120)
         except subprocess.TimeoutExpired:
