@@ -121,8 +121,11 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run_dir: Path, evaluations: bool = False) -> list[dict]:
+    """metrics.jsonl's training records (those with a loss), or with `evaluations` its validation records (those
+    with a val_loss: --eval-every's, and the one at the end of every run whose task has a validation set)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if ("val_loss" if evaluations else "loss") in r]
 
 
 def load_weights(run_dir: Path) -> dict:

@@ -1,7 +1,6 @@
 """Real signals against real launches: whatever dies, no process of the run is left behind."""
 
 import ipaddress
-import json
 import os
 import signal
 import socket
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HELPER_TASKS, last_line, run_cli
+from conftest import HELPER_TASKS, last_line, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -82,8 +81,7 @@ def test_a_second_launch_into_a_busy_run_dir_is_refused(tmp_path, long_run):
     fresh = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "5", "--log-every", "1", "--overwrite",
                     "--run-dir", str(tmp_path))
     assert fresh.returncode == 0, fresh.stderr
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        [1, 2, 3, 4, 5]
+    assert [record["step"] for record in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
 
 
 def test_temporary_files_of_a_killed_write_are_removed_at_the_next_launch(tmp_path):

@@ -225,7 +225,7 @@ def test_validation_of_a_sharded_model_runs_in_lockstep_and_keeps_the_best(tmp_p
             "--keep-best", "val_loss", "--log-every", "4"]
     for mode in ("none", "full"):
         assert_ok(run_cli("spawn", "-n", "2", *args, "--shard", mode, "--run-dir", str(tmp_path / mode), timeout=300))
-    evaluations = {mode: [m for m in read_metrics(tmp_path / mode) if "val_loss" in m] for mode in ("none", "full")}
+    evaluations = {mode: read_metrics(tmp_path / mode, evaluations=True) for mode in ("none", "full")}
     assert [m["step"] for m in evaluations["full"]] == [2, 4, 6, 8]
     for ddp, fsdp in zip(evaluations["none"], evaluations["full"]):
         assert fsdp["val_loss"] == pytest.approx(ddp["val_loss"], abs=1e-6)

@@ -4,6 +4,7 @@ reshard on another, pruning, sidecars, file modes, the NaN guard, export, and th
 directory."""
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -118,13 +119,22 @@ def test_the_nan_guard_writes_no_sharded_checkpoint_of_a_diverged_state(tmp_path
     assert load_checkpoint(tmp_path / "checkpoints" / "step-10")["step"] == 10
 
 
+@pytest.fixture(scope="module")
+def sharded_every_10(tmp_path_factory):
+    """A 20-step run with sharded checkpoints at steps 10 and 20, trained once: each damage test damages a copy."""
+    run = tmp_path_factory.mktemp("sharded-every-10") / "run"
+    train(run, "--checkpoint-every", "10", "--checkpoint-format", "sharded")
+    return run
+
+
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_export(damage, tmp_path):
+def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_export(damage, tmp_path,
+                                                                                      sharded_every_10):
     """The newest step-N/ damaged as a copy or a kill leaves it: `--resume auto` says in the console that it
     skips it and why, and resumes from the complete one before it; export and --init-from of the damaged one are
     one line, exit 2."""
     run = tmp_path / "run"
-    train(run, "--checkpoint-every", "10", "--checkpoint-format", "sharded")
+    shutil.copytree(sharded_every_10, run)
     DAMAGES[damage](run / "checkpoints" / "step-20")
     (run / "model.pt").unlink()  # as if it had stopped at step 20
     result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(run), "--resume", "auto",

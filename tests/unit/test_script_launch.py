@@ -120,6 +120,21 @@ def _serve(tmp_path):
     return server, events
 
 
+def test_a_stream_still_waiting_to_be_accepted_when_the_launch_ends_is_read_to_its_end(tmp_path, monkeypatch):
+    """A launcher short of CPU may not have accepted a rank's stream before the rank ended (its bytes wait in the
+    listen queue): the end of the launch reads it too. Here the serving loop accepts nothing."""
+    server, events = _serve(tmp_path)
+    monkeypatch.setattr(server._server, "_handle_request_noblock", lambda: None)
+    with server:
+        for key, value in server.environment().items():
+            monkeypatch.setenv(key, value)
+        out = connect_stream(1, "stdout")
+        out.sendall(b"rank 1 step 1 sum 4\n")
+        out.close()
+    assert (tmp_path / "logs" / "rank1.log").read_bytes() == b"rank 1 step 1 sum 4\n"
+    assert [e["line"] for e in events] == ["rank 1 step 1 sum 4"]
+
+
 def test_a_ranks_streams_reach_its_log_byte_for_byte_and_the_display_line_by_line(tmp_path, monkeypatch):
     server, events = _serve(tmp_path)
     with server:

@@ -191,6 +191,22 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
     return (check_init_from(config, task) if config.init_from is not None else None), left_out
 
 
+def checks_of_task(config: TrainConfig, world_size: int | None
+                   ) -> tuple[dict[str, int] | None, tuple[str, ...]]:
+    """check_task_options in a child of the fork server where one runs (launch.forkserver.call_warm): it has
+    torch._dynamo imported already, which building the task on the meta device would import here again."""
+    from ddp_amp.launch.forkserver import WarmChildDied, call_warm
+    from ddp_amp.tasks import resolve_factory
+
+    resolve_factory(config.task, config.task_arg)  # a bad --task or --task-arg, said here
+    try:
+        return call_warm(check_task_of, config, world_size)
+    except WarmChildDied as exc:  # the ranks build the task again and say what ends them
+        print(f"ddp-amp: warning: the checks of --task {config.task} ended without an answer ({exc}); the ranks "
+              "check it", file=sys.stderr, flush=True)
+        return None, ()
+
+
 def check_task_of(config: TrainConfig, world_size: int | None) -> tuple[dict[str, int] | None, tuple[str, ...]]:
     """check_task_options of --task with its --task-arg: what the launcher runs in a child of the fork server."""
     from ddp_amp.tasks import resolve_factory
@@ -297,16 +313,8 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     check_ddp_options(config, device_type, precision)
     check_max_memory(config, device_type)
     check_tensorboard(config)
-    from ddp_amp.launch.forkserver import WarmChildDied, call_warm
-    from ddp_amp.tasks import resolve_factory
-
-    resolve_factory(config.task, config.task_arg)  # a bad --task or --task-arg, said here
-    try:  # bench --max-batch tries sizes past the data set's length on purpose: its trials are not refused.
-        init, left_out = call_warm(check_task_of, config, world_size if batch_check else None)
-    except WarmChildDied as exc:  # the ranks build the task again and say what ends them
-        print(f"ddp-amp: warning: the checks of --task {config.task} ended without an answer ({exc}); the ranks "
-              "check it", file=sys.stderr, flush=True)
-        init, left_out = None, ()
+    # bench --max-batch tries sizes past the data set's length on purpose: its trials are not refused.
+    init, left_out = checks_of_task(config, world_size if batch_check else None)
     config, starting_over = _resumed(config, world_size)
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None

@@ -40,6 +40,7 @@ class OutputServer:
         self._on_line = on_line
         self._logs: dict[int, Any] = {}
         self._open: set[socket.socket] = set()
+        self._last: list[tuple[threading.Thread, socket.socket]] = []
         self._lock = threading.Lock()
         server = self
 
@@ -99,6 +100,21 @@ class OutputServer:
         if pending:
             self._line(rank, stream, pending)
 
+    def _accept_the_last(self) -> None:
+        """The connections still in the listen queue when serve_forever stopped (a launcher short of CPU may not
+        have accepted a rank's stream before the rank ended): read here too, or their bytes would be lost."""
+        listening = self._server.socket
+        listening.setblocking(False)
+        while True:
+            try:
+                connection, _ = listening.accept()
+            except OSError:  # none left (BlockingIOError), or the socket is gone
+                return
+            connection.setblocking(True)
+            thread = threading.Thread(target=self._serve, args=(connection,), name="ddp-amp-output-last")
+            thread.start()
+            self._last.append((thread, connection))
+
     def _line(self, rank: int, stream: str, raw: bytes) -> None:
         self._on_line({"type": "output", "rank": rank, "stream": stream,
                        "line": raw.decode(errors="replace").rstrip("\r")})
@@ -121,6 +137,7 @@ class OutputServer:
 
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
+        self._accept_the_last()
         deadline = time.monotonic() + DRAIN_S
         while self._open and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -131,6 +148,10 @@ class OutputServer:
                 except OSError:
                     pass
         self._server.server_close()  # joins the handler threads: each has read its stream to the end
+        for thread, connection in self._last:
+            thread.join()
+            connection.close()
+        self._last.clear()
         with self._lock:
             for log in self._logs.values():
                 log.close()
