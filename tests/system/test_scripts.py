@@ -29,10 +29,17 @@ EPOCHS = "20"
 
 @pytest.fixture(scope="module")
 def torchrun_weights(tmp_path_factory):
-    """The origin example under plain `torchrun --standalone --nproc-per-node 2`: the weights to match."""
-    out = tmp_path_factory.mktemp("torchrun") / "model.pt"
+    """The origin example under plain `torchrun --standalone --nproc-per-node 2`: the weights to match. torchrun
+    runs it with its DDP model freed before the group (docs/scripts.md): as written, its `python` ranks hang or
+    abort at exit now and then under load (1 run in 15 beside two busy loops), after the weights are saved."""
+    folder = tmp_path_factory.mktemp("torchrun")
+    source = ORIGIN_SCRIPT.read_text()
+    assert source.count("    dist.destroy_process_group()") == 1
+    fixed = folder / ORIGIN_SCRIPT.name
+    fixed.write_text(source.replace("    dist.destroy_process_group()", "    del ddp_model\n    dist.destroy_process_group()"))
+    out = folder / "model.pt"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(ORIGIN_SCRIPT), "--epochs", EPOCHS, "--out", str(out)], capture_output=True,
+                             str(fixed), "--epochs", EPOCHS, "--out", str(out)], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return torch.load(out, weights_only=True)

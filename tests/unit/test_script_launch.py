@@ -193,3 +193,27 @@ def test_the_live_view_of_a_script_has_a_row_per_rank_with_its_last_line():
     rows = [line.split() for line in view.file.getvalue().splitlines()]
     assert ["0", "running", "epoch", "3", "loss", "0.25"] in rows
     assert ["1", "done", "epoch", "2", "loss", "0.5"] in rows
+
+
+def test_a_group_the_script_destroys_stays_referenced_until_the_rank_exits(monkeypatch):
+    """docs/scripts.md: a DDP model that outlives `destroy_process_group()` would free the gloo group's last
+    reference in the middle of the script's code, where its destructor can hang under load. A script rank keeps
+    every group the script destroys (the rank ends with os._exit, so it is never destructed); for the script the
+    group is destroyed as before."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from ddp_amp.rank import script
+
+    monkeypatch.setattr(distributed_c10d, "destroy_process_group", distributed_c10d.destroy_process_group)
+    monkeypatch.setattr(dist, "destroy_process_group", dist.destroy_process_group)
+    monkeypatch.setattr(script, "KEPT_GROUPS", [])
+    script._keep_destroyed_groups()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.group.WORLD
+    side = dist.new_group([0])
+    dist.destroy_process_group(side)
+    assert script.KEPT_GROUPS == [side] and dist.is_initialized()
+    dist.destroy_process_group()
+    assert not dist.is_initialized()
+    assert world in script.KEPT_GROUPS and len(script.KEPT_GROUPS) == 2

@@ -8,12 +8,14 @@ script's `init_process_group()` needs no arguments. Before the script starts, th
 - reports its pid (the launcher passes stop signals on to it) and, at the end, its outcome,
 - turns torch's flight recorder on and writes it out now and then and when the script fails, so that a hang in
   the script's own collectives can be located (`ddp-amp diagnose RUN_DIR`),
-- gives the stop signals back their default actions (a script handles them, or dies of them, as under torchrun).
+- gives the stop signals back their default actions (a script handles them, or dies of them, as under torchrun),
+- keeps every process group the script destroys referenced until the rank exits (see _keep_destroyed_groups).
 The script's sys.argv, __main__, working directory and sys.path[0] are what `python SCRIPT` gives it.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import runpy
@@ -60,6 +62,7 @@ def run_script(script: Script, run_dir: Path) -> int:
     recorder = _Recorder(run_dir, rank)
     _threads_as_a_fresh_interpreter()
     _default_signal_actions()
+    _keep_destroyed_groups()
     send({"type": "state", "status": "running"})
     try:
         code = _run(script)
@@ -167,6 +170,37 @@ def _default_signal_actions() -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+KEPT_GROUPS: list = []
+"""The process groups the script destroyed, still referenced: their C++ destructors never run."""
+
+
+def _keep_destroyed_groups() -> None:
+    """Make `destroy_process_group` keep a reference to the groups it destroys.
+
+    A script that calls `dist.destroy_process_group()` while its DDP model is still alive (the example this project
+    grew from does) frees the gloo group's last reference when the model goes, later, in the middle of its own
+    code: the group's destructor joins gloo's worker threads while holding the GIL, and a worker that needs the GIL
+    to free a tensor never finishes. The rank hangs after its last line, or aborts ("terminate called without an
+    active exception"), under plain torchrun too (docs/scripts.md). A rank here ends with os._exit (multiprocessing
+    does that for a forked worker), so a group kept referenced is never destructed: the script's ranks end
+    whenever its model is freed. The group is destroyed for the script as before (shut down, unregistered, a
+    new one can be made)."""
+    import torch.distributed
+    from torch.distributed import distributed_c10d
+
+    destroy = distributed_c10d.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        if group is None or group is distributed_c10d.GroupMember.WORLD:
+            KEPT_GROUPS.extend(distributed_c10d._world.pg_map)  # every group goes with the default one
+        else:
+            KEPT_GROUPS.append(group)
+        destroy(group)
+
+    distributed_c10d.destroy_process_group = torch.distributed.destroy_process_group = destroy_process_group
 
 
 LIBRARY_PATHS = ("site-packages", "/lib/python", "<frozen", "<string>", "/ddp_amp/")
