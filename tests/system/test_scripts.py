@@ -34,9 +34,10 @@ def torchrun_weights(tmp_path_factory):
     abort at exit now and then under load (1 run in 15 beside two busy loops), after the weights are saved."""
     folder = tmp_path_factory.mktemp("torchrun")
     source = ORIGIN_SCRIPT.read_text()
-    assert source.count("    dist.destroy_process_group()") == 1
+    destroy = "    dist.destroy_process_group()"
+    assert source.count(destroy) == 1
     fixed = folder / ORIGIN_SCRIPT.name
-    fixed.write_text(source.replace("    dist.destroy_process_group()", "    del ddp_model\n    dist.destroy_process_group()"))
+    fixed.write_text(source.replace(destroy, "    del ddp_model\n" + destroy))
     out = folder / "model.pt"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              str(fixed), "--epochs", EPOCHS, "--out", str(out)], capture_output=True,
