@@ -8,7 +8,7 @@ The default task is benchmarks/tasks.py's wide regression MLP (1024-4096-1024-10
 `--task-arg samples=512 --task-arg layers=24` 25 M parameters in 4 MB units (docs/benchmarks.md).
 
 On a CPU the figure is the peak resident set, so it holds what glibc keeps of freed memory too: --shard full
-fixes glibc's mmap threshold (train/sharding.return_freed_memory), the other modes keep glibc's default.
+fixes glibc's mmap threshold (parallel/fsdp.return_freed_memory), the other modes keep glibc's default.
 `--mmap-threshold BYTES` sets MALLOC_MMAP_THRESHOLD_ for every mode's launches, so that all three are measured
 under the same allocator policy and the figure follows the live tensors.
 

@@ -178,19 +178,6 @@ def autocast(precision: Precision, device_type: str):
     return torch.autocast(device_type, dtype=precision.torch_dtype())
 
 
-def grad_scaler(precision: Precision, device_type: str, sharded: bool = False):
-    """A torch.amp.GradScaler, enabled only for fp16 (disabled it is a cheap pass-through). With sharded
-    gradients (--shard full) FSDP's ShardedGradScaler: each rank sees only its shard's inf/NaN, and it
-    all-reduces the finding, so every rank skips the same steps."""
-    import torch
-
-    if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device_type, enabled=precision.uses_scaler)
-    return torch.amp.GradScaler(device_type, enabled=precision.uses_scaler)
-
-
 # --amp auto's measured answers on CPU ranks, one JSON file per user: {key: entry}.
 AMP_CACHE_FILE = "amp-auto.json"
 

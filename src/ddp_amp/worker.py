@@ -168,8 +168,8 @@ def _finish_training(trainer: Trainer, result: TrainResult, memory: dict[str, fl
     checkpointer = trainer.checkpointer
     checkpointer.save_at_stop(trainer)
     checkpointer.close()  # waits for the write in flight
-    if trainer.sharded and "diverged" not in result.summary and "stopped_at_step" not in result.summary:
-        result.model = trainer.plain_model()  # gathered (every rank): what model.pt and the evaluation need
+    if "diverged" not in result.summary and "stopped_at_step" not in result.summary:
+        result.model = trainer.plain_model()  # every rank (a sharded model's weights are gathered): model.pt
     trainer.close()  # on success only: after a failure the launcher stops every rank anyway
     summary = {**result.summary, **memory, **numerics}
     if "SLURM_RESTART_COUNT" in os.environ:  # how often Slurm requeued this job
@@ -201,8 +201,8 @@ def _search_max_batch(config: TrainConfig, env: DistEnv, reporter: WorkerReporte
     with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
         try:
             found = trainer.largest_batch()
-        except Exception as exc:  # --shard full: one size per launch, and a size that does not fit ends it
-            if trainer.sharded and (isinstance(exc, RankOutOfMemory) or is_out_of_memory(exc)):
+        except Exception as exc:  # one size per launch (--shard full): a size that does not fit ends it
+            if trainer.strategy.one_size_per_launch and (isinstance(exc, RankOutOfMemory) or is_out_of_memory(exc)):
                 outputs.write_json(Path(config.run_dir) / outputs.OUT_OF_MEMORY_FILE.format(rank=env.rank),
                                    {"rank": env.rank, "batch_size": config.batch_size, "error": str(exc)[:500]})
             raise

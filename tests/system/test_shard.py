@@ -253,7 +253,7 @@ class _Stack(nn.Module):
 
 
 def test_the_units_are_the_named_classes_else_the_repeated_blocks_else_the_top_level_children():
-    from ddp_amp.train.sharding import unit_rule
+    from ddp_amp.parallel.fsdp import unit_rule
 
     stack = _Stack()
     assert unit_rule(stack, None) == list(stack.layers)  # the outermost repeated blocks, not their Linears

@@ -18,6 +18,7 @@ FLOORS = [
     ("ddp_amp.rank",),
     ("ddp_amp.checkpoint",),
     ("ddp_amp.train",),
+    ("ddp_amp.parallel",),
     ("ddp_amp.tasks",),
     ("ddp_amp.progress",),
     ("ddp_amp.config", "ddp_amp.dist", "ddp_amp.precision", "ddp_amp.network", "ddp_amp.process",

@@ -454,7 +454,7 @@ def test_the_buffer_broadcast_switch_takes_the_name_this_torchs_ddp_knows():
     name, and every GPU run failed on it."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddp_amp.train.optim import buffer_sync_option
+    from ddp_amp.parallel.ddp import buffer_sync_option
 
     class Older:
         def __init__(self, module, device_ids=None, broadcast_buffers=True, bucket_cap_mb=None):

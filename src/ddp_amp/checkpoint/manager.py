@@ -80,17 +80,18 @@ class CheckpointManager:
     def _save(self, trainer: Trainer, step: int) -> None:
         ranks = [None] * self.env.world_size
         views = sharded.local_state(trainer.module, trainer.optimizer) if self.sharded else None
+        replicated = trainer.strategy.replicated_parts  # written by one rank each
         # A collective: every rank, every time. Each rank's RNG states and, for iterable data, its position
         # (and, sharded, the bytes of its own state, for the split of what all ranks hold).
         dist.all_gather_object(ranks, (fileformat.rng_state(self.device), trainer.data.rank_state(),
-                                       sharded.own_bytes(views, self.config.shard) if views else 0,
+                                       sharded.own_bytes(views, replicated) if views else 0,
                                        self.env.writes_run_dir, writer_tag()))
         writers = [rank for rank, (*_, writes, _) in enumerate(ranks) if writes]
         self.last_step = step
         if self.sharded:  # every rank writes its part: every rank waits for its previous write, then stages
             self._note_wait()
             extras = trainer.state_dict(writers, whole=False)
-            local = _to_host(sharded.own_share(views, self.config.shard, self.env.rank, [r[2] for r in ranks]))
+            local = _to_host(sharded.own_share(views, replicated, self.env.rank, [r[2] for r in ranks]))
         else:  # sharded state (--shard optimizer or full) is gathered whole on the writers: collective too
             trained = trainer.state_dict(writers)
             if not self.env.writes_run_dir:

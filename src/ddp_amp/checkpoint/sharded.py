@@ -97,27 +97,23 @@ def local_state(module: nn.Module, optimizer: torch.optim.Optimizer,
             "optimizer": get_optimizer_state_dict(module, local, options=_options()) if with_optimizer else {}}
 
 
-REPLICATED = {"none": ("model", "optimizer"), "optimizer": ("model",), "full": ()}
-"""What every rank holds whole, by --shard mode: DDP's model and optimizer, ZeRO's model (its optimizer state is
-each rank's own; FSDP's is all DTensor shards)."""
-
-
 def _bytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def own_bytes(state: dict[str, Any], shard: str) -> int:
-    """The bytes of this rank's own (not replicated) tensors: ZeRO's optimizer state, FSDP's shards."""
+def own_bytes(state: dict[str, Any], replicated: tuple[str, ...]) -> int:
+    """The bytes of this rank's own tensors, those not in the `replicated` parts (Strategy.replicated_parts,
+    what every rank holds whole): ZeRO's optimizer state, FSDP's shards."""
     return sum(_bytes(getattr(value, "_local_tensor", value)) for part, values in state.items()
-               if part not in REPLICATED[shard] for value in values.values())
+               if part not in replicated for value in values.values())
 
 
-def own_share(state: dict[str, Any], shard: str, rank: int, own: list[int]) -> dict[str, Any]:
+def own_share(state: dict[str, Any], replicated: tuple[str, ...], rank: int, own: list[int]) -> dict[str, Any]:
     """`state` less the replicated tensors another rank writes: each replicated tensor goes to one rank (the
     largest first, each to the rank with the fewest bytes so far, counting each rank's `own` bytes; every rank
     computes the same split from the same names and sizes), so that a rank stages, copies and writes only its
     share. The non-tensor values stay on every rank (DCP writes one of the identical copies)."""
-    parts = REPLICATED[shard]
+    parts = replicated
     tensors = sorted(((part, name, _bytes(value)) for part in parts for name, value in state[part].items()
                       if isinstance(value, torch.Tensor) and not hasattr(value, "to_local")),
                      key=lambda item: (-item[2], item[0], item[1]))

@@ -24,6 +24,7 @@ from ddp_amp.errors import RunFailed
 from ddp_amp.launch.preflight import LaunchPlan
 from ddp_amp.launch.torchrun import ElasticJob
 from ddp_amp.outputs import failure_of, read_summary
+from ddp_amp.parallel import MODES
 from ddp_amp.process import stop_signals_raise
 
 
@@ -199,8 +200,7 @@ def _announce(launch: Launch) -> None:
     tf32 = f", tf32 {config.tf32}" if config.tf32 and plan.device_type == "cuda" else ""
     why = f" (--amp {config.amp}: {plan.precision.reason})" if plan.precision.reason else ""
     name = "measured at start-up" if plan.precision.measured else plan.precision.name  # a line follows
-    sharding = {"none": "", "optimizer": ", optimizer state sharded (ZeRO-1)",
-                "full": ", parameters, gradients and optimizer state sharded (FSDP2)"}[config.shard]
+    sharding = MODES[config.shard].launch_words
     say(f"ddp-amp: {launch.nproc} rank(s) on {plan.device_type}, precision {name}{why}{tf32}{sharding}, "
         f"task {config.task}, run dir {config.run_dir}")
     if plan.precision.warning:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ddp_amp.measure.bench import BenchOptions, environment
 from ddp_amp.outputs import OUT_OF_MEMORY_FILE
+from ddp_amp.parallel import MODES
 
 
 def host_memory_share_gib(nproc: int) -> float:
@@ -30,12 +31,13 @@ def run_max_batch(train_options: dict[str, Any], options: BenchOptions, *, nproc
 
     results: dict[str, Any] = {}
     plan, first = None, None
+    by_launches = MODES[train_options.get("shard", "none")].one_size_per_launch
     for mode in options.modes:
         run_options = {**train_options, "amp": mode, "steps": 1, "log_every": 1}
         if mode == "off":
             run_options["dtype"] = "auto"
         run_dir = run_root / f"max-batch-{mode}"
-        if train_options.get("shard") == "full":
+        if by_launches:
             plan, summary, found = _search_by_launches(run_options, run_dir, nproc=nproc, launcher=options.launcher)
         else:
             plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher, kind="max-batch")
@@ -55,8 +57,7 @@ def run_max_batch(train_options: dict[str, Any], options: BenchOptions, *, nproc
     report["environment"] = env
     report["method"] = {"search": "doubling from --batch-size, then bisecting to within 1/16",
                         "trial_steps": TRIAL_STEPS,
-                        "launch_per_trial": train_options.get("shard") == "full", "launcher": options.launcher,
-                        "nproc": nproc,
+                        "launch_per_trial": by_launches, "launcher": options.launcher, "nproc": nproc,
                         "task": train_options["task"], "run_root": str(run_root)}
     return report
 

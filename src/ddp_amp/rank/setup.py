@@ -20,11 +20,12 @@ import torch.distributed as dist
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, resolve_device, set_cpu_threads
 from ddp_amp.errors import RankSetupError, RankUsageError
+from ddp_amp.parallel import MODES
+from ddp_amp.parallel.base import on_meta_device
 from ddp_amp.precision import Precision, cuda_has_native_bf16, resolve_precision
 from ddp_amp.progress.session import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
 from ddp_amp.train.data import is_iterable
-from ddp_amp.train.sharding import on_meta_device
 
 WEIGHTS_OVERHEAD = 1 << 20  # torch.save's framing, summary.json and metrics.jsonl, generously
 
@@ -174,9 +175,7 @@ def import_mode_libraries(config: TrainConfig) -> None:
     baseline is taken: their code is no training state. torch.distributed.tensor (FSDP2's and DCP's DTensor)
     alone is about 41 MB resident on a CPU rank; imported lazily after the baseline, the peak less the baseline
     counted it as if the model held it (docs/benchmarks.md)."""
-    names = {"optimizer": ["torch.distributed.optim"],
-             "full": ["torch.distributed.fsdp", "torch.distributed.fsdp.sharded_grad_scaler",
-                      "torch.distributed.checkpoint.state_dict"]}.get(config.shard, [])
+    names = list(MODES[config.shard].libraries)
     if config.checkpoint_format == "sharded":
         names += ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"]
     for name in names:
@@ -188,7 +187,7 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
     training randomness seeded per rank."""
     torch.manual_seed(config.seed)
     # A model given as a function is built by rank 0 alone under --shard full; the others take theirs from it.
-    model_on_meta = config.shard == "full" and env.rank != 0
+    model_on_meta = MODES[config.shard].model_from_rank0 and env.rank != 0
     task = build_task(config.task, config.task_arg, model_on_meta=model_on_meta)
     if not model_on_meta and on_meta_device(task.model):
         raise RankUsageError(f"--task {config.task}: Task.model is on the meta device (it has no values); give it "

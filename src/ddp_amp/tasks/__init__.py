@@ -104,7 +104,7 @@ class Task:
     shard_units: Sequence[type | str] | None = None
     """Optional, for --shard full: the module classes (or class names) whose instances FSDP shards as one unit
     each, all-gathered for their own forward and backward. None: a Hugging Face model's `_no_split_modules`
-    (its decoder layer), else the repeated blocks of the model (train.sharding.unit_rule)."""
+    (its decoder layer), else the repeated blocks of the model (parallel.fsdp.unit_rule)."""
 
 
 def resolve_factory(spec: str, task_args: Sequence[str] = ()) -> Callable[[], Task]:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.errors import RankOutOfMemory, RankSetupError
+from ddp_amp.parallel.base import Strategy, whole_value
 from ddp_amp.precision import Precision, autocast
 from ddp_amp.tasks.batches import batch_loss
 from ddp_amp.train.data import to_device
@@ -32,8 +32,6 @@ from ddp_amp.train.microbatch import (
     is_out_of_memory,
     split_batch,
 )
-from ddp_amp.train.optim import ddp_error_line
-from ddp_amp.train.sharding import gradient_sync_off, local
 
 PHASES = ("data", "forward", "backward", "step", "log")
 """Where the training loop can be, in order within one optimizer step; `AmpStep.position` names one."""
@@ -52,14 +50,17 @@ class StepOutcome:
 
 
 class AmpStep:
-    """The training step, with what it needs: the DDP model, the loss, the optimizer, its scaler and schedule."""
+    """The training step, with what it needs: the wrapped model, the loss, the optimizer, its scaler and
+    schedule, and the parallel strategy that wrapped the model (its no_sync, its errors)."""
 
-    def __init__(self, model: DDP, loss_fn: Callable[[Any, Any], torch.Tensor] | None, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision, device: torch.device, *,
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any, precision: Precision,
+                 device: torch.device, strategy: Strategy, *,
                  grad_accum: int, clip_grad: float | None, gradient_reduction: Callable[[], None],
                  batch_size: int = 0, micro: MicroBatches | None = None, task: str = "",
                  every_field: bool = False, count_items: Callable[[Any], Any] | None = None) -> None:
         self.model, self.loss_fn, self.optimizer, self.scaler = model, loss_fn, optimizer, scaler
+        self.strategy = strategy
         self.task = task
         """--task, for the message of a batch whose loss the Task contract cannot find."""
         self.every_field = every_field
@@ -116,7 +117,7 @@ class AmpStep:
             grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
             stepped = self.optimizer_step()
         except Exception as exc:
-            if (line := ddp_error_line(exc, self.model, step)) is not None:
+            if (line := self.strategy.error_line(exc, self.model, step)) is not None:
                 raise RankSetupError(line) from exc
             if isinstance(exc, RankOutOfMemory) or not is_out_of_memory(exc) or getattr(exc, "halving_gave_up", False):
                 raise
@@ -169,7 +170,7 @@ class AmpStep:
         (--micro-batch). Returns the loss, detached, fp32, on the device, unweighted."""
         if self.device.type != "cpu":
             batch = to_device(batch, self.device)
-        with contextlib.nullcontext() if sync else gradient_sync_off(self.model):
+        with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
             self.position = (step, index, FORWARD)
             with autocast(self.precision, self.device.type):
                 loss = batch_loss(self.model, batch, self.loss_fn, self.task, self.every_field)
@@ -268,8 +269,8 @@ class AmpStep:
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.clip_grad is not None:
-            return local(torch.nn.utils.clip_grad_norm_(params, self.clip_grad))
-        return local(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            return whole_value(torch.nn.utils.clip_grad_norm_(params, self.clip_grad))
+        return whole_value(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     def optimizer_step(self) -> bool:
         """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""

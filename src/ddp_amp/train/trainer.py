@@ -23,7 +23,9 @@ from ddp_amp.config import TrainConfig, parse_window
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankUsageError
 from ddp_amp.outputs import BEST_MODEL_FILE, save_weights
-from ddp_amp.precision import Precision, grad_scaler
+from ddp_amp.parallel import strategy_for
+from ddp_amp.parallel.base import on_meta_device
+from ddp_amp.precision import Precision
 from ddp_amp.tasks import Task
 from ddp_amp.tasks.batches import loss_items_counter
 from ddp_amp.train.batch_search import largest_batch, one_trial
@@ -32,17 +34,9 @@ from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.evaluation import BestKeeper, Validation
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
-from ddp_amp.train.optim import (
-    build_optimizer,
-    gather_optimizer_state,
-    optimizer_impl,
-    optimizer_state_mb,
-    parameter_counts,
-    wrap_ddp,
-)
+from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
-from ddp_amp.train.sharding import full_state, load_full_state, on_meta_device, plain_model, shard_task_model
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
 
@@ -74,15 +68,6 @@ def micro_batches(config: TrainConfig) -> MicroBatches | None:
     return MicroBatches(config.batch_size if auto else int(config.micro_batch), auto)
 
 
-def wrap_model(module: torch.nn.Module, config: TrainConfig, device: torch.device,
-               task: Task) -> tuple[torch.nn.Module, torch.nn.Module | None, dict[str, int]]:
-    """(what the step trains, the unsharded skeleton, the FSDP units by class): the DDP wrapper, None and no
-    units, or under --shard full the module itself sharded and a meta-device copy of it taken before."""
-    if config.shard != "full":
-        return wrap_ddp(module, config, device), None, {}
-    return shard_task_model(module, task.shard_units, device, compile=config.compile)
-
-
 def rank_data(task: Task, config: TrainConfig, env: DistEnv, device: torch.device) -> RankData | IterableRankData:
     """This rank's share of the training data, in batches (train.data)."""
     workers = loader_workers(config.num_workers, device, env.local_world_size)
@@ -107,12 +92,12 @@ class Trainer:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.module = model if on_meta_device(model) else model.to(device)  # meta: storage after sharding
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
-        self.sharded = config.shard == "full"
-        """FSDP2 instead of DDP: self.module and self.model are then one sharded module (train.sharding)."""
-        self.model, self.shell, self.shard_units = wrap_model(self.module, config, device, task)
+        self.strategy = strategy_for(config, device)
+        """The parallel mode (--shard): DDP around self.module, or self.module itself sharded (parallel)."""
+        self.model = self.strategy.setup_module(self.module, task.shard_units)
         self.optimizer_impl = optimizer_impl(config, precision)
-        self.optimizer = build_optimizer(self.module, config, self.optimizer_impl)
-        self.scaler = grad_scaler(precision, device.type, sharded=self.sharded)
+        self.optimizer = build_optimizer(self.module, config, self.strategy, self.optimizer_impl)
+        self.scaler = self.strategy.grad_scaler(precision)
         self.data = rank_data(task, config, env, device)
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
@@ -124,7 +109,7 @@ class Trainer:
             all_reduce_gradients(params, env.world_size, config.bucket_mb, config.grad_compression)
 
         self.step = AmpStep(self.model, task.loss_fn, self.optimizer, self.scaler, self.scheduler, precision,
-                            device, grad_accum=config.grad_accum, clip_grad=config.clip_grad,
+                            device, self.strategy, grad_accum=config.grad_accum, clip_grad=config.clip_grad,
                             batch_size=config.batch_size, micro=self.micro, gradient_reduction=reduction,
                             task=config.task, every_field=task.pass_every_field,
                             count_items=loss_items_counter(task, self.module))
@@ -139,7 +124,7 @@ class Trainer:
         self.data_ended_at: int | None = None
         """Iterable data: the step after which some rank's data ran out, where every rank stopped."""
         self.validation = (Validation(task, env, device, precision, batch_size=config.batch_size, spec=config.task,
-                                      lockstep=self.sharded)
+                                      lockstep=self.strategy.lockstep_evaluation)
                            if task.val_dataset is not None else None)
         if self.validation is None and (config.eval_every or config.keep_best):
             raise RankUsageError(f"--task {config.task}: --eval-every and --keep-best need Task.val_dataset, and "
@@ -182,7 +167,7 @@ class Trainer:
 
     def largest_batch(self) -> dict[str, Any]:
         """bench --max-batch: the largest per-rank batch of this task that trains here (train.batch_search)."""
-        search = one_trial if self.sharded else largest_batch  # --shard full: one size per launch
+        search = one_trial if self.strategy.one_size_per_launch else largest_batch
         return search(self.step, self.task.dataset, self.device, self.env.world_size, self.config.batch_size,
                       collate_fn=self.task.collate_fn)
 
@@ -191,13 +176,9 @@ class Trainer:
         the ranks in `writers`; None on the others. Every rank calls it: gathering sharded state is collective.
         whole=False: all but the model and the optimizer (a sharded checkpoint's extras; no collective)."""
         weights = {}
-        if whole and self.sharded:
-            model, optimizer = full_state(self.module, self.optimizer, writers)
+        if whole:
+            model, optimizer = self.strategy.full_state(self.module, self.optimizer, writers)
             weights = {"model": model, "optimizer": optimizer}
-        elif whole:
-            gather_optimizer_state(self.optimizer, writers)
-            if self.env.rank in writers:
-                weights = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.env.rank not in writers:
             return None
         return {**weights, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
@@ -205,9 +186,7 @@ class Trainer:
 
     def model_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict on the run dir's writers (None elsewhere); every rank calls it."""
-        if self.sharded:
-            return full_state(self.module, None, self.writers)[0] or None
-        return self.module.state_dict() if self.env.writes_run_dir else None
+        return self.strategy.model_state(self.module, self.writers)
 
     @property
     def writers(self) -> list[int]:
@@ -220,23 +199,16 @@ class Trainer:
 
     def plain_model(self) -> torch.nn.Module | None:
         """The trained model as a plain module on the writers (model.pt, the model's own format, rank 0's
-        evaluation), None elsewhere; every rank calls it. Under --shard full its weights are gathered into the
-        skeleton kept from before sharding."""
-        if not self.sharded:
-            return self.module
-        state = self.model_state()
-        return plain_model(self.shell, state, self.device, self.module) if state is not None else None
+        evaluation), None elsewhere; every rank calls it (a sharded model's weights are gathered)."""
+        return self.strategy.plain_model(self.module, self.writers)
 
     def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None,
                         data_ranks: list | None = None, weights_loaded: bool = False) -> None:
         """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks;
         `data_ranks`: every rank's position in iterable data; `weights_loaded`: the model and the optimizer
         came from a sharded checkpoint already (checkpoint.sharded), `state` holds the rest."""
-        if self.sharded and not weights_loaded:
-            load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
-        elif not weights_loaded:
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        if not weights_loaded:
+            self.strategy.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if weights_loaded:  # ZeroRedundancyOptimizer's own groups hold the rate its step copies to its local
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):  # optimizer's
@@ -377,8 +349,7 @@ class Trainer:
             "batch_size": config.batch_size, "global_batch_size": config.batch_size * config.grad_accum * world_size,
             "precision": self.precision.name, "device": str(self.device.type), "backend": dist.get_backend(),
             "skipped_steps": self.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0], "seed": config.seed,
-            "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl, "shard": config.shard,
-            **({"shard_units": self.shard_units} if self.sharded else {}),
+            "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl, **self.strategy.summary(),
             "optimizer_state_mb": self._optimizer_state_per_rank(),
             "ddp": {"bucket_mb": config.bucket_mb, "bucket_view": config.bucket_view,
                     "static_graph": config.static_graph, "grad_compression": config.grad_compression,

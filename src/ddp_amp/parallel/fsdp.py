@@ -1,6 +1,6 @@
 """--shard full: FSDP2 (torch.distributed.fsdp.fully_shard) in place of DDP, and the whole-model views the rest
 of ddp-amp needs of a sharded model: the plain state_dict checkpoints and model.pt hold, and a plain module for
-rank 0's evaluation and the model's own save format.
+rank 0's evaluation and the model's own save format (FSDPStrategy).
 
 Each rank keeps 1/N of every parameter, gradient and optimizer state (as DTensors on a one-dimensional mesh
 over all ranks); a unit's parameters are all-gathered for its forward and its backward and freed after, and
@@ -19,13 +19,66 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
+
+from ddp_amp.errors import RankUsageError
+from ddp_amp.parallel.base import Strategy, on_meta_device
+from ddp_amp.precision import Precision
+
+
+class FSDPStrategy(Strategy):
+    mode = "full"
+    replicated_parts = ()  # every tensor of the model and the optimizer is a DTensor shard
+    lockstep_evaluation = True
+
+    def __init__(self, config, device: torch.device) -> None:
+        super().__init__(config, device)
+        self.shell: nn.Module | None = None
+        """A meta-device copy of the model taken before sharding: the plain model at the end (plain_model)."""
+        self.units: dict[str, int] = {}
+        """The FSDP units by class."""
+
+    def setup_module(self, module: nn.Module, units: Sequence[type | str] | None = None) -> nn.Module:
+        sharded, self.shell, self.units = shard_task_model(module, units, self.device, compile=self.config.compile)
+        return sharded
+
+    def grad_scaler(self, precision: Precision) -> torch.amp.GradScaler:
+        """FSDP's ShardedGradScaler: each rank sees only its shard's inf/NaN, and it all-reduces the finding, so
+        every rank skips the same steps."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.device.type, enabled=precision.uses_scaler)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return gradient_sync_off(model)
+
+    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   writers: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        return full_state(module, optimizer, writers)
+
+    def load_model_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(module, state, options=_options())
+
+    def load_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(module, optimizer, _by_name(module, state), options=_options())
+
+    def plain_model(self, module: nn.Module, writers: list[int]) -> nn.Module | None:
+        """Its weights gathered into the skeleton kept from before sharding, on the writers."""
+        state = self.model_state(module, writers)
+        return plain_model(self.shell, state, self.device, module) if state is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "shard_units": self.units}
 
 
 def unit_rule(model: nn.Module, named: Sequence[type | str] | None) -> list[nn.Module]:
@@ -37,8 +90,6 @@ def unit_rule(model: nn.Module, named: Sequence[type | str] | None) -> list[nn.M
     if names:
         found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
         if named and not found:
-            from ddp_amp.errors import RankUsageError
-
             raise RankUsageError(f"Task.shard_units names {', '.join(sorted(names))}, and the model has no module "
                                  "of that class (below its root) for --shard full to shard")
     else:
@@ -131,16 +182,9 @@ def shard_task_model(module: nn.Module, shard_units, device: torch.device,
     return sharded, shell, by_class
 
 
-def on_meta_device(model: nn.Module) -> bool:
-    """Any of the model's parameters or buffers without storage (built under torch.device("meta"))."""
-    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-
-
 def built_on_meta_anywhere(model: nn.Module, device: torch.device) -> bool:
     """Whether any rank built its model on the meta device (a Task.model function under --shard full): then
     every rank takes part in handing rank 0's weights out (a collective; rank 0 itself must hold them)."""
-    from ddp_amp.errors import RankUsageError
-
     flags = torch.tensor([float(on_meta_device(model))], device=device)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     if flags.item() and torch.distributed.get_rank() == 0 and on_meta_device(model):
@@ -163,30 +207,15 @@ def take_rank0_weights(model: nn.Module, rank0_state: dict[str, torch.Tensor], d
         torch.distributed.broadcast(buffer, src=0)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 @contextlib.contextmanager
 def gradient_sync_off(model: nn.Module) -> Iterator[None]:
-    """DDP's no_sync for either wrapper: the backward passes inside accumulate gradients locally, and the one
-    after reduces them. FSDP2 says it with set_requires_gradient_sync (its gradients stay unsharded until then)."""
-    if not is_sharded(model):
-        with model.no_sync():
-            yield
-        return
+    """DDP's no_sync for FSDP2: the backward passes inside accumulate gradients locally (unsharded until then),
+    and the one after reduce-scatters them."""
     model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def local(value: torch.Tensor) -> torch.Tensor:
-    """A DTensor's value as a plain tensor (a replicated one is whole on every rank: a gradient norm)."""
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _options(**changes: Any):
@@ -209,17 +238,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, writer
     return model_state, optimizer_state and _by_index(model, optimizer_state)
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                    optimizer_state: dict) -> None:
-    """Every rank, from the whole state (a plain checkpoint's, on every rank): each takes its shards."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    set_model_state_dict(model, model_state, options=_options())
-    set_optimizer_state_dict(model, optimizer, _by_name(model, optimizer_state), options=_options())
-
-
 def _trained_names(model: nn.Module) -> list[str]:
-    """The optimizer's parameters by name, in its order (optim.build_optimizer: the trainable ones)."""
+    """The optimizer's parameters by name, in its order (train.optim.build_optimizer: the trainable ones)."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
