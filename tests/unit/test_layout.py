@@ -14,7 +14,7 @@ FLOORS = [
     ("ddp_amp.measure",),
     ("ddp_amp.launch",),
     ("ddp_amp.results",),
-    ("ddp_amp.worker",),
+    ("ddp_amp.worker", "ddp_amp.loop"),
     ("ddp_amp.rank",),
     ("ddp_amp.checkpoint",),
     ("ddp_amp.train",),

@@ -3,6 +3,7 @@ refused (one line, exit 2, nothing made), what the script is given, the jobs emi
 launcher's capture of a script's output (progress.output) with real sockets."""
 
 import io
+import json
 import socket
 import sys
 import time
@@ -217,3 +218,30 @@ def test_a_group_the_script_destroys_stays_referenced_until_the_rank_exits(monke
     dist.destroy_process_group()
     assert not dist.is_initialized()
     assert world in script.KEPT_GROUPS and len(script.KEPT_GROUPS) == 2
+
+
+@pytest.mark.parametrize("importing", ["from ddp_amp import loop", "import ddp_amp.loop",
+                                       "from ddp_amp.loop import setup", "import ddp_amp.loop as dl"])
+def test_the_loop_options_are_taken_for_a_script_that_imports_ddp_amp_loop_and_refused_otherwise(importing, tmp_path,
+                                                                                                 capsys, monkeypatch):
+    """--amp, --grad-accum, --resume, ... mean something for a script whose source imports ddp_amp.loop (its
+    loop reads them from config.json): accepted there, up to the launch (patched out here); for another script
+    they are refused with the reason named, before anything is made."""
+    from ddp_amp.commands import train
+
+    launched = []
+    monkeypatch.setattr(train, "launch_script", lambda launch, output: launched.append(launch))
+    script = tmp_path / "train.py"
+    script.write_text(f"{importing}\nprint('hi')\n")
+    code, out, err = run_main(["spawn", "-n", "2", "--amp", "on", "--grad-accum", "2", "--resume", "auto",
+                               "--run-dir", str(tmp_path / "run"), str(script)], capsys)
+    assert code == 0, err
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["amp"], config["grad_accum"], config["resume"]) == ("on", 2, "auto") and len(launched) == 1
+    plain = tmp_path / "plain.py"
+    plain.write_text("import ddp_amp\nprint('hi')\n")
+    code, out, err = run_main(["spawn", "-n", "2", "--amp", "on", "--optimizer", "sgd",
+                               "--run-dir", str(tmp_path / "run2"), str(plain)], capsys)
+    assert code == 2 and one_line(err).endswith(
+        f"--amp would apply to a script that uses ddp_amp.loop, and {plain} does not import it")
+    assert not (tmp_path / "run2").exists()

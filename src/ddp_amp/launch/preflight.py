@@ -339,6 +339,15 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
                       fields_left_out=left_out)
 
 
+def _a_scripts_run_dir(run_dir: str) -> bool:
+    """The run directory of an earlier script launch (its config.json names the script): the metrics.jsonl there
+    are the script's own (ddp_amp.loop's report()), which a resume continues."""
+    try:
+        return "script" in json.loads((Path(run_dir) / CONFIG_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",
                      overwrite: bool = False, run_dir: str | None = None, extra: dict | None = None,
                      lock_run_dir: bool = True) -> LaunchPlan:
@@ -353,7 +362,7 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
 
     device_type = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
     existed = Path(config.run_dir).exists()
-    if (Path(config.run_dir) / METRICS_FILE).exists() and not overwrite:
+    if (Path(config.run_dir) / METRICS_FILE).exists() and not overwrite and not _a_scripts_run_dir(config.run_dir):
         raise UsageError(f"--run-dir {config.run_dir!r} holds a run of ddp-amp's own loop (metrics.jsonl); pass "
                          "--overwrite to start over in it, or choose another directory")
     # resuming: a script's earlier record (summary.json) is replaced, not refused as an unfinished run's.

@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.config import Script
+from ddp_amp.config import LOOP_OPTIONS, Script
 from ddp_amp.errors import UsageError
+from ddp_amp.outputs import LOOP_RECORD_FILE
 
 SCRIPT_TRAINING_OPTIONS = ("stop_timeout", "device")
 """The training options that apply to a script: how long ranks get to leave after a stop signal, and the devices
@@ -84,15 +85,47 @@ def check_module(name: str) -> None:
                          "module that trains (-m package.module)")
 
 
-def refuse_loop_options(changed: list[str]) -> None:
+def refuse_loop_options(changed: list[str], script: Script) -> None:
     """`changed`: the training options given, as TrainConfig fields (those that differ from their defaults). A
-    script runs its own loop: the options of ddp-amp's loop are refused by name."""
-    given = ["--" + name.replace("_", "-") for name in changed if name not in SCRIPT_TRAINING_OPTIONS]
-    if given:
-        raise UsageError(f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of ddp-amp's own "
-                         f"training loop, which a script does not run; drop {'it' if len(given) == 1 else 'them'} "
-                         "(a script takes its own arguments after its name; of the training options only "
-                         "--stop-timeout and --device apply to it)")
+    script runs its own loop: the options of ddp-amp's loop are refused by name, except those a script that uses
+    ddp_amp.loop takes (config.LOOP_OPTIONS)."""
+    allowed = SCRIPT_TRAINING_OPTIONS + (LOOP_OPTIONS if uses_loop_module(script) else ())
+    given = ["--" + name.replace("_", "-") for name in changed if name not in allowed]
+    if not given:
+        return
+    loop_ones = [flag for flag in given if flag[2:].replace("-", "_") in LOOP_OPTIONS]
+    hint = (f"; {', '.join(loop_ones)} would apply to a script that uses ddp_amp.loop, and "
+            f"{script.target} does not import it") if loop_ones else ""
+    raise UsageError(f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of ddp-amp's own "
+                     f"training loop, which a script does not run; drop {'it' if len(given) == 1 else 'them'} "
+                     "(a script takes its own arguments after its name; of the training options only "
+                     f"--stop-timeout and --device apply to it){hint}")
+
+
+def uses_loop_module(script: Script) -> bool:
+    """Whether the script's own source imports ddp_amp.loop (`from ddp_amp import loop`, `import ddp_amp.loop`,
+    `from ddp_amp.loop import ...`): read, never run. A script that reaches it only through a module of its own is
+    not seen; such a script takes the loop's settings as setup(**defaults)."""
+    import ast
+
+    path = script.path
+    if script.module:
+        spec = importlib.util.find_spec(script.target)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{script.target}.__main__")
+        path = spec.origin if spec is not None else None
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError, TypeError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(alias.name.startswith("ddp_amp.loop") for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.startswith("ddp_amp.loop")
+                or (node.module == "ddp_amp" and any(alias.name == "loop" for alias in node.names))):
+            return True
+    return False
 
 
 def script_threads_env(nproc_per_node: int) -> dict[str, str]:
@@ -100,9 +133,11 @@ def script_threads_env(nproc_per_node: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1"} if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ else {}
 
 
-def script_record(script: Script, *, launch, model, started: float, failure) -> dict[str, Any]:
+def script_record(script: Script, run_dir: Path, *, launch, model, started: float, failure) -> dict[str, Any]:
     """summary.json of a script's run, as its launcher saw it: the command, the ranks, the outcome (finished,
-    failed: the rank and why, stopped: by which signal), the exit code and how long it ran."""
+    failed: the rank and why, stopped: by which signal), the exit code and how long it ran; and a script that
+    used ddp_amp.loop, its loop's own account (loop.json)."""
+    import json
     import time
 
     world_sizes = [state.world_size for state in model.ranks.values() if state.world_size]
@@ -112,6 +147,12 @@ def script_record(script: Script, *, launch, model, started: float, failure) -> 
         "outcome": "finished", "exit_code": 0, "wall_s": round(time.time() - started, 3),
         "restarts": model.restarts,
     }
+    loop = run_dir / LOOP_RECORD_FILE  # a script using ddp_amp.loop: its loop's own account
+    if loop.is_file():
+        try:
+            record["loop"] = json.loads(loop.read_text())
+        except ValueError:
+            pass
     if failure is not None:
         stopped = failure.exit_code > 128
         record.update(outcome="stopped" if stopped else "failed", exit_code=failure.exit_code)

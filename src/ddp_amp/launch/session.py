@@ -185,7 +185,7 @@ def run_script_launch(launch: Launch, display) -> None:
                             exit_code=failure.exit_code)
     model = display.model
     settle_overwritten(plan, trained=True)  # what a script does is its own: the earlier run is not put back
-    write_summary(run_dir, script_record(script, launch=launch, model=model, started=started, failure=failure))
+    write_summary(run_dir, script_record(script, run_dir, launch=launch, model=model, started=started, failure=failure))
     if failure is not None:
         raise failure
     restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""

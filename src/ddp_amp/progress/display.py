@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ddp_amp.progress.events import plain_line
+from ddp_amp.progress.events import metrics_text, plain_line
 
 
 @dataclass
@@ -41,6 +41,8 @@ class RankState:
     world_size: int | None = None
     last_line: str = ""
     """A script's rank: the last line it wrote (stdout or stderr)."""
+    reported: dict[str, float] = field(default_factory=dict)
+    """A script's rank using ddp_amp.loop: the metrics of its last report() (its step in `step`)."""
     exit_code: int | None = None
 
 
@@ -90,6 +92,8 @@ class ProgressModel:
             state.world_size = event.get("world_size", state.world_size)
         elif kind == "output":
             state.last_line = event["line"]
+        elif kind == "report":
+            state.step, state.reported = event["step"], event["metrics"]
         elif kind == "log":
             state.status = "slow" if event.get("slow") else "running"
             for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "loss_scale",
@@ -357,12 +361,16 @@ class RichDisplay:
         table = Table(box=None, pad_edge=False, expand=False)
         ranks = sorted(self.model.ranks.values(), key=lambda s: s.rank)
         show_node = any(s.node for s in ranks)
-        for header in ("rank", *(("node", "local") if show_node else ()), "status", "last line"):
-            table.add_column(header, justify="left" if header in ("status", "last line") else "right",
+        reports = any(s.reported for s in ranks)  # the script reports through ddp_amp.loop
+        for header in ("rank", *(("node", "local") if show_node else ()), "status",
+                       *(("step", "reported") if reports else ()), "last line"):
+            table.add_column(header, justify="left" if header in ("status", "reported", "last line") else "right",
                              overflow="ellipsis", no_wrap=True)
         for state in ranks:
             table.add_row(str(state.rank), *((_fmt(state.node, "d"), _fmt(state.local_rank, "d")) if show_node else ()),
-                          Text(state.status, style=_STYLES.get(state.status, "")), Text(state.last_line))
+                          Text(state.status, style=_STYLES.get(state.status, "")),
+                          *((str(state.step), Text(metrics_text(state.reported))) if reports else ()),
+                          Text(state.last_line))
         return Group(table, Text(f"elapsed {_duration(self.model.elapsed)}"))
 
     def close(self) -> None:

@@ -26,6 +26,11 @@ from __future__ import annotations
 from typing import Any
 
 
+def metrics_text(metrics: dict[str, float]) -> str:
+    """A script's reported metrics (ddp_amp.loop's report()), as "name value" pairs."""
+    return " ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+
+
 def plain_line(event: dict[str, Any]) -> str | None:
     """One line for a non-terminal output, rank first; None for events that print nothing."""
     kind, rank = event.get("type"), event.get("rank")
@@ -43,6 +48,8 @@ def plain_line(event: dict[str, Any]) -> str | None:
         if event.get("slow"):
             line += " slow (holds the others back)"
         return line
+    if kind == "report":
+        return f"[rank {rank}] step {event['step']} {metrics_text(event['metrics'])}"
     if kind == "state" and event["status"] in ("starting", "restarting"):
         details = [f"restart {event['restart']}"] if event.get("restart") else []
         if event.get("world_size"):

@@ -1,0 +1,292 @@
+"""ddp_amp.loop: what ddp-amp's own training loop does, as a handful of calls in a script's own loop.
+
+    from ddp_amp import loop
+
+    run = loop.setup()                                   # process group, device, precision, stop signals
+    model, optimizer = run.prepare(model, optimizer)     # DDP, ZeRO-1 or FSDP2 (--shard); schedulers after it
+    data = run.loader(dataset, batch_size=32)            # this rank's share of each epoch, resumable
+    start = run.restore(model=model, optimizer=optimizer, scheduler=scheduler, data=data)   # --resume
+    batches = data.forever()
+    for step in range(start, steps):
+        for _ in range(run.grad_accum):
+            inputs, targets = next(batches)
+            with run.autocast():
+                loss = loss_fn(model(inputs), targets)
+            run.backward(loss, model)                    # scaled; no_sync but on the last of --grad-accum
+        run.step(optimizer, scheduler)                   # unscale, --clip-grad, step; both skipped on an overflow
+        run.report(step + 1, loss=loss)                  # metrics.jsonl, the live view
+        if run.checkpoint_due(step + 1):
+            run.save(step + 1)
+        if run.should_stop(step + 1):                    # the same step on every rank; saved there
+            break
+    run.finish()
+
+Settings (`--amp`, `--dtype`, `--grad-accum`, `--clip-grad`, `--shard`, `--checkpoint-every`, `--keep`,
+`--resume`, `--log-every`, `--seed`, `--device`) come from the ddp-amp command line before the script, over the
+defaults the script passes to setup(). Under plain torchrun, and as a single `python script.py` (world size 1),
+the same calls do the obvious: one process group of one, no launcher to report to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_amp.loop.data import RankLoader
+from ddp_amp.loop.settings import LoopError, LoopSettings
+from ddp_amp.loop.state import Checkpoints
+from ddp_amp.parallel import strategy_for
+from ddp_amp.precision import Precision, autocast, cuda_devices_have_native_bf16, resolve_precision
+
+__all__ = ["Loop", "LoopError", "RankLoader", "setup"]
+
+
+def setup(**defaults: Any) -> Loop:
+    """The loop of this process: joins the process group of torchrun's environment contract (RANK, WORLD_SIZE,
+    MASTER_ADDR, ...; without it a group of one), picks the device and the precision, and turns the stop signals
+    into a stop request that should_stop() agrees on. `defaults`: the script's own settings, which the ddp-amp
+    command line overrides."""
+    settings = LoopSettings.resolve(defaults)
+    return Loop(settings)
+
+
+class Loop:
+    def __init__(self, settings: LoopSettings) -> None:
+        from ddp_amp.config import TrainConfig
+        from ddp_amp.dist import resolve_device
+        from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
+        from ddp_amp.train.stop import StopAgreement
+
+        self.settings = settings
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = resolve_device(settings.device, self.local_rank)
+        self._own_group = _join_process_group(self.rank, self.world_size, self.device)
+        self.precision = _precision(settings, self.device)
+        """The autocast dtype ("bf16", "fp16") or "fp32"."""
+        config = TrainConfig(shard=settings.shard, compile=False)
+        self.strategy = strategy_for(config, self.device)
+        self.scaler = self.strategy.grad_scaler(self._precision)
+        self.grad_accum, self.clip_grad = settings.grad_accum, settings.clip_grad
+        self.run_dir = Path(settings.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        stop_on_signals()
+        self._stop = StopAgreement(lambda: STOP_REQUEST.signum)
+        self.stopped_by: int | None = None
+        """The stop signal the ranks agreed on (its number), once should_stop() said so."""
+        self.stopped_at: int | None = None
+        self._modules: dict[int, torch.nn.Module] = {}
+        """id(what prepare returned) -> the model inside it (what a checkpoint holds)."""
+        self._prepared: list[torch.nn.Module] = []
+        """What prepare returned, in order."""
+        self._owner: dict[int, torch.nn.Module] = {}
+        """id(optimizer) -> the model it trains (prepare's)."""
+        self._backwards: dict[int, int] = {}
+        """id(model) -> backward passes since its optimizer's last step."""
+        self._steps_taken: dict[int, int] = {}
+        self.skipped_steps = 0
+        self._checkpoints = Checkpoints(self)
+        from ddp_amp.loop.progress import Progress
+
+        self._progress = Progress(self)
+
+    @property
+    def _precision(self) -> Precision:
+        return Precision(self.precision)
+
+    def prepare(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """`model` moved to this rank's device and wrapped for the run's parallel mode, and each of `optimizers`
+        (built over `model`'s parameters) made to train the wrapped model: (model, *optimizers), or the model alone.
+        Build the schedulers after this, on the optimizers it returns."""
+        names = {id(p): name for name, p in model.named_parameters()}
+        groups = [[(names.get(id(p)), p) for p in group["params"]] for opt in optimizers for group in opt.param_groups]
+        if any(name is None for group in groups for name, _ in group):
+            raise LoopError("prepare(): an optimizer trains parameters that are not the model's; prepare each model "
+                            "with the optimizers of its own parameters")
+        if self.scaler.is_enabled() and any(opt.defaults.get("fused") for opt in optimizers):
+            # A fused optimizer takes the scaler's overflow flag itself and is stepped even when it skips: the
+            # skip would be seen only through a host sync every step.
+            raise LoopError("prepare(): a fused optimizer under fp16's gradient scaler; build it with foreach=True")
+        module = model.to(self.device)
+        wrapped = self.strategy.setup_module(module)
+        self._modules[id(wrapped)] = module
+        self._prepared.append(wrapped)
+        prepared = [self._rebuilt(module, optimizer) for optimizer in optimizers]
+        for optimizer in prepared:
+            self._owner[id(optimizer)] = wrapped
+            self._steps_taken[id(optimizer)] = 0
+            optimizer.register_step_post_hook(self._count_step)
+        return (wrapped, *prepared) if prepared else wrapped
+
+    def _rebuilt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer over the wrapped model's parameters, as the parallel mode runs it: itself under DDP;
+        rebuilt over the sharded parameters (FSDP2), or as a ZeroRedundancyOptimizer (ZeRO-1), from its class,
+        its defaults and its groups."""
+        params = dict(module.named_parameters())
+        before = {id(p): name for name, p in module.named_parameters()}
+        same = all(before.get(id(p)) is not None for group in optimizer.param_groups for p in group["params"])
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [params[before[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+        if self.strategy.mode == "none" and same:
+            return optimizer
+        if optimizer.state:
+            raise LoopError("prepare(): the optimizer has taken steps already; prepare it before training")
+        if len(groups) > 1 and self.strategy.mode == "optimizer":
+            raise LoopError("prepare(): --shard optimizer takes an optimizer with one parameter group")
+        options = {k: v for k, v in optimizer.defaults.items() if k not in ("differentiable",)}
+        if self.strategy.mode == "optimizer":
+            return self.strategy.build_optimizer(groups[0]["params"], type(optimizer), options)
+        return type(optimizer)(groups, **options)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward and the loss under the run's precision (a no-op context in fp32)."""
+        return autocast(self._precision, self.device.type)
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
+        """The backward of `loss` / --grad-accum, scaled for fp16. With --grad-accum K, the K-th call for `model`
+        since its optimizer's last step reduces the gradients across ranks; the others run under no_sync."""
+        model = self._the_model(model)
+        count = self._backwards.get(id(model), 0) + 1
+        if count > self.grad_accum:
+            raise LoopError(f"backward(): {count} backward passes of one model before its step, with --grad-accum "
+                            f"{self.grad_accum}; call step() after every {self.grad_accum}")
+        self._backwards[id(model)] = count
+        scaled = self.scaler.scale(loss if self.grad_accum == 1 else loss / self.grad_accum)
+        with contextlib.nullcontext() if count == self.grad_accum else self.strategy.no_sync(model):
+            scaled.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, *schedulers: Any, clip_grad: float | None = None) -> bool:
+        """One optimizer step, as the core's: unscale, clip to `clip_grad` (else --clip-grad), step through the
+        gradient scaler, and the schedulers stepped only when the optimizer was (fp16 skips a step whose
+        gradients overflowed, and its schedule must not advance either); the gradients zeroed. No host sync
+        of its own. Whether the optimizer stepped."""
+        if id(optimizer) not in self._owner:
+            raise LoopError("step(): an optimizer that prepare() did not return; use the one it returned")
+        model = self._owner[id(optimizer)]
+        done = self._backwards.get(id(model), 0)
+        if done != self.grad_accum:
+            raise LoopError(f"step(): after {done} backward pass{'es' if done != 1 else ''} of its model, and "
+                            f"--grad-accum is {self.grad_accum}: the gradients are not reduced yet")
+        self._backwards[id(model)] = 0
+        limit = self.clip_grad if clip_grad is None else clip_grad
+        if limit is not None:
+            self.scaler.unscale_(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, limit)
+        taken = self._steps_taken[id(optimizer)]
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        stepped = self._steps_taken[id(optimizer)] > taken
+        if stepped:
+            for scheduler in schedulers:
+                scheduler.step()
+        else:
+            self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    def _count_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        # GradScaler calls optimizer.step() only for finite gradients (a fused optimizer is refused under fp16).
+        self._steps_taken[id(optimizer)] += 1
+
+    def _the_model(self, model: torch.nn.Module | None) -> torch.nn.Module:
+        if model is None:
+            if len(self._prepared) != 1:
+                raise LoopError(f"backward(): {len(self._prepared)} models were prepared; name the one whose loss "
+                                "this is: backward(loss, model)" if self._prepared else
+                                "backward(): no model was prepared; call prepare(model, optimizer) first")
+            return self._prepared[0]
+        if id(model) not in self._modules:
+            raise LoopError("backward(): a model that prepare() did not return; use the one it returned")
+        return model
+
+    def loader(self, dataset: Any, batch_size: int, *, shuffle: bool = True, **loader_options: Any) -> RankLoader:
+        """This rank's batches of `dataset` (map-style), `batch_size` per rank, reshuffled every epoch by
+        --seed; give it to restore() so that a resumed run continues with the next batch (loader_options:
+        DataLoader's, e.g. collate_fn, num_workers)."""
+        return RankLoader(dataset, self.rank, self.world_size, batch_size, seed=self.settings.seed, shuffle=shuffle,
+                          device=self.device, **loader_options)
+
+    def restore(self, **state: Any) -> int:
+        """Register what a checkpoint holds (models and optimizers as prepare() returned them, schedulers, the
+        loader, anything with state_dict/load_state_dict) and, under --resume (or a restart), load it from the
+        checkpoint: the optimizer step to continue from (0 for a fresh start)."""
+        return self._checkpoints.restore(state)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """--checkpoint-every N: whether optimizer step `step` is one to save at."""
+        every = self.settings.checkpoint_every
+        return bool(every) and step % every == 0
+
+    def save(self, step: int) -> Path | None:
+        """Every rank: a checkpoint of the state restore() registered after optimizer step `step` (every rank's
+        random state included), written atomically by rank 0, the newest --keep kept; none when the state holds
+        inf/NaN (a warning; the last good checkpoint stays). Its path on rank 0."""
+        return self._checkpoints.save(step)
+
+    def should_stop(self, step: int) -> bool:
+        """Call after every optimizer step `step`, on every rank: True on every rank at the same step once any rank
+        received a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1), by then saved there (restore() registered what).
+        Costs no collective per step (an asynchronous flag about every 0.25 s of steps)."""
+        signum = self._stop.agreed(step)
+        if not signum or self.stopped_at is not None:
+            return self.stopped_at is not None
+        self.stopped_at, self.stopped_by = step, signum
+        if self._checkpoints.registered and self._checkpoints.last_step != step:
+            self.save(step)
+        return True
+
+    def report(self, step: int, **metrics: Any) -> None:
+        """This rank's metrics at `step` (numbers or one-element tensors): every --log-every steps, rank 0 appends
+        them to metrics.jsonl and each rank shows them in ddp-amp's live view."""
+        self._progress.report(step, metrics)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Every rank: the whole model's state_dict (sharded weights gathered) on rank 0, None on the others."""
+        module = self._modules.get(id(model))
+        if module is None:
+            raise LoopError("full_state_dict(): a model that prepare() did not return")
+        return self.strategy.model_state(module, [0])
+
+    def finish(self) -> None:
+        """At the end, every rank: the loop's record written (loop.json), the process group left when setup()
+        joined it."""
+        self._progress.finish()
+        self._stop.close()
+        dist.barrier()  # every rank's last collective is complete
+        if self._own_group and dist.is_initialized():
+            # The script still holds its DDP models, which hold the group: kept referenced here, it is never
+            # destructed in the middle of the script's code, where gloo's destructor can hang (docs/scripts.md).
+            _KEPT_GROUPS.append(dist.group.WORLD)
+            dist.destroy_process_group()
+
+
+_KEPT_GROUPS: list = []
+
+
+def _join_process_group(rank: int, world_size: int, device: torch.device) -> bool:
+    """Join torchrun's process group (env://), or make one of one without it; whether it was made here."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:  # python script.py: a group of one, so that the same calls run
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=5))
+    return True
+
+
+def _precision(settings: LoopSettings, device: torch.device) -> str:
+    """--amp/--dtype by the core's rules; --amp auto on a CPU (which the core decides by measuring the task's own
+    step) is fp32 for a script's loop."""
+    chosen = resolve_precision(device.type, settings.amp, settings.dtype,
+                               cuda_bf16=device.type == "cuda" and cuda_devices_have_native_bf16([device.index]))
+    return chosen.name

@@ -1,0 +1,59 @@
+"""report() and the loop's record: each rank's metrics to ddp-amp's live view (a "report" event every --log-every
+steps), rank 0's to metrics.jsonl (which `ddp-amp show` reads), and at finish() loop.json, the loop's part of the
+run's record (the launcher puts it in summary.json)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ddp_amp import outputs
+from ddp_amp.loop.settings import LoopError
+from ddp_amp.progress.channel import EventSender
+
+if TYPE_CHECKING:
+    from ddp_amp.loop import Loop
+
+class Progress:
+    def __init__(self, run: Loop) -> None:
+        self.run = run
+        self.sender = EventSender.from_environ() if run.settings.under_ddp_amp else None
+        self.last_step: int | None = None
+        self.started = time.time()
+
+    def report(self, step: int, metrics: dict[str, Any]) -> None:
+        if step % self.run.settings.log_every:
+            return
+        values = {name: _number(name, value) for name, value in metrics.items()}  # a host sync per tensor
+        self.last_step = step
+        run = self.run
+        if run.rank == 0:
+            outputs.append_metrics(run.run_dir, {"step": step, **values})
+        if self.sender is not None:
+            self.sender.send({"type": "report", "rank": run.rank, "step": step, "metrics": values})
+
+    def finish(self) -> None:
+        """loop.json on rank 0: the precision, the parallel mode, the steps, how the loop ended."""
+        run = self.run
+        if run.rank == 0:
+            record = {"precision": run.precision, "shard": run.strategy.mode, "grad_accum": run.grad_accum,
+                      "world_size": run.world_size, "skipped_steps": run.skipped_steps,
+                      "last_reported_step": self.last_step, "seconds": round(time.time() - self.started, 3)}
+            if run.stopped_at is not None:
+                import signal
+
+                record.update(stopped_at_step=run.stopped_at, stopped_by=signal.Signals(run.stopped_by).name)
+            checkpoints = run._checkpoints
+            if checkpoints.last_path is not None:
+                record["checkpoint"] = str(checkpoints.last_path)
+            outputs.write_json(run.run_dir / outputs.LOOP_RECORD_FILE, record)
+        if self.sender is not None:
+            self.sender.close()
+
+
+def _number(name: str, value: Any) -> float:
+    try:
+        number = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        raise LoopError(f"report(): {name}={value!r} is not a number (or a one-element tensor)") from None
+    return number  # inf/NaN: metrics.jsonl's writer makes them null

@@ -1,0 +1,74 @@
+"""What a script's loop is told: the options of the ddp-amp command line that apply to it (config.json in the run
+directory, written by the launcher), over the defaults the script gives `setup()`; outside ddp-amp (plain
+torchrun, or `python script.py`) the script's defaults alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.config import LOOP_OPTIONS, TrainConfig
+from ddp_amp.errors import UsageError
+
+RUN_DIR_VAR = "DDP_AMP_RUN_DIR"
+"""Set by ddp-amp for a script's ranks (rank.script): the run directory, which holds config.json."""
+DEFAULT_RUN_DIR = "ddp-amp-loop"
+"""Outside ddp-amp, where a script that names no run_dir keeps its checkpoints and metrics."""
+
+
+class LoopError(Exception):
+    """A call of ddp_amp.loop used wrongly, or a checkpoint that cannot be continued: one line, the cause named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    amp: str = "auto"
+    dtype: str = "auto"
+    grad_accum: int = 1
+    clip_grad: float | None = None
+    shard: str = "none"
+    checkpoint_every: int = 0
+    keep: int = 2
+    resume: str | None = None
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"
+    run_dir: str = DEFAULT_RUN_DIR
+    launch_time: float = dataclasses.field(default_factory=time.time)
+    under_ddp_amp: bool = False
+    """Launched by ddp-amp (a launcher reads the ranks' progress and holds config.json)."""
+
+    @classmethod
+    def resolve(cls, defaults: dict[str, Any]) -> LoopSettings:
+        """The script's `defaults` (setup's keyword arguments), then the command line's options from config.json
+        where ddp-amp launched the script; checked as the command line's are."""
+        unknown = sorted(set(defaults) - {f.name for f in dataclasses.fields(cls)} - {"under_ddp_amp"})
+        if unknown:
+            raise LoopError(f"setup(): unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                            f"the settings are {', '.join(LOOP_OPTIONS)} and run_dir")
+        values = {**defaults}
+        run_dir = os.environ.get(RUN_DIR_VAR)
+        if run_dir:
+            values.update(_command_line(Path(run_dir)), run_dir=run_dir, under_ddp_amp=True)
+        try:  # checked as the command line's options are (setup(grad_accum=0) is --grad-accum 0)
+            TrainConfig(**{key: values[key] for key in LOOP_OPTIONS if key in values})
+        except UsageError as exc:
+            raise LoopError(f"setup(): {exc}") from None
+        return cls(**values)
+
+
+def _command_line(run_dir: Path) -> dict[str, Any]:
+    """The loop options the command line gave (those that differ from their defaults), and the launch time."""
+    try:
+        record = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    defaults = dataclasses.asdict(TrainConfig())
+    given = {key: record[key] for key in LOOP_OPTIONS if key in record and record[key] != defaults[key]}
+    if record.get("launch_time"):
+        given["launch_time"] = record["launch_time"]
+    return given

@@ -1,0 +1,148 @@
+"""A script loop's checkpoints: the state restore() registered (models and optimizers whole, in the plain formats
+whatever the parallel mode, so that a run continues in another mode or on another world size; schedulers, the
+scaler, the loader's position, anything with a state_dict) and every rank's random state, in the core's file
+format (checkpoint.fileformat: atomic, pruned to --keep, weights-only loading, a sidecar to choose by)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_amp.checkpoint import fileformat
+from ddp_amp.loop.settings import LoopError
+from ddp_amp.outputs import cut_metrics
+
+if TYPE_CHECKING:
+    from ddp_amp.loop import Loop
+
+SCALER_KEY = "_scaler"
+"""The gradient scaler's state (fp16's loss scale), beside the registered names."""
+
+
+class Checkpoints:
+    def __init__(self, run: Loop) -> None:
+        self.run = run
+        self.registered: dict[str, Any] = {}
+        self.last_step: int | None = None
+        self.last_path: Path | None = None
+
+    def restore(self, state: dict[str, Any]) -> int:
+        for name, value in state.items():
+            if not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
+                raise LoopError(f"restore(): {name}={type(value).__name__} has no state_dict()/load_state_dict() to "
+                                "save and load")
+        self.registered = dict(state)
+        chosen = self._resume_choice()
+        if chosen is None:
+            return 0
+        path, saved = chosen
+        self._load(path, saved)
+        step = int(saved["step"])
+        if self.run.rank == 0:
+            cut_metrics(self.run.run_dir, step)  # the steps after it are reported again
+        self.last_step = step
+        if self.run.rank == 0:
+            print(f"ddp-amp loop: resumed from {path} (step {step})", flush=True)
+        return step
+
+    def _resume_choice(self) -> tuple[Path, dict[str, Any]] | None:
+        """--resume PATH, --resume auto (or a restart by torchrun's agent or Slurm: auto), else None."""
+        resume = self.run.settings.resume
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
+            int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+        if resume is None and not restarted:
+            return None
+        if resume is None or resume == "auto":
+            found = fileformat.newest_valid_checkpoint(self.run.run_dir, warn=self._warn)
+            if found is None and resume == "auto" and self.run.rank == 0:
+                print(f"ddp-amp loop: --resume auto: no checkpoint in {fileformat.checkpoint_dir(self.run.run_dir)}: "
+                      "starting from the beginning", flush=True)
+            return found
+        try:
+            saved = fileformat.load_checkpoint(resume)
+        except fileformat.CheckpointError as exc:
+            raise LoopError(f"--resume {exc}") from None
+        if bad := fileformat.nonfinite_tensors(saved["trainer"]):
+            raise LoopError(f"--resume {resume}: refused, it holds inf/NaN (in {bad[0].lstrip('.')})")
+        return Path(resume), saved
+
+    def _warn(self, line: str) -> None:
+        if self.run.rank == 0:
+            print(f"ddp-amp loop: {line}", flush=True)
+
+    def _load(self, path: Path, saved: dict[str, Any]) -> None:
+        """Every registered name from the checkpoint, checked first: nothing is loaded when a name is missing or
+        a model's weights do not fit."""
+        held = saved["trainer"]
+        missing = sorted(set(self.registered) - set(held))
+        if missing or saved.get("config", {}).get("loop") is not True:
+            what = f"no {', '.join(missing)} in it" if missing else "it is not a checkpoint of ddp_amp.loop"
+            names = ", ".join(sorted(key for key in held if key != SCALER_KEY))
+            raise LoopError(f"--resume {path}: {what} (it holds {names})")
+        strategy = self.run.strategy
+        for name, value in self.registered.items():  # the models first: an optimizer's load needs its model's
+            if (module := self.run._modules.get(id(value))) is not None:
+                try:
+                    strategy.load_model_state(module, held[name])
+                except RuntimeError as exc:
+                    raise LoopError(f"--resume {path}: its {name} does not fit the model given for it: "
+                                    f"{' '.join(str(exc).split())[:300]}") from None
+        for name, value in self.registered.items():
+            if (owner := self.run._owner.get(id(value))) is not None:
+                strategy.load_optimizer_state(self.run._modules[id(owner)], value, held[name])
+            elif id(value) not in self.run._modules:
+                value.load_state_dict(held[name])
+        if held.get(SCALER_KEY):
+            self.run.scaler.load_state_dict(held[SCALER_KEY])
+        rng = saved["rng"]
+        fileformat.set_rng_state(rng[self.run.rank % len(rng)], self.run.device)
+
+    def save(self, step: int) -> Path | None:
+        """Every rank (gathering the random states, and a sharded model's weights, are collective)."""
+        if not self.registered:
+            raise LoopError("save(): nothing to save; register the state with restore(model=..., optimizer=...) first")
+        run = self.run
+        rngs: list[Any] = [None] * run.world_size
+        dist.all_gather_object(rngs, fileformat.rng_state(run.device))
+        held = self._state_dicts()
+        self.last_step = step
+        if run.rank != 0:
+            return None
+        if bad := fileformat.nonfinite_tensors(held):
+            print(f"ddp-amp loop: warning: no checkpoint at step {step}: inf/NaN in {bad[0].lstrip('.')}", flush=True)
+            return None
+        config = {**{key: getattr(run.settings, key) for key in ("amp", "dtype", "grad_accum", "shard", "seed")},
+                  "launch_time": run.settings.launch_time, "loop": True}
+        state = {"step": step, "saved_at": time.time(), "world_size": run.world_size, "config": config,
+                 "trainer": _to_host(held), "rng": rngs}
+        self.last_path = fileformat.save_checkpoint(run.run_dir, state, keep=run.settings.keep)
+        return self.last_path
+
+    def _state_dicts(self) -> dict[str, Any]:
+        """Each registered name's state, whole on rank 0 ({} for the models and optimizers elsewhere)."""
+        run, held = self.run, {}
+        for name, value in self.registered.items():
+            if (module := run._modules.get(id(value))) is not None:
+                held[name] = run.strategy.full_state(module, None, [0])[0]
+            elif (owner := run._owner.get(id(value))) is not None:
+                held[name] = run.strategy.full_state(run._modules[id(owner)], value, [0])[1]
+            else:
+                held[name] = value.state_dict()
+        held[SCALER_KEY] = run.scaler.state_dict()
+        return held
+
+
+def _to_host(value: Any) -> Any:
+    """Tensors copied to host memory, each with storage of its own (a view of a bucket would save the bucket)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return value

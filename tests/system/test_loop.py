@@ -1,0 +1,131 @@
+"""ddp_amp.loop, the calls that give a script's own loop what ddp-amp's loop has: real 2-rank gloo runs of
+examples/own_loop.py (a GAN: two models, two optimizers, two schedulers) and of the loop scripts in tests/tasks,
+launched by ddp-amp, by plain torchrun and as one `python` process; a real SIGTERM to the launcher."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TASKS, TESTS, launch_script, read_summary
+
+pytestmark = pytest.mark.slow
+EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
+STEPS = "300"
+"""Long enough (about 5 s on 2 cores) that the stop below, sent at step 10, lands well before the end."""
+
+
+def weights_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[m][k], b[m][k]) for m in a for k in a[m])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    result = launch_script(run, EXAMPLE, "--steps", STEPS)
+    assert result.returncode == 0, result.stderr
+    return torch.load(run / "model.pt", weights_only=True)
+
+
+def stopped_at_step_10_or_later(run) -> subprocess.CompletedProcess:
+    """The example launched with progress at every step, SIGTERM to the launcher once rank 0 reported step 10."""
+    process = subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain",
+                                "--log-every", "1", "--run-dir", str(run), str(EXAMPLE), "--steps", STEPS],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=240)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterrupted_weights(tmp_path,
+                                                                                            uninterrupted):
+    """SIGTERM to the launcher: exit 143, both ranks' last report at the step the loop says it stopped at, a
+    checkpoint there, no model.pt. `--resume auto`: both models' weights bit for bit the uninterrupted run's,
+    and metrics.jsonl holds each step once."""
+    run = tmp_path / "run"
+    stopped = stopped_at_step_10_or_later(run)
+    assert stopped.returncode == 143, stopped.stderr
+    loop = read_summary(run)["loop"]
+    step = loop["stopped_at_step"]
+    assert loop["stopped_by"] == "SIGTERM" and 10 <= step < int(STEPS)
+    for rank in (0, 1):
+        reported = [int(line.split()[3]) for line in stopped.stdout.splitlines()
+                    if line.startswith(f"[rank {rank}] step ")]
+        assert reported[-1] == step, stopped.stdout[-2000:]
+    saved = torch.load(run / "checkpoints" / f"step-{step}.pt", weights_only=True)
+    assert saved["step"] == step and len(saved["rng"]) == 2  # every rank's random state
+    assert not (run / "model.pt").exists()
+    resumed = launch_script(run, EXAMPLE, "--steps", STEPS, options=("--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert weights_equal(torch.load(run / "model.pt", weights_only=True), uninterrupted)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == int(STEPS)
+
+
+def test_plain_torchrun_runs_the_same_script_to_the_same_weights_and_python_runs_it_alone(tmp_path, uninterrupted):
+    """The script unchanged under `torchrun --standalone --nproc-per-node 2`: ddp-amp's weights. As `python
+    script.py`: one process, its run directory where it runs."""
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(EXAMPLE), "--steps", STEPS], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+    assert torchrun.returncode == 0, torchrun.stderr
+    assert weights_equal(torch.load(tmp_path / "ddp-amp-loop" / "model.pt", weights_only=True), uninterrupted)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    python = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "20"], capture_output=True, text=True,
+                            timeout=300, cwd=alone)
+    assert python.returncode == 0, python.stderr
+    record = json.loads((alone / "ddp-amp-loop" / "loop.json").read_text())
+    assert record["world_size"] == 1 and record["last_reported_step"] == 20
+    assert set(torch.load(alone / "ddp-amp-loop" / "model.pt", weights_only=True)) == {"generator", "discriminator"}
+
+
+def test_an_fp16_overflow_skips_the_step_and_the_schedule_together(tmp_path):
+    """`--amp on --dtype fp16` on CPU ranks, --grad-accum 2: the step whose loss is infinite is skipped on both
+    ranks, its weights unchanged, its schedule not advanced, the loss scale halved; the others step and advance."""
+    out = tmp_path / "steps.json"
+    result = launch_script(tmp_path / "run", TASKS / "loop_checks.py", "--out", str(out),
+                           options=("--amp", "on", "--dtype", "fp16", "--grad-accum", "2"))
+    assert result.returncode == 0, result.stderr
+    found = json.loads(out.read_text())
+    assert found["precision"] == "fp16"
+    steps, lr = found["steps"], 0.1
+    for number, step in enumerate(steps, start=1):
+        assert step["moved"] == step["stepped"]
+        lr = lr / 2 if step["stepped"] else lr
+        assert step["lr"] == pytest.approx(lr), (number, steps)
+    third = steps[2]
+    assert not third["stepped"] and third["scale"] == steps[1]["scale"] / 2
+    assert steps[3]["stepped"] and steps[4]["stepped"]
+    assert found["skipped"] == sum(not step["stepped"] for step in steps)
+    assert read_summary(tmp_path / "run")["loop"]["grad_accum"] == 2
+
+
+def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_touched(tmp_path):
+    out, run = tmp_path / "errors.json", tmp_path / "run"
+    result = subprocess.run([sys.executable, str(TASKS / "loop_misuse.py"), "--out", str(out), "--run-dir", str(run)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    errors = json.loads(out.read_text())
+    checkpoint = run / "checkpoints" / "step-2.pt"
+    assert errors[:5] == [
+        "step(): an optimizer that prepare() did not return; use the one it returned",
+        "step(): after 1 backward pass of its model, and --grad-accum is 2: the gradients are not reduced yet",
+        "restore(): steps=int has no state_dict()/load_state_dict() to save and load",
+        "prepare(): an optimizer trains parameters that are not the model's; prepare each model with the "
+        "optimizers of its own parameters",
+        "save(): nothing to save; register the state with restore(model=..., optimizer=...) first"]
+    assert errors[5].startswith(f"--resume {checkpoint}: its model does not fit the model given for it: ")
+    assert "size mismatch for weight" in errors[5] and "\n" not in errors[5]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2.json", "step-2.pt"]
+    assert torch.load(checkpoint, weights_only=True)["trainer"]["model"]["weight"].shape == (3, 4)

@@ -1,0 +1,44 @@
+"""A script's loop through ddp_amp.loop, for the tests: a linear model on a fixed batch whose step 3 (of 5) has an
+infinite loss, each step's outcome (stepped, the schedule's rate, the loss scale, the weights) written by rank 0
+to --out as JSON."""
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+from ddp_amp import loop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--overflow-at", type=int, default=3)
+    args = parser.parse_args()
+    run = loop.setup()
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1)
+    model, optimizer = run.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(run.device)
+    steps = []
+    for step in range(1, 6):
+        for _ in range(run.grad_accum):
+            with run.autocast():
+                loss = model(inputs).float().pow(2).mean()
+            if step == args.overflow_at:
+                loss = loss * float("inf")
+            run.backward(loss, model)
+        before = [p.detach().clone() for p in model.parameters()]
+        stepped = run.step(optimizer, scheduler)
+        steps.append({"stepped": stepped, "lr": scheduler.get_last_lr()[0], "scale": run.scaler.get_scale(),
+                      "moved": any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))})
+    if run.rank == 0:
+        with open(args.out, "w") as out:
+            json.dump({"precision": run.precision, "steps": steps, "skipped": run.skipped_steps}, out)
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()

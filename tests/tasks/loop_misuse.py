@@ -1,0 +1,58 @@
+"""ddp_amp.loop used wrongly, for the tests, in one process (`python loop_misuse.py --out FILE --checkpoint-of
+DIR`): each wrong call's LoopError line, in order, written to --out as JSON; a --resume of a checkpoint of another
+model last (DIR/checkpoints/step-2.pt, written here first by a model of another shape)."""
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+from ddp_amp import loop
+
+
+def errors_of(calls) -> list[str]:
+    found = []
+    for call in calls:
+        try:
+            call()
+            found.append("no error")
+        except loop.LoopError as exc:
+            found.append(str(exc))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args()
+    run = loop.setup(run_dir=args.run_dir, grad_accum=2)
+    net = nn.Linear(4, 3)
+    stranger = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1)
+    model, optimizer = run.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+    def one_backward_then_step():
+        run.backward(model(torch.ones(2, 4)).sum(), model)
+        run.step(optimizer)
+
+    found = errors_of([
+        lambda: run.step(stranger),
+        one_backward_then_step,
+        lambda: run.restore(model=model, steps=3),
+        lambda: run.prepare(nn.Linear(2, 2), stranger),
+        lambda: run.save(1) if not run._checkpoints.registered else None,
+    ])
+    run.restore(model=model, optimizer=optimizer)
+    run.save(2)
+    other = nn.Linear(4, 5)
+    resumed = loop.setup(run_dir=args.run_dir, resume=f"{args.run_dir}/checkpoints/step-2.pt")
+    other_model, other_optimizer = resumed.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    found += errors_of([lambda: resumed.restore(model=other_model, optimizer=other_optimizer)])
+    with open(args.out, "w") as out:
+        json.dump(found, out)
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
