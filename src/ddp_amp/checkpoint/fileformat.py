@@ -218,3 +218,15 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((version, tuple(internal), gauss))
     kind, keys, position, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+
+
+def to_host(value: Any) -> Any:
+    """A copy in host memory, each tensor with storage of its own: training goes on changing the originals while the
+    copy is written (and a view of a larger buffer would save the whole buffer)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(item) for item in value)
+    return value

@@ -91,14 +91,15 @@ class CheckpointManager:
         if self.sharded:  # every rank writes its part: every rank waits for its previous write, then stages
             self._note_wait()
             extras = trainer.state_dict(writers, whole=False)
-            local = _to_host(sharded.own_share(views, replicated, self.env.rank, [r[2] for r in ranks]))
+            local = fileformat.to_host(sharded.own_share(views, replicated, self.env.rank, [r[2] for r in ranks]))
         else:  # sharded state (--shard optimizer or full) is gathered whole on the writers: collective too
             trained = trainer.state_dict(writers)
             if not self.env.writes_run_dir:
                 return
             self._note_wait()
         rng, data_ranks = [r[0] for r in ranks], [r[1] for r in ranks]
-        state = {"step": step, "saved_at": time.time(), "trainer": _to_host(extras if self.sharded else trained),
+        trainer = fileformat.to_host(extras if self.sharded else trained)
+        state = {"step": step, "saved_at": time.time(), "trainer": trainer,
                  "rng": rng, **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
                  "config": dataclasses.asdict(self.config), "world_size": self.env.world_size,
                  **({"format": "sharded"} if self.sharded else {})}
@@ -258,14 +259,3 @@ def checkpoint_to_continue(config: TrainConfig, run_dir: Path, skipped: list[str
         if config.elastic:
             return None  # a node without the file: it receives the state from a rank that has it
         raise RankSetupError(f"--resume {exc}") from None
-
-
-def _to_host(value: Any) -> Any:
-    """A copy in host memory: training goes on changing the originals while the copy is written."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _to_host(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_host(item) for item in value)
-    return value

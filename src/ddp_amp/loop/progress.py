@@ -5,17 +5,15 @@ run's record (the launcher puts it in summary.json)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddp_amp import outputs
 from ddp_amp.loop.settings import LoopError
 from ddp_amp.progress.channel import EventSender
 
-if TYPE_CHECKING:
-    from ddp_amp.loop import Loop
 
 class Progress:
-    def __init__(self, run: Loop) -> None:
+    def __init__(self, run: Any) -> None:  # the ddp_amp.loop.Loop it serves
         self.run = run
         self.sender = EventSender.from_environ() if run.settings.under_ddp_amp else None
         self.last_step: int | None = None

@@ -8,24 +8,20 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ddp_amp.checkpoint import fileformat
 from ddp_amp.loop.settings import LoopError
 from ddp_amp.outputs import cut_metrics
 
-if TYPE_CHECKING:
-    from ddp_amp.loop import Loop
-
 SCALER_KEY = "_scaler"
 """The gradient scaler's state (fp16's loss scale), beside the registered names."""
 
 
 class Checkpoints:
-    def __init__(self, run: Loop) -> None:
+    def __init__(self, run: Any) -> None:  # the ddp_amp.loop.Loop it serves
         self.run = run
         self.registered: dict[str, Any] = {}
         self.last_step: int | None = None
@@ -119,7 +115,7 @@ class Checkpoints:
         config = {**{key: getattr(run.settings, key) for key in ("amp", "dtype", "grad_accum", "shard", "seed")},
                   "launch_time": run.settings.launch_time, "loop": True}
         state = {"step": step, "saved_at": time.time(), "world_size": run.world_size, "config": config,
-                 "trainer": _to_host(held), "rng": rngs}
+                 "trainer": fileformat.to_host(held), "rng": rngs}
         self.last_path = fileformat.save_checkpoint(run.run_dir, state, keep=run.settings.keep)
         return self.last_path
 
@@ -135,14 +131,3 @@ class Checkpoints:
                 held[name] = value.state_dict()
         held[SCALER_KEY] = run.scaler.state_dict()
         return held
-
-
-def _to_host(value: Any) -> Any:
-    """Tensors copied to host memory, each with storage of its own (a view of a bucket would save the bucket)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _to_host(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_host(item) for item in value)
-    return value
