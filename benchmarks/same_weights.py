@@ -59,7 +59,8 @@ def same(a, b) -> bool:
 def outputs(env: dict[str, str], root: Path, task: str, shard: str, checkpoint_format: str) -> dict:
     straight, resumed = root / "straight", root / "resumed"
     launch(env, straight, task, shard, checkpoint_format, STEPS)
-    steps = {int(p.name.split("-")[1].split(".")[0]): p for p in (straight / "checkpoints").glob("step-*")}
+    steps = {int(p.name.split("-")[1].split(".")[0]): p for p in (straight / "checkpoints").glob("step-*")
+             if p.suffix == ".pt" or p.is_dir()}  # not the sidecars
     middle, last = steps[STEPS // 2], steps[STEPS]
     launch(env, resumed, task, shard, checkpoint_format, STEPS, "--resume", str(middle))
     return {"model.pt": torch.load(straight / "model.pt", weights_only=True),
