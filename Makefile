@@ -22,7 +22,7 @@ help:
 	@echo "make test-fast  tests/unit: in-process, no rank process (about a minute)"
 	@echo "make lint       ruff"
 	@echo "make docs       regenerate docs/options.md from the command line (a unit test fails when it is stale)"
-	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression, a user's script against torchrun"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression, a user's script against torchrun, ddp_amp.loop's step against the core's"
 
 install: $(STAMP)
 
@@ -79,6 +79,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/iterable_end_cost.py --repeats 5
 	$(BIN)/python benchmarks/evaluation_cost.py --repeats 5
 	$(BIN)/python benchmarks/script_launch.py --repeats 5
+	$(BIN)/python benchmarks/loop_step.py --repeats 3
 	$(BIN)/python benchmarks/shard_cost.py --repeats 3
 	$(BIN)/python benchmarks/zero_broadcast.py --repeats 12
 	$(BIN)/python benchmarks/checkpoint_blocking.py --repeats 3

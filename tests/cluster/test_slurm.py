@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CHECKS_SCRIPT, HELPER_TASKS, MARK_VAR, read_summary, run_processes
+from conftest import CHECKS_SCRIPT, HELPER_TASKS, MARK_VAR, TESTS, launch_script, read_summary, run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +26,7 @@ NODES = ("127.0.0.1", "127.0.0.2")  # resolvable names: `scontrol show hostnames
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 HOLD_AT = 30  # the micro-step at which the preempted job's ranks wait for their stop signal
 STEPS = 400
+LOOP_EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
 
 
 def free_port() -> int:
@@ -283,3 +284,35 @@ def test_a_users_script_emitted_for_slurm_runs_on_both_nodes_in_one_process_grou
         assert f"[rank {rank}] rank {rank} step 4 sum 10 restart 0" in output, output
     assert read_summary(tmp_path / "run")["outcome"] == "finished"
     assert run_processes("script") == []
+
+
+def test_a_loop_script_preempted_by_slurm_resumes_after_its_requeue_to_the_uninterrupted_weights(slurm, tmp_path):
+    """examples/own_loop.py (ddp_amp.loop, two models and optimizers) emitted for Slurm, 2 nodes of 1 rank:
+    `scancel --signal=USR1` once it has trained 20 steps. Its ranks stop at one step and save, the job is requeued,
+    the second attempt's restore() resumes (SLURM_RESTART_COUNT), and the weights are bit for bit those of the
+    same script run uninterrupted by `ddp-amp spawn -n 2`."""
+    steps = "300"
+    reference = launch_script(tmp_path / "reference", LOOP_EXAMPLE, "--steps", steps)
+    assert reference.returncode == 0, reference.stderr
+    script = tmp_path / "job.sbatch"
+    emitted = subprocess.run(
+        [sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1", "--endpoint",
+         f"127.0.0.1:{free_port()}", "--device", "cpu", "--log-format", "plain", "--run-dir", str(tmp_path / "run"),
+         "--emit-slurm", str(script), str(LOOP_EXAMPLE), "--steps", steps],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert emitted.returncode == 0, emitted.stderr
+    job = slurm.sbatch(script, env=job_env(tmp_path, "loop-preempted", hold=False))
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 20 reported
+        assert time.monotonic() < deadline, job_output(tmp_path)
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
+    state = slurm.wait_done(job)
+    output = job_output(tmp_path)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", output
+    resumed = re.findall(r"ddp-amp loop: resumed from \S+step-(\d+)\.pt \(step (\d+)\)", output)
+    assert resumed and 20 <= int(resumed[0][1]) < int(steps), output
+    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    expected = torch.load(tmp_path / "reference" / "model.pt", weights_only=True)
+    assert all(torch.equal(weights[m][k], expected[m][k]) for m in expected for k in expected[m])
+    assert run_processes("loop-preempted") == []

@@ -129,3 +129,29 @@ def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_
     assert "size mismatch for weight" in errors[5] and "\n" not in errors[5]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2.json", "step-2.pt"]
     assert torch.load(checkpoint, weights_only=True)["trainer"]["model"]["weight"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_the_loop_under_shard_trains_as_under_ddp(shard, tmp_path):
+    """`--shard optimizer`: prepare() rebuilds each optimizer as a ZeroRedundancyOptimizer, whose step is DDP's
+    bit for bit (as in the core). `--shard full`: the models sharded by FSDP2 and their optimizers rebuilt over the
+    shards; the weights DDP's within float rounding (its reduce-scatter sums in another order). Both checkpoint
+    and finish as under DDP; loop.json names the mode."""
+    runs = {}
+    for mode in ("none", shard):
+        run = tmp_path / mode
+        result = launch_script(run, EXAMPLE, "--steps", "30", options=("--shard", mode, "--checkpoint-every", "15"))
+        assert result.returncode == 0, result.stderr
+        record = read_summary(run)["loop"]
+        assert record["shard"] == mode
+        assert record["models"] == 2 * [{"none": "DistributedDataParallel", "optimizer": "DistributedDataParallel",
+                                         "full": "FSDPSequential"}[mode]]
+        assert record["optimizers"] == 2 * [{"optimizer": "ZeroRedundancyOptimizer"}.get(mode, "Adam")]
+        assert (run / "checkpoints" / "step-30.pt").exists()
+        runs[mode] = torch.load(run / "model.pt", weights_only=True)
+    if shard == "optimizer":
+        assert weights_equal(runs[shard], runs["none"])
+    else:
+        for model in runs["none"]:
+            for key, expected in runs["none"][model].items():
+                torch.testing.assert_close(runs[shard][model][key], expected, rtol=1e-4, atol=1e-5)

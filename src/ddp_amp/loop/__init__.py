@@ -86,6 +86,7 @@ class Loop:
         """id(what prepare returned) -> the model inside it (what a checkpoint holds)."""
         self._prepared: list[torch.nn.Module] = []
         """What prepare returned, in order."""
+        self._optimizers: list[torch.optim.Optimizer] = []
         self._owner: dict[int, torch.nn.Module] = {}
         """id(optimizer) -> the model it trains (prepare's)."""
         self._backwards: dict[int, int] = {}
@@ -118,23 +119,25 @@ class Loop:
         wrapped = self.strategy.setup_module(module)
         self._modules[id(wrapped)] = module
         self._prepared.append(wrapped)
-        prepared = [self._rebuilt(module, optimizer) for optimizer in optimizers]
+        prepared = [self._rebuilt(module, optimizer, names) for optimizer in optimizers]
         for optimizer in prepared:
+            self._optimizers.append(optimizer)
             self._owner[id(optimizer)] = wrapped
             self._steps_taken[id(optimizer)] = 0
             optimizer.register_step_post_hook(self._count_step)
         return (wrapped, *prepared) if prepared else wrapped
 
-    def _rebuilt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def _rebuilt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 names: dict[int, str]) -> torch.optim.Optimizer:
         """The optimizer over the wrapped model's parameters, as the parallel mode runs it: itself under DDP;
         rebuilt over the sharded parameters (FSDP2), or as a ZeroRedundancyOptimizer (ZeRO-1), from its class,
-        its defaults and its groups."""
+        its defaults and its groups. `names`: id(parameter) -> its name, taken before the model was wrapped."""
         params = dict(module.named_parameters())
-        before = {id(p): name for name, p in module.named_parameters()}
-        same = all(before.get(id(p)) is not None for group in optimizer.param_groups for p in group["params"])
         groups = [{**{k: v for k, v in group.items() if k != "params"},
-                   "params": [params[before[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
-        if self.strategy.mode == "none" and same:
+                   "params": [params[names[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+        same = all(new is old for group, old_group in zip(groups, optimizer.param_groups)
+                   for new, old in zip(group["params"], old_group["params"]))
+        if same and self.strategy.mode == "none":
             return optimizer
         if optimizer.state:
             raise LoopError("prepare(): the optimizer has taken steps already; prepare it before training")

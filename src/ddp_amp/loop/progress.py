@@ -36,7 +36,9 @@ class Progress:
         if run.rank == 0:
             record = {"precision": run.precision, "shard": run.strategy.mode, "grad_accum": run.grad_accum,
                       "world_size": run.world_size, "skipped_steps": run.skipped_steps,
-                      "last_reported_step": self.last_step, "seconds": round(time.time() - self.started, 3)}
+                      "last_reported_step": self.last_step, "seconds": round(time.time() - self.started, 3),
+                      "models": [type(model).__name__ for model in run._prepared],
+                      "optimizers": [type(optimizer).__name__ for optimizer in run._optimizers]}
             if run.stopped_at is not None:
                 import signal
 
