@@ -259,10 +259,17 @@ class Loop:
         return self.strategy.model_state(module, [0])
 
     def finish(self) -> None:
-        """At the end, every rank: the loop's record written (loop.json), the process group left when setup()
+        """At the end, every rank: the loop's record written (loop.json), the stop signals given back their
+        default actions (what follows the loop is interrupted as usual), the process group left when setup()
         joined it."""
+        import signal
+
+        from ddp_amp.process import STOP_SIGNALS
+
         self._progress.finish()
         self._stop.close()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         dist.barrier()  # every rank's last collective is complete
         if self._own_group and dist.is_initialized():
             # The script still holds its DDP models, which hold the group: kept referenced here, it is never
