@@ -126,6 +126,36 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
             dist.destroy_process_group()
 
 
+class SideGroup:
+    """A gloo process group of its own beside the training's, for small flags all-reduced asynchronously (the stop
+    agreement, the end of iterable data) or a background writer's collectives (a sharded checkpoint): they never
+    interleave with the training's. Making it is itself a collective: every rank makes it at the same point. At
+    most one asynchronous all-reduce is in flight."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self._work: dist.Work | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._work is not None
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+        """Start the all-reduce of `tensor` (in place); wait() before reading it."""
+        self._work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+
+    def wait(self) -> None:
+        """The all-reduce in flight, finished (nothing to wait for when none is)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def close(self) -> None:
+        """Wait for the all-reduce in flight (none may be pending when a group is torn down), then tear it down."""
+        self.wait()
+        dist.destroy_process_group(self.group)
+
+
 def settle_run_dir_writers(env: DistEnv, run_dir: Path) -> DistEnv:
     """On a multi-node job, find out which nodes see rank 0's run directory (a shared file system): rank 0
     leaves a marker file there, the other nodes' local rank 0 look for it. Two collectives, once."""

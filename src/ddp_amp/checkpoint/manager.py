@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ddp_amp import outputs
 from ddp_amp.checkpoint import fileformat, sharded
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistEnv
+from ddp_amp.dist import DistEnv, SideGroup
 from ddp_amp.errors import RankSetupError, RankUsageError
 from ddp_amp.files import writer_tag
 
@@ -53,7 +53,7 @@ class CheckpointManager:
         self.sharded = config.checkpoint_format == "sharded"
         """Every rank writes its part of each checkpoint (checkpoint.sharded), on a gloo group of its own: the
         background writes' collectives never interleave with the training's."""
-        self._group = dist.new_group(backend="gloo") if self.sharded else None
+        self._side = SideGroup() if self.sharded else None
 
     def due(self, step: int) -> bool:
         return bool(self.config.checkpoint_every) and step % self.config.checkpoint_every == 0
@@ -145,7 +145,7 @@ class CheckpointManager:
         started = time.perf_counter()
         try:
             bad = torch.tensor([float(sharded.nonfinite(local))])
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._side.group)
             if bad.item():
                 if self.env.rank == 0:
                     print(f"warning: no checkpoint at step {state['step']}: inf/NaN in the model or optimizer",
@@ -156,7 +156,7 @@ class CheckpointManager:
             if self.env.rank == 0:
                 directory.mkdir(parents=True, exist_ok=True)
             path = sharded.write(directory, state["step"], tag, local, state if self.env.rank == 0 else None,
-                                 self._group)
+                                 self._side.group)
             if path is not None:
                 fileformat.write_sidecar(path, state)
                 fileformat.drop_other_format(path)
@@ -177,7 +177,11 @@ class CheckpointManager:
             raise error
 
     def close(self) -> None:
+        """Wait for the write in flight; a sharded checkpoint's group torn down after it."""
         self.wait()
+        if self._side is not None:
+            self._side.close()
+            self._side = None
 
     def figures(self) -> dict[str, Any]:
         """summary.json's account of the saves (after close): the loop's blocked seconds per checkpoint (mean and

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from ddp_amp.dist import DistEnv
+from ddp_amp.dist import DistEnv, SideGroup
 from ddp_amp.process import usable_cores
 from ddp_amp.train.microbatch import batch_length
 
@@ -260,13 +260,12 @@ class IterableRankData:
         share = None if size is None or self.shard.whole else math.ceil(size / env.world_size)
         self.batches_per_epoch = (math.ceil((size if self.shard.whole else share) / batch_size)
                                   if size is not None else None)
-        self.group = dist.new_group(backend="gloo")  # a collective: every rank builds it at the same point
+        self.side = SideGroup()  # a collective: every rank makes it at the same point
         self.buffer: collections.deque = collections.deque()
         """(the step's batches, the position before they were fetched), fetched ahead."""
         self.limit: int | None = None
         """The last step every rank can fill, as agreed; None before the first agreement."""
         self.proposal = torch.zeros(1)
-        self.work: dist.Work | None = None
         self.exhausted = False
         self._batches: Iterator[Any] | None = None
         self._timer: tuple[int, float] | None = None
@@ -319,13 +318,12 @@ class IterableRankData:
         self._fill(agreed - step + self.depth)
         started = time.perf_counter()
         self.proposal.fill_(float(step + len(self.buffer)))
-        self.work = dist.all_reduce(self.proposal, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        self.side.all_reduce_async(self.proposal, dist.ReduceOp.MIN)
         self.agreement_s += time.perf_counter() - started
 
     def _settle(self) -> None:
         started = time.perf_counter()
-        self.work.wait()  # issued `depth` steps ago: done by now, this returns at once
-        self.work = None
+        self.side.wait()  # issued `depth` steps ago: done by now, this returns at once
         self.limit = int(self.proposal.item())
         self.agreement_s += time.perf_counter() - started
         self.agreements += 1
@@ -343,11 +341,11 @@ class IterableRankData:
         if self.limit is None:  # the first agreement is waited for at once: nothing to overlap it with yet
             self._propose(step)
             self._settle()
-        elif step >= self.limit and self.work is not None:
+        elif step >= self.limit and self.side.in_flight:
             self._settle()
         if step >= self.limit:
             return False  # some rank had no batch for this step: every rank stops before it
-        if self.work is None:
+        if not self.side.in_flight:
             self._adapt_depth(step)
             self._propose(step)
         return True
@@ -358,11 +356,8 @@ class IterableRankData:
         return iter(batches)
 
     def close(self) -> None:
-        """Wait for the proposal in flight (no collective may be pending when the group is torn down)."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        dist.destroy_process_group(self.group)
+        """Wait for the proposal in flight, and tear its group down."""
+        self.side.close()
 
     # --- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ddp_amp.dist import SideGroup
+
 POLL_S = 0.25
 """How often, in host time, the ranks poll for a stop: steps longer than that poll every step."""
 MAX_INTERVAL = 1000
@@ -28,12 +30,10 @@ class StopAgreement:
     def __init__(self, requested: Callable[[], int | None]) -> None:
         self.requested = requested
         """This rank's stop signal (its number), or None."""
-        # new_group is itself a collective: every rank builds it, at the same point of its start-up.
-        self.group = dist.new_group(backend="gloo")
+        self.side = SideGroup()  # a collective: every rank makes it, at the same point of its start-up
         self.sent = torch.zeros(2)
         """[signal number, -proposed interval]: one MAX all-reduce gives the highest signal and the shortest
         interval any rank proposed."""
-        self.work: dist.Work | None = None
         self.next_poll = 0
         self.polled_at: tuple[int, float] | None = None
 
@@ -43,16 +43,15 @@ class StopAgreement:
         if step < self.next_poll:
             return 0
         interval = 1
-        if self.work is not None:
-            self.work.wait()  # the previous poll's all-reduce: finished by now, this returns at once
-            self.work = None
+        if self.side.in_flight:
+            self.side.wait()  # the previous poll's all-reduce: finished by now, this returns at once
             signum, interval = int(self.sent[0]), int(-self.sent[1])
             if signum:
                 return signum
         self.next_poll = step + interval  # the same on every rank: all read the same agreed interval
         self.sent[0] = float(self.requested() or 0)
         self.sent[1] = -float(self._proposed_interval(step))
-        self.work = dist.all_reduce(self.sent, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.side.all_reduce_async(self.sent, dist.ReduceOp.MAX)
         return 0
 
     def _proposed_interval(self, step: int) -> int:
@@ -65,8 +64,5 @@ class StopAgreement:
         return max(1, min(MAX_INTERVAL, int(POLL_S / step_s) if step_s > 0 else MAX_INTERVAL))
 
     def close(self) -> None:
-        """Wait for the flag in flight (no collective may be pending when the group is torn down)."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        dist.destroy_process_group(self.group)
+        """Wait for the flag in flight, and tear its group down."""
+        self.side.close()
