@@ -299,4 +299,6 @@ def _precision(settings: LoopSettings, device: torch.device) -> str:
     step) is fp32 for a script's loop."""
     chosen = resolve_precision(device.type, settings.amp, settings.dtype,
                                cuda_bf16=device.type == "cuda" and cuda_devices_have_native_bf16([device.index]))
+    if chosen.warning and int(os.environ.get("RANK", "0")) == 0:
+        print(f"ddp-amp loop: warning: {chosen.warning}", flush=True)
     return chosen.name
