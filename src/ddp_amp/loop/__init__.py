@@ -297,8 +297,13 @@ def _join_process_group(rank: int, world_size: int, device: torch.device) -> boo
 def _precision(settings: LoopSettings, device: torch.device) -> str:
     """--amp/--dtype by the core's rules; --amp auto on a CPU (which the core decides by measuring the task's own
     step) is fp32 for a script's loop."""
-    chosen = resolve_precision(device.type, settings.amp, settings.dtype,
-                               cuda_bf16=device.type == "cuda" and cuda_devices_have_native_bf16([device.index]))
+    from ddp_amp.errors import UsageError
+
+    try:
+        chosen = resolve_precision(device.type, settings.amp, settings.dtype,
+                                   cuda_bf16=device.type == "cuda" and cuda_devices_have_native_bf16([device.index]))
+    except UsageError as exc:  # e.g. --dtype bf16 on GPUs without it
+        raise LoopError(f"setup(): {exc}") from None
     if chosen.warning and int(os.environ.get("RANK", "0")) == 0:
         print(f"ddp-amp loop: warning: {chosen.warning}", flush=True)
     return chosen.name
