@@ -37,3 +37,24 @@ def test_an_option_an_older_run_lacks_is_shown_as_not_recorded():
     assert config_differences([older, newer]) == {"flush_denormal": ["(not recorded)", "auto"],
                                                   "max_memory": ["(not recorded)", None]}
     assert config_differences([newer, newer]) == {}
+
+
+def test_a_loop_scripts_run_shows_its_precision_steps_and_loss_of_its_reported_metrics(tmp_path):
+    """A script run through ddp_amp.loop: its summary's `loop` gives the precision and the steps, its metrics.jsonl
+    (report()'s names, a GAN's loss_d and loss_g) the final loss, named, and the curve."""
+    import json
+
+    run = tmp_path / "gan"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"script": {"target": "own_loop.py", "args": ["--steps", "30"]}}))
+    (run / "summary.json").write_text(json.dumps({
+        "outcome": "stopped", "world_size": 2, "wall_s": 4.0,
+        "loop": {"precision": "bf16", "last_reported_step": 30, "stopped_at_step": 27}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "loss_g": 0.7, "loss_d": 1.0 / step}) + "\n"
+                                               for step in (10, 20, 30)))
+    result = show(run, columns=60)  # turned: one row per figure
+    assert result.returncode == 0, result.stderr
+    cells = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.stdout.splitlines()
+             if line.count("│") == 3}
+    assert cells["precision"] == "bf16" and cells["steps"] == "27" and cells["final loss"] == "0.0333 (loss_d)"
+    assert cells["runs"] == "own_loop.py --steps 30" and cells["loss curve"]

@@ -197,6 +197,13 @@ def sparkline(values: list[float], width: int = 20) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * len(SPARK)))] for v in means)
 
 
+def _script_steps(run) -> str:
+    """A script's steps: where its ddp_amp.loop stopped or last reported; "-" for a script without it."""
+    loop = run.loop
+    steps = loop.get("stopped_at_step", loop.get("last_reported_step"))
+    return "-" if steps is None else str(steps)
+
+
 def _last(run, key: str):
     for record in reversed(run.metrics):
         if key in record:
@@ -223,7 +230,7 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
         total = s.get("steps") if s else _last(run, "total_steps")
         steps = s.get("steps", _last(run, "step") or 0)
         speed = s.get("samples_per_s", _last(run, "samples_per_s"))
-        loss = s.get("final_loss", _last(run, "loss"))
+        loss = s.get("final_loss", _last(run, run.loss_key))
         if index == 0:
             first_speed, first_loss = speed, loss
         validation = {k: v for k, v in s.get("validation", {}).items() if k.startswith("val_")}
@@ -231,16 +238,16 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
                                for k, v in {**validation, **s.get("eval", {})}.items()) or (
             "error" if "eval_error" in s else "-")
         row = [run.name, Text(run.state, style="green" if run.state == "finished" else "yellow"), run.work,
-               s.get("precision", "-"), str(s.get("world_size", "-")),
-               "-" if "outcome" in s else f"{steps}/{total}" if run.state != "finished" else str(steps),
+               s.get("precision", run.loop.get("precision", "-")), str(s.get("world_size", "-")),
+               _script_steps(run) if "outcome" in s else f"{steps}/{total}" if run.state != "finished" else str(steps),
                _num(speed, ".0f")]
         if compare:
             row.append(f"{speed / first_speed:.2f}x" if speed and first_speed else "-")
-        row.append(_num(loss, ".4f"))
+        row.append(_num(loss, ".4f") + ("" if run.loss_key == "loss" or loss is None else f" ({run.loss_key})"))
         if compare:
             row.append(f"{loss - first_loss:+.4f}" if loss is not None and first_loss is not None else "-")
         row += [evaluation, _seconds(s.get("wall_s")), _seconds(s.get("time_to_first_step_s")),
-                sparkline([value for _, value in curve(run, "loss")], width=16)]
+                sparkline([value for _, value in curve(run, run.loss_key)], width=16)]
         rows.append(row)
     return headers, rows
 
@@ -307,14 +314,14 @@ def runs_plot(runs: list, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (key, label, log) in zip(axes, panels):
         for run in runs:
-            points = curve(run, key)
+            points = curve(run, run.loss_key if key == "loss" else key)
             if points:
                 steps, values = zip(*points)
                 ax.plot(steps, values, marker="." if len(points) < 30 else None,
                         label=run.name + (" (in progress)" if run.state == "in progress" else ""))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
-        if log and all(value > 0 for run in runs for _, value in curve(run, key)):
+        if log and all(value > 0 for run in runs for _, value in curve(run, run.loss_key if key == "loss" else key)):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")

@@ -38,6 +38,21 @@ class Run:
     def name(self) -> str:
         return self.path.name or str(self.path)
 
+    @property
+    def loss_key(self) -> str:
+        """The metric shown as the loss: `loss`, else (a script's own report() through ddp_amp.loop, e.g. a GAN's
+        loss_d and loss_g) the first metric whose name starts with "loss", alphabetically."""
+        names = {key for record in self.metrics for key in record}
+        if "loss" in names or not names:
+            return "loss"
+        return min((key for key in names if key.startswith("loss")), default="loss")
+
+    @property
+    def loop(self) -> dict[str, Any]:
+        """A script's loop account (ddp_amp.loop's loop.json in summary.json), or {}."""
+        loop = self.summary.get("loop")
+        return loop if isinstance(loop, dict) else {}
+
 
 def load_run(path: Path) -> Run:
     """A run directory's config, summary and metrics; a path that is not one is a UsageError."""
