@@ -155,3 +155,21 @@ def test_the_loop_under_shard_trains_as_under_ddp(shard, tmp_path):
         for model in runs["none"]:
             for key, expected in runs["none"][model].items():
                 torch.testing.assert_close(runs[shard][model][key], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_report_writes_tensorboard_scalars_with_tensorboard(tmp_path):
+    """`--tensorboard --log-every 5` before a loop script: rank 0's report() values as report/<name> scalars at
+    steps 5, 10, 15, 20, equal to metrics.jsonl's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    result = launch_script(run, EXAMPLE.parent / "origin_loop.py", "--epochs", "20",
+                           options=("--tensorboard", "--log-every", "5"))
+    assert result.returncode == 0, result.stderr
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    scalars = [(event.step, event.value) for event in events.Scalars("report/loss")]
+    logged = [(record["step"], record["loss"]) for record in map(json.loads, (run / "metrics.jsonl").read_text()
+                                                                .splitlines())]
+    assert [step for step, _ in scalars] == [5, 10, 15, 20] == [step for step, _ in logged]
+    assert [value for _, value in scalars] == pytest.approx([value for _, value in logged], rel=1e-6)

@@ -22,9 +22,9 @@
     run.finish()
 
 Settings (`--amp`, `--dtype`, `--grad-accum`, `--clip-grad`, `--shard`, `--checkpoint-every`, `--keep`,
-`--resume`, `--log-every`, `--seed`, `--device`) come from the ddp-amp command line before the script, over the
-defaults the script passes to setup(). Under plain torchrun, and as a single `python script.py` (world size 1),
-the same calls do the obvious: one process group of one, no launcher to report to.
+`--resume`, `--log-every`, `--seed`, `--device`, `--tensorboard`) come from the ddp-amp command line before the
+script, over the defaults the script passes to setup(). Under plain torchrun, and as a single `python script.py`
+(world size 1), the same calls do the obvious: one process group of one, no launcher to report to.
 """
 
 from __future__ import annotations

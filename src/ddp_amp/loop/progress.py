@@ -4,6 +4,7 @@ run's record (the launcher puts it in summary.json)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -18,6 +19,8 @@ class Progress:
         self.sender = EventSender.from_environ() if run.settings.under_ddp_amp else None
         self.last_step: int | None = None
         self.started = time.time()
+        self.tensorboard = None
+        """--tensorboard: rank 0's SummaryWriter under RUN_DIR/tensorboard, made at the first report."""
 
     def report(self, step: int, metrics: dict[str, Any]) -> None:
         if step % self.run.settings.log_every:
@@ -27,8 +30,21 @@ class Progress:
         run = self.run
         if run.rank == 0:
             outputs.append_metrics(run.run_dir, {"step": step, **values})
+            if run.settings.tensorboard:
+                self._scalars(step, values)
         if self.sender is not None:
             self.sender.send({"type": "report", "rank": run.rank, "step": step, "metrics": values})
+
+    def _scalars(self, step: int, values: dict[str, float]) -> None:
+        """Each metric as the scalar report/<name>."""
+        if self.tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run's events replace the earlier attempt's from its first reported step on.
+            self.tensorboard = SummaryWriter(str(self.run.run_dir / "tensorboard"), purge_step=step)
+        for name, value in values.items():
+            if math.isfinite(value):
+                self.tensorboard.add_scalar(f"report/{name}", value, step)
 
     def finish(self) -> None:
         """loop.json on rank 0: the precision, the parallel mode, the steps, how the loop ended."""
@@ -47,6 +63,8 @@ class Progress:
             if checkpoints.last_path is not None:
                 record["checkpoint"] = str(checkpoints.last_path)
             outputs.write_json(run.run_dir / outputs.LOOP_RECORD_FILE, record)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.sender is not None:
             self.sender.close()
 

@@ -37,6 +37,7 @@ class LoopSettings:
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
+    tensorboard: bool = False
     run_dir: str = DEFAULT_RUN_DIR
     launch_time: float = dataclasses.field(default_factory=time.time)
     under_ddp_amp: bool = False
