@@ -253,7 +253,7 @@ def test_emit_slurm_requeues_on_the_chosen_signals_stop_code_only(tmp_path):
 def test_the_slurm_scripts_checkpoint_test_sees_files_and_finished_sharded_directories(files, found, tmp_path):
     """The script's has_checkpoint, run by bash on a real run dir (with a space in its path): a step-N.pt, or a
     sharded step-N/ that DCP finished (its .metadata); a directory cut short or a lone sidecar is none."""
-    from ddp_amp.launch.torchrun import _RESUME
+    from ddp_amp.launch.slurm import _RESUME
 
     run_dir = tmp_path / "run dir"
     for name in files:
@@ -384,7 +384,7 @@ def test_the_patch_leaves_a_changed_torch_alone(context_class):
 def test_the_slurm_script_adds_resume_auto_unless_the_job_starts_its_own_way(given, checkpoint, added, tmp_path):
     """A job emitted with its own --resume PATH or --overwrite keeps it for its first attempt (the last flag
     would win); once it has a checkpoint of its own, a requeued attempt continues from it."""
-    from ddp_amp.launch.torchrun import _RESUME
+    from ddp_amp.launch.slurm import _RESUME
 
     if checkpoint:
         (tmp_path / "checkpoints").mkdir()

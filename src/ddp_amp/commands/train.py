@@ -266,28 +266,12 @@ def launch_script(launch, output: dict) -> None:
     run_launch(launch, make_display(output["log_format"], quiet=output["quiet"], script=True))
 
 
-def emit_slurm_script(path: Path, train: dict, output: dict, nodes, where, *, nproc_per_node: str,
-                      rdzv_timeout: float, rdzv_last_call: int, monitor_interval: float, max_restarts: int,
-                      ifname: str | None, requeue_signal: str, script=None) -> None:
+def emit_slurm_script(path: Path, train: dict, output: dict, nodes, where, script=None, **launch_options) -> None:
     """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation."""
-    from ddp_amp.launch import torchrun
+    from ddp_amp.launch.slurm import sbatch_script
 
-    if requeue_signal not in torchrun.REQUEUE_SIGNALS:
-        raise UsageError(f"--requeue-signal must be one of {', '.join(torchrun.REQUEUE_SIGNALS)}, got "
-                         f"{requeue_signal!r}")
-    if nproc_per_node not in ("gpu", "cpu", "auto"):
-        torchrun.parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
-    # What every node shares; per-node values (--local-addr, --is-host, --node-rank) are found on each node.
-    args = ["--nproc-per-node", nproc_per_node, *training_args(train), "--rdzv-timeout", f"{rdzv_timeout:g}",
-            *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max else []),
-            "--monitor-interval", f"{monitor_interval:g}", "--log-format", output["log_format"]]
-    if max_restarts:
-        args += ["--max-restarts", str(max_restarts)]
-    if ifname:
-        args += ["--ifname", ifname]
-    gpus = int(nproc_per_node) if nproc_per_node.isdigit() and train["device"] != "cpu" else None
-    text = torchrun.slurm_script(args, where.port, nodes=nodes, gpus_per_node=gpus, run_dir=output["run_dir"],
-                                 requeue_signal=requeue_signal, script=script)
+    text = sbatch_script(training_args(train), port=where.port, nodes=nodes, device=train["device"],
+                         run_dir=output["run_dir"], log_format=output["log_format"], script=script, **launch_options)
     write_new_file(path, text, "--emit-slurm")
     typer.echo(f"ddp-amp: wrote {path}; submit it with sbatch {path}")
     if script is not None:
@@ -325,29 +309,12 @@ def emit_k8s_manifest(k8s: dict, train: dict, output: dict, nodes, *, nproc_per_
                       stop_timeout: float, script=None) -> None:
     """--emit-k8s: the manifest (TrainJob, PyTorchJob or JobSet) that runs this on --nnodes pods; printed, then
     written as YAML."""
-    from ddp_amp.launch import kubernetes
+    from ddp_amp.launch.kubernetes import manifest_text
 
-    if not k8s["image"]:
-        raise UsageError("--emit-k8s needs --image: the container image the pods run (with ddp-amp installed)")
-    kubernetes.check_dns_name(k8s["namespace"], "--namespace")
-    if k8s["pvc"] is not None:
-        kubernetes.check_dns_name(k8s["pvc"], "--pvc")
-    gpus = k8s["gpus_per_node"]
-    if gpus is not None and (gpus < 1 or train["device"] == "cpu"):
-        raise UsageError(f"--gpus-per-node {gpus}: " + ("must be >= 1" if gpus < 1 else
-                         "--device cpu trains on CPUs; drop --gpus-per-node, or use --device cuda or auto"))
-    if nproc_per_node == "1" and gpus:
-        nproc_per_node = str(gpus)  # a rank per GPU, as --nproc-per-node gpu would
-    run_dir = (output["run_dir"] or "run").strip("/")
-    spec = kubernetes.PodSpec(
-        name=kubernetes.job_name(run_dir), image=k8s["image"], namespace=k8s["namespace"], nnodes_min=nodes.min,
-        nnodes_max=nodes.max, nproc_per_node=nproc_per_node,
-        args=[*training_args(train), "--log-format", output["log_format"]], run_dir=run_dir, pvc=k8s["pvc"],
-        gpus_per_node=gpus, cpu=k8s["cpu"], memory=k8s["memory"], stop_timeout=stop_timeout,
-        max_restarts=max_restarts, script=script.argv() if script is not None else [])
-    import yaml
-
-    text = yaml.safe_dump(kubernetes.manifest(k8s["k8s_kind"], spec), sort_keys=False)
+    text = manifest_text(k8s, [*training_args(train), "--log-format", output["log_format"]], nodes,
+                         device=train["device"], run_dir=output["run_dir"], nproc_per_node=nproc_per_node,
+                         max_restarts=max_restarts, stop_timeout=stop_timeout,
+                         script=script.argv() if script is not None else [])
     write_new_file(k8s["emit_k8s"], text, "--emit-k8s")  # first: a path it cannot be written to prints nothing
     typer.echo(text, nl=False)
     if k8s["pvc"] is None:

@@ -227,3 +227,28 @@ def rendezvous_from_env(environ: Mapping[str, str]) -> Rendezvous:
     names = [nnodes[0], endpoint[0], *([rank[0]] if rank else []), *([nproc[0]] if nproc else [])]
     return Rendezvous(nnodes=nnodes[1], endpoint=endpoint[1], node_rank=node_rank,
                       nproc_per_node=nproc[1] if nproc else None, source=", ".join(names))
+
+
+def manifest_text(k8s: dict, shared_args: list[str], nodes, *, device: str, run_dir: str | None,
+                  nproc_per_node: str, max_restarts: int, stop_timeout: float, script: list[str]) -> str:
+    """--emit-k8s's YAML for this multinode command (`k8s`: the Kubernetes options; `shared_args`: the options every
+    pod passes), its options checked first (UsageError)."""
+    if not k8s["image"]:
+        raise UsageError("--emit-k8s needs --image: the container image the pods run (with ddp-amp installed)")
+    check_dns_name(k8s["namespace"], "--namespace")
+    if k8s["pvc"] is not None:
+        check_dns_name(k8s["pvc"], "--pvc")
+    gpus = k8s["gpus_per_node"]
+    if gpus is not None and (gpus < 1 or device == "cpu"):
+        raise UsageError(f"--gpus-per-node {gpus}: " + ("must be >= 1" if gpus < 1 else
+                         "--device cpu trains on CPUs; drop --gpus-per-node, or use --device cuda or auto"))
+    if nproc_per_node == "1" and gpus:
+        nproc_per_node = str(gpus)  # a rank per GPU, as --nproc-per-node gpu would
+    run_dir = (run_dir or "run").strip("/")
+    spec = PodSpec(name=job_name(run_dir), image=k8s["image"], namespace=k8s["namespace"], nnodes_min=nodes.min,
+                   nnodes_max=nodes.max, nproc_per_node=nproc_per_node, args=shared_args, run_dir=run_dir,
+                   pvc=k8s["pvc"], gpus_per_node=gpus, cpu=k8s["cpu"], memory=k8s["memory"],
+                   stop_timeout=stop_timeout, max_restarts=max_restarts, script=script)
+    import yaml
+
+    return yaml.safe_dump(manifest(k8s["k8s_kind"], spec), sort_keys=False)

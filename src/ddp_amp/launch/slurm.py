@@ -1,0 +1,118 @@
+"""Slurm: the sbatch script `ddp-amp multinode --emit-slurm` writes, which runs the same multinode command once on
+every node of an allocation, stops at one step with a checkpoint on the requeue signal, and requeues itself to
+resume. No torch; the command (commands/train.py) writes the text this module makes."""
+
+from __future__ import annotations
+
+import shlex
+
+from ddp_amp.errors import UsageError
+from ddp_amp.launch.torchrun import Nnodes, parse_nproc
+from ddp_amp.process import usable_cores
+
+SLURM_STOP_WARNING_S = 120
+"""How long before the time limit Slurm sends the requeue signal: ddp-amp stops at one step and checkpoints."""
+REQUEUE_SIGNALS = {"USR1": 10, "USR2": 12, "TERM": 15}
+"""--requeue-signal: what Slurm sends before the time limit (`--signal=SIG@N`); each is a stop to ddp-amp."""
+
+
+# Every attempt passes --resume auto: a requeued job continues from its newest checkpoint; without one (the first
+# attempt, or one stopped before its first checkpoint) the run starts from the beginning. A job emitted with its
+# own --resume PATH or --overwrite keeps it until there is a checkpoint of its own. A finished run (model.pt) is
+# never overwritten: ddp-amp refuses it. has_checkpoint decides the requeue too: a step-N.pt, or a sharded
+# step-N/ directory that DCP finished (--checkpoint-format sharded).
+_RESUME = """has_checkpoint() {
+  compgen -G "$RUN_DIR/checkpoints/step-*.pt" >/dev/null ||
+    compgen -G "$RUN_DIR/checkpoints/step-*/.metadata" >/dev/null
+}
+own_start=0
+for arg in "$@"; do case "$arg" in --resume|--resume=*|--overwrite) own_start=1 ;; esac; done
+if [ "$own_start" = 0 ] || has_checkpoint; then
+  set -- "$@" --resume auto
+fi
+"""
+
+
+def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_per_node: int | None,
+                 run_dir: str | None, requeue_signal: str = "USR1", script=None) -> str:
+    """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation.
+
+    Preemption: Slurm sends `requeue_signal` to every process of the job step before the time limit
+    (--signal, without B:), or `scancel --signal` does; ddp-amp stops every rank at one step, checkpoints and
+    exits 128 + the signal's number. On exactly that exit code, and only with a checkpoint to continue from,
+    the script requeues the job, which resumes from the checkpoint. A finished run exits 0: never requeued.
+
+    `script` (a launch.script.Script): every node runs the user's script, by its absolute path, from the
+    directory it was launched in (both must be reachable on the nodes: a shared file system). Stopped by the
+    requeue signal, the job is requeued and starts the script again: resuming is the script's own business.
+    """
+    args = shlex.join(multinode_args)
+    cores = usable_cores()
+    stop_code = 128 + REQUEUE_SIGNALS[requeue_signal]
+    header = [
+        "#SBATCH --job-name=ddp-amp",
+        f"#SBATCH --nodes={nodes.max if nodes.min == nodes.max else f'{nodes.min}-{nodes.max}'}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={cores}    # all of a node's cores for its one ddp-amp ({cores} here: set your "
+        "nodes' count)",
+    ]
+    if gpus_per_node:
+        header.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    if script is not None:
+        header.append(f"#SBATCH --chdir={shlex.quote(script.cwd)}    # where the script was launched from")
+    header += [
+        "#SBATCH --time=01:00:00    # placeholder: your job's time limit",
+        f"#SBATCH --signal={requeue_signal}@{SLURM_STOP_WARNING_S}    # ddp-amp stops at one step and checkpoints",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+    ]
+    directory = shlex.quote(run_dir) if run_dir else '"runs/slurm-$SLURM_JOB_ID"'
+    head = "\n".join(header)
+    if script is not None:
+        program = [*(["-m", script.target] if script.module else [script.path]), *script.args]
+        setup = f"set -- {args} --run-dir \"$RUN_DIR\" {shlex.join(program)}\nhas_checkpoint() {{ true; }}\n"
+    else:
+        setup = f"set -- {args} --run-dir \"$RUN_DIR\"\n{_RESUME}"
+    return f"""#!/bin/bash
+{head}
+set -uo pipefail
+RUN_DIR={directory}
+{setup}# The first node of the allocation hosts the c10d rendezvous store.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export DDP_AMP_ENDPOINT="$head_node:{port}"
+# One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes. srun
+# does not inherit --cpus-per-task from the allocation (Slurm 22.05+): it is passed on.
+srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}} \\
+    bash -c 'exec ddp-amp multinode --endpoint "$DDP_AMP_ENDPOINT" \\
+    --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-id "ddp-amp-$SLURM_JOB_ID" "$@"' ddp-amp "$@"
+status=$?
+# Stopped by the requeue signal, the work checkpointed: continue in a new allocation. Anything else (done,
+# failed, cancelled, or stopped with nothing kept) ends the job as it is.
+if [ "$status" -eq {stop_code} ] && has_checkpoint; then
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
+"""
+
+
+def sbatch_script(shared_args: list[str], *, port: int, nodes: Nnodes, nproc_per_node: str, device: str,
+                  run_dir: str | None, log_format: str, rdzv_timeout: float, rdzv_last_call: int,
+                  monitor_interval: float, max_restarts: int, ifname: str | None, requeue_signal: str,
+                  script=None) -> str:
+    """--emit-slurm's text for this multinode command: `shared_args` (the training options that differ from their
+    defaults) and the launch options every node shares; per-node values (--local-addr, --is-host, --node-rank) are
+    found on each node. Its options checked first (UsageError)."""
+    if requeue_signal not in REQUEUE_SIGNALS:
+        raise UsageError(f"--requeue-signal must be one of {', '.join(REQUEUE_SIGNALS)}, got {requeue_signal!r}")
+    if nproc_per_node not in ("gpu", "cpu", "auto"):
+        parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
+    args = ["--nproc-per-node", nproc_per_node, *shared_args, "--rdzv-timeout", f"{rdzv_timeout:g}",
+            *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max else []),
+            "--monitor-interval", f"{monitor_interval:g}", "--log-format", log_format]
+    if max_restarts:
+        args += ["--max-restarts", str(max_restarts)]
+    if ifname:
+        args += ["--ifname", ifname]
+    gpus = int(nproc_per_node) if nproc_per_node.isdigit() and device != "cpu" else None
+    return slurm_script(args, port, nodes=nodes, gpus_per_node=gpus, run_dir=run_dir, requeue_signal=requeue_signal,
+                        script=script)
