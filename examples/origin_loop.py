@@ -34,7 +34,7 @@ def main():
     inputs = torch.randn(32, 10).to(run.device)
     targets = torch.randn(32, 10).to(run.device)
     for epoch in range(start, args.epochs):
-        with run.autocast():
+        with run.autocast(model):
             loss = loss_fn(model(inputs).float(), targets)
         run.backward(loss, model)
         run.step(optimizer, scheduler1, scheduler2)  # both schedules skip a step fp16 skipped

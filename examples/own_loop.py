@@ -1,5 +1,5 @@
-"""A training script with a loop of its own and two optimizers (a small GAN that learns points on a ring), written
-with ddp_amp.loop: the AMP step, agreed stops, checkpoints that resume exactly, progress.
+"""A training script with a loop of its own and two optimizers, AdamW and Adam (a small GAN that learns points on a
+ring), written with ddp_amp.loop: the AMP step, agreed stops, checkpoints that resume exactly, progress.
 
     ddp-amp spawn -n 2 examples/own_loop.py --steps 200                       # Ctrl-C: stops, saves
     ddp-amp spawn -n 2 --resume auto examples/own_loop.py --steps 200         # continues, bit for bit
@@ -46,7 +46,8 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     generator = nn.Sequential(nn.Linear(NOISE, 64), nn.ReLU(), nn.Linear(64, 2))
     discriminator = nn.Sequential(nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Dropout(0.1), nn.Linear(64, 1))
-    generator, opt_g = run.prepare(generator, torch.optim.Adam(generator.parameters(), lr=2e-3, betas=(0.5, 0.9)))
+    generator, opt_g = run.prepare(generator, torch.optim.AdamW(generator.parameters(), lr=2e-3, betas=(0.5, 0.9),
+                                                                weight_decay=1e-4))
     discriminator, opt_d = run.prepare(discriminator,
                                        torch.optim.Adam(discriminator.parameters(), lr=2e-3, betas=(0.5, 0.9)))
     sched_g = torch.optim.lr_scheduler.CosineAnnealingLR(opt_g, T_max=args.steps)
@@ -62,7 +63,7 @@ def main() -> None:
             noise = torch.randn(len(real), NOISE, device=run.device)
             with torch.no_grad(), run.autocast():
                 fake = generator(noise)
-            with run.autocast():
+            with run.autocast(discriminator):  # no_sync but on the last micro-step
                 scores = discriminator(torch.cat([real, fake]))
                 labels = torch.cat([torch.ones(len(real), 1), torch.zeros(len(fake), 1)]).to(scores.device)
                 loss_d = bce(scores.float(), labels)
@@ -70,7 +71,7 @@ def main() -> None:
         run.step(opt_d, sched_d)
         for _ in range(run.grad_accum):  # the generator: fool the discriminator
             noise = torch.randn(args.batch_size, NOISE, device=run.device)
-            with run.autocast():
+            with run.autocast(generator):
                 scores = discriminator(generator(noise))
                 loss_g = bce(scores.float(), torch.ones_like(scores, dtype=torch.float32))
             run.backward(loss_g, generator)

@@ -151,9 +151,12 @@ class SideGroup:
             self._work = None
 
     def close(self) -> None:
-        """Wait for the all-reduce in flight (none may be pending when a group is torn down), then tear it down."""
+        """Wait for the all-reduce in flight (none may be pending when a group is torn down), then tear it down;
+        nothing the second time."""
         self.wait()
-        dist.destroy_process_group(self.group)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
 
 def settle_run_dir_writers(env: DistEnv, run_dir: Path) -> DistEnv:

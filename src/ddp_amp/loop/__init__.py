@@ -10,7 +10,7 @@
     for step in range(start, steps):
         for _ in range(run.grad_accum):
             inputs, targets = next(batches)
-            with run.autocast():
+            with run.autocast(model):                    # no_sync on all but the last
                 loss = loss_fn(model(inputs), targets)
             run.backward(loss, model)                    # scaled; no_sync but on the last of --grad-accum
         run.step(optimizer, scheduler)                   # unscale, --clip-grad, step; both skipped on an overflow
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -143,14 +144,30 @@ class Loop:
             raise LoopError("prepare(): the optimizer has taken steps already; prepare it before training")
         if len(groups) > 1 and self.strategy.mode == "optimizer":
             raise LoopError("prepare(): --shard optimizer takes an optimizer with one parameter group")
-        options = {k: v for k, v in optimizer.defaults.items() if k not in ("differentiable",)}
-        if self.strategy.mode == "optimizer":
-            return self.strategy.build_optimizer(groups[0]["params"], type(optimizer), options)
-        return type(optimizer)(groups, **options)
+        cls = type(optimizer)
+        # What its constructor takes: defaults can hold keys it does not (AdamW's decoupled_weight_decay).
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        if self.strategy.mode == "optimizer":  # one group: its own settings over the defaults
+            own = {k: v for k, v in groups[0].items() if k in accepted}
+            return self.strategy.build_optimizer(groups[0]["params"], cls, {**options, **own})
+        return cls(groups, **options)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward and the loss under the run's precision (a no-op context in fp32)."""
-        return autocast(self._precision, self.device.type)
+    def autocast(self, model: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """The forward and the loss under the run's precision (a no-op context in fp32). Given the `model` whose
+        forward it holds, and --grad-accum K, the forward of every micro-step but the K-th also runs under the
+        model's no_sync, where DDP decides that its backward will not reduce (without it the gradients are
+        still right, but every micro-step's are all-reduced)."""
+        precision = autocast(self._precision, self.device.type)
+        if model is None or self.grad_accum == 1:
+            return precision
+        wrapped = self._the_model(model)
+        if self._backwards.get(id(wrapped), 0) + 1 == self.grad_accum:
+            return precision
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.strategy.no_sync(wrapped))
+        stack.enter_context(precision)
+        return stack
 
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
         """The backward of `loss` / --grad-accum, scaled for fp16. With --grad-accum K, the K-th call for `model`

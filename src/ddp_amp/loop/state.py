@@ -47,25 +47,44 @@ class Checkpoints:
         return step
 
     def _resume_choice(self) -> tuple[Path, dict[str, Any]] | None:
-        """--resume PATH, --resume auto (or a restart by torchrun's agent or Slurm: auto), else None."""
+        """The checkpoint to continue from, the same on every rank (rank 0 chooses): after a restart by torchrun's
+        agent or a Slurm requeue the newest valid one this run wrote, else --resume PATH; --resume auto the newest
+        valid one; None for a fresh start."""
+        chosen: list[Any] = [self._choose() if self.run.rank == 0 else None]
+        if self.run.world_size > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] is None:
+            return None
+        if isinstance(chosen[0], LoopError):
+            raise chosen[0]
+        path = Path(chosen[0])
+        try:
+            saved = fileformat.load_checkpoint(path)
+        except fileformat.CheckpointError as exc:  # rank 0 read it: this node's copy differs
+            raise LoopError(f"--resume {exc}") from None
+        return path, saved
+
+    def _choose(self) -> str | LoopError | None:
+        """Rank 0's choice: a path, None, or the LoopError every rank raises."""
         resume = self.run.settings.resume
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
             int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-        if resume is None and not restarted:
-            return None
-        if resume is None or resume == "auto":
+        if restarted or resume == "auto":
             found = fileformat.newest_valid_checkpoint(self.run.run_dir, warn=self._warn)
-            if found is None and resume == "auto" and self.run.rank == 0:
+            if found is not None:
+                return str(found[0])
+            if resume == "auto":
                 print(f"ddp-amp loop: --resume auto: no checkpoint in {fileformat.checkpoint_dir(self.run.run_dir)}: "
                       "starting from the beginning", flush=True)
-            return found
+        if resume is None or resume == "auto":
+            return None
         try:
             saved = fileformat.load_checkpoint(resume)
         except fileformat.CheckpointError as exc:
-            raise LoopError(f"--resume {exc}") from None
+            return LoopError(f"--resume {exc}")
         if bad := fileformat.nonfinite_tensors(saved["trainer"]):
-            raise LoopError(f"--resume {resume}: refused, it holds inf/NaN (in {bad[0].lstrip('.')})")
-        return Path(resume), saved
+            return LoopError(f"--resume {resume}: refused, it holds inf/NaN (in {bad[0].lstrip('.')})")
+        return resume
 
     def _warn(self, line: str) -> None:
         if self.run.rank == 0:
