@@ -68,6 +68,9 @@ class Loop:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if settings.device != "cpu" and torch.cuda.is_available() and self.local_rank >= torch.cuda.device_count():
+            raise LoopError(f"setup(): local rank {self.local_rank} and {torch.cuda.device_count()} GPU(s) on this "
+                            "node (a GPU per rank); start as many ranks per node as it has GPUs, or pass --device cpu")
         self.device = resolve_device(settings.device, self.local_rank)
         self._own_group = _join_process_group(self.rank, self.world_size, self.device)
         self.precision = _precision(settings, self.device)
