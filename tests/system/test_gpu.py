@@ -98,10 +98,10 @@ def test_gradient_compression_on_nccl(tmp_path, compression):
 
 def test_each_ranks_own_bf16_answer_follows_its_gpus_capability():
     """The function each rank calls before the ranks agree: native bf16 from compute capability 8.0 on."""
-    from ddp_amp.rank.setup import bf16_is_fast_here
+    from ddp_amp.rank.setup import gpu_bf16_is_native
 
     major, _ = torch.cuda.get_device_capability(0)
-    assert bf16_is_fast_here(torch.device("cuda", 0)) is (major >= 8)
+    assert gpu_bf16_is_native(torch.device("cuda", 0)) is (major >= 8)
 
 
 HELPER = str(__import__("conftest").HELPER_TASKS)
