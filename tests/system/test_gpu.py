@@ -108,21 +108,22 @@ HELPER = str(__import__("conftest").HELPER_TASKS)
 
 
 def test_micro_batch_auto_fits_under_max_memory_on_a_gpu(tmp_path):
-    """--max-memory 2 caps the caching allocator (set_per_process_memory_fraction): 65536 samples of the
-    64-16384-10 MLP need ~8 GB of activations, so auto halves until a size fits, and peak memory stays
-    under the cap."""
+    """--max-memory 0.5 caps the caching allocator (set_per_process_memory_fraction): the whole data set, 8192
+    samples of the 64-16384-10 MLP, needs about 1.5 GB of activations, so auto halves until a size fits, and
+    peak memory stays under the cap. (It asked for 65536 samples until the launcher refused a batch larger than
+    the data set.)"""
     result = run_cli("spawn", "-n", "1", "--device", "cuda", "--task", f"{HELPER}:activation_heavy", "--amp", "off",
-                     "--batch-size", "65536", "--steps", "3", "--max-memory", "2", "--micro-batch", "auto",
+                     "--batch-size", "8192", "--steps", "3", "--max-memory", "0.5", "--micro-batch", "auto",
                      "--run-dir", str(tmp_path), timeout=300)
     assert_ok(result)
     summary = read_summary(tmp_path)
-    assert summary["micro_batch_changes"] and summary["micro_batch_size"] < 65536
-    assert summary["peak_memory_mb"] <= 2 * 1024 and summary["peak_memory_allocated_mb"] <= summary["peak_memory_mb"]
+    assert summary["micro_batch_changes"] and summary["micro_batch_size"] < 8192
+    assert summary["peak_memory_mb"] <= 512 and summary["peak_memory_allocated_mb"] <= summary["peak_memory_mb"]
 
 
 def test_out_of_memory_on_a_gpu_without_auto_is_one_line(tmp_path):
     result = run_cli("spawn", "-n", "1", "--device", "cuda", "--task", f"{HELPER}:activation_heavy", "--amp", "off",
-                     "--batch-size", "65536", "--steps", "3", "--max-memory", "2", "--run-dir", str(tmp_path),
+                     "--batch-size", "8192", "--steps", "3", "--max-memory", "0.5", "--run-dir", str(tmp_path),
                      timeout=300)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
