@@ -191,7 +191,7 @@ def test_rich_shows_a_traceback_with_brackets_as_it_is():
 def test_an_elastic_renumbering_replaces_the_process_earlier_rank():
     """An elastic job that grew numbers its ranks anew: this node's local rank 0 was global rank 1, is now 2.
     The table shows the rank it is now, not a second row stuck at the old one."""
-    from ddp_amp.progress.display import ProgressModel
+    from ddp_amp.progress.model import ProgressModel
 
     model = ProgressModel(clock=FakeClock())
     model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 0, "node": 1, "world_size": 2})
@@ -212,7 +212,7 @@ def test_a_plain_start_line_names_the_world_size():
 
 def test_a_restart_remembers_which_global_rank_each_local_rank_was():
     """On node 1 of a multinode job, local rank 0 is global rank 2: the recovered line must say rank 2."""
-    from ddp_amp.progress.display import ProgressModel
+    from ddp_amp.progress.model import ProgressModel
 
     model = ProgressModel(clock=FakeClock())
     for local in (0, 1):
@@ -226,7 +226,7 @@ def test_a_restart_remembers_which_global_rank_each_local_rank_was():
 def test_a_restart_names_the_later_of_the_heartbeat_and_the_last_log_step():
     """Heartbeats come once a second: with fast steps the last one can be older than the last log line (a rank
     that logged step 30 was last seen by its heartbeat in step 23)."""
-    from ddp_amp.progress.display import ProgressModel
+    from ddp_amp.progress.model import ProgressModel
 
     model = ProgressModel(clock=FakeClock())
     model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 1, "node": 0})
