@@ -39,11 +39,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import resolve_device
 from ddp_amp.loop.data import RankLoader
+from ddp_amp.loop.progress import Progress
 from ddp_amp.loop.settings import LoopError, LoopSettings
 from ddp_amp.loop.state import Checkpoints
 from ddp_amp.parallel import strategy_for
 from ddp_amp.precision import Precision, autocast, cuda_devices_have_native_bf16, resolve_precision
+from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
+from ddp_amp.train.stop import StopAgreement
 
 __all__ = ["Loop", "LoopError", "RankLoader", "setup"]
 
@@ -59,11 +64,6 @@ def setup(**defaults: Any) -> Loop:
 
 class Loop:
     def __init__(self, settings: LoopSettings) -> None:
-        from ddp_amp.config import TrainConfig
-        from ddp_amp.dist import resolve_device
-        from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
-        from ddp_amp.train.stop import StopAgreement
-
         self.settings = settings
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -73,11 +73,12 @@ class Loop:
                             "node (a GPU per rank); start as many ranks per node as it has GPUs, or pass --device cpu")
         self.device = resolve_device(settings.device, self.local_rank)
         self._own_group = _join_process_group(self.rank, self.world_size, self.device)
-        self.precision = _precision(settings, self.device)
+        self._amp = _precision(settings, self.device)
+        self.precision = self._amp.name
         """The autocast dtype ("bf16", "fp16") or "fp32"."""
         config = TrainConfig(shard=settings.shard, compile=False)
         self.strategy = strategy_for(config, self.device)
-        self.scaler = self.strategy.grad_scaler(self._precision)
+        self.scaler = self.strategy.grad_scaler(self._amp)
         self.grad_accum, self.clip_grad = settings.grad_accum, settings.clip_grad
         self.run_dir = Path(settings.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,13 +99,7 @@ class Loop:
         self._steps_taken: dict[int, int] = {}
         self.skipped_steps = 0
         self._checkpoints = Checkpoints(self)
-        from ddp_amp.loop.progress import Progress
-
         self._progress = Progress(self)
-
-    @property
-    def _precision(self) -> Precision:
-        return Precision(self.precision)
 
     def prepare(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """`model` moved to this rank's device and wrapped for the run's parallel mode, and each of `optimizers`
@@ -161,7 +156,7 @@ class Loop:
         forward it holds, and --grad-accum K, the forward of every micro-step but the K-th also runs under the
         model's no_sync, where DDP decides that its backward will not reduce (without it the gradients are
         still right, but every micro-step's are all-reduced)."""
-        precision = autocast(self._precision, self.device.type)
+        precision = autocast(self._amp, self.device.type)
         if model is None or self.grad_accum == 1:
             return precision
         wrapped = self._the_model(model)
@@ -258,9 +253,11 @@ class Loop:
         """Call after every optimizer step `step`, on every rank: True on every rank at the same step once any rank
         received a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1), by then saved there (restore() registered what).
         Costs no collective per step (an asynchronous flag about every 0.25 s of steps)."""
+        if self.stopped_at is not None:
+            return True
         signum = self._stop.agreed(step)
-        if not signum or self.stopped_at is not None:
-            return self.stopped_at is not None
+        if not signum:
+            return False
         self.stopped_at, self.stopped_by = step, signum
         if self._checkpoints.registered and self._checkpoints.last_step != step:
             self.save(step)
@@ -314,7 +311,7 @@ def _join_process_group(rank: int, world_size: int, device: torch.device) -> boo
     return True
 
 
-def _precision(settings: LoopSettings, device: torch.device) -> str:
+def _precision(settings: LoopSettings, device: torch.device) -> Precision:
     """--amp/--dtype by the core's rules; --amp auto on a CPU (which the core decides by measuring the task's own
     step) is fp32 for a script's loop."""
     from ddp_amp.errors import UsageError
@@ -326,4 +323,4 @@ def _precision(settings: LoopSettings, device: torch.device) -> str:
         raise LoopError(f"setup(): {exc}") from None
     if chosen.warning and int(os.environ.get("RANK", "0")) == 0:
         print(f"ddp-amp loop: warning: {chosen.warning}", flush=True)
-    return chosen.name
+    return chosen

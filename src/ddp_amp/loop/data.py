@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ddp_amp.train.data import to_device
+
 
 class RankSampler(Sampler[int]):
     """This rank's indices of one epoch: the epoch's permutation (or 0..N-1), cut to a whole number of batches on
@@ -74,7 +76,7 @@ class RankLoader:
                             generator=torch.Generator().manual_seed(self.seed + self.epoch), **self.options)
         for batch in loader:
             self.taken += 1
-            yield _to_device(batch, self.device)
+            yield batch if self.device.type == "cpu" else to_device(batch, self.device)
 
     def forever(self) -> Iterator[Any]:
         """Batches epoch after epoch, without end."""
@@ -86,22 +88,3 @@ class RankLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.taken = int(state["epoch"]), int(state["taken"])
-
-    @property
-    def epochs_done(self) -> float:
-        return self.epoch + self.taken / self.sampler.batches
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(value, device) for value in batch)
-    return batch
-
-
-

@@ -55,17 +55,17 @@ class Checkpoints:
             dist.broadcast_object_list(chosen, src=0)
         if chosen[0] is None:
             return None
-        if isinstance(chosen[0], LoopError):
-            raise chosen[0]
         path = Path(chosen[0])
-        try:
+        try:  # every rank reads the one rank 0 chose (newest_valid_checkpoint checked it already)
             saved = fileformat.load_checkpoint(path)
-        except fileformat.CheckpointError as exc:  # rank 0 read it: this node's copy differs
+        except fileformat.CheckpointError as exc:
             raise LoopError(f"--resume {exc}") from None
+        if bad := fileformat.nonfinite_tensors(saved["trainer"]):
+            raise LoopError(f"--resume {path}: refused, it holds inf/NaN (in {bad[0].lstrip('.')})")
         return path, saved
 
-    def _choose(self) -> str | LoopError | None:
-        """Rank 0's choice: a path, None, or the LoopError every rank raises."""
+    def _choose(self) -> str | None:
+        """Rank 0's choice: a checkpoint's path, or None for a fresh start."""
         resume = self.run.settings.resume
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
             int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
@@ -76,15 +76,7 @@ class Checkpoints:
             if resume == "auto":
                 print(f"ddp-amp loop: --resume auto: no checkpoint in {fileformat.checkpoint_dir(self.run.run_dir)}: "
                       "starting from the beginning", flush=True)
-        if resume is None or resume == "auto":
-            return None
-        try:
-            saved = fileformat.load_checkpoint(resume)
-        except fileformat.CheckpointError as exc:
-            return LoopError(f"--resume {exc}")
-        if bad := fileformat.nonfinite_tensors(saved["trainer"]):
-            return LoopError(f"--resume {resume}: refused, it holds inf/NaN (in {bad[0].lstrip('.')})")
-        return resume
+        return None if resume is None or resume == "auto" else resume
 
     def _warn(self, line: str) -> None:
         if self.run.rank == 0:
