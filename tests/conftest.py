@@ -206,13 +206,17 @@ class LongRun:
 
     def ranks(self) -> list[int]:
         """The training processes: the children of the fork server. They carry its command line (forked, not
-        exec'd); the fork server itself is the one whose parent does not."""
+        exec'd); the fork server itself is the one whose parent does not. Not the store keeper beside them
+        (spawn's rendezvous store, launch.processes.StoreKeeper), which names itself."""
+        from ddp_amp.launch.processes import STORE_PROCESS_NAME
+
         def forked_from_server(pid: int) -> bool:
             return b"multiprocessing.forkserver" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
 
         live = [pid for pid in self.processes() if forked_from_server(pid)]
         servers = {pid for pid in live if parent_of(pid) not in live}
-        return sorted(pid for pid in live if parent_of(pid) in servers)
+        return sorted(pid for pid in live if parent_of(pid) in servers
+                      and (Path("/proc") / str(pid) / "comm").read_text().strip() != STORE_PROCESS_NAME)
 
     def wait_until_gone(self, timeout_s: float = 20) -> list[int]:
         """Polls until no process of the run is alive; returns those still alive after `timeout_s`."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp.network import is_loopback
-from ddp_amp.process import BLOCKED_WAIT_STOPS, usable_cores
+from ddp_amp.process import BLOCKED_WAIT_STOPS, LOOPBACK, usable_cores
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -76,18 +76,22 @@ def set_cpu_threads(local_world_size: int) -> int:
     return threads
 
 
-LOOPBACK = "127.0.0.1"
-
-
-def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: float = 300) -> dist.TCPStore:
+def loopback_store(port: int = 0, *, world_size: int | None = None, timeout_s: float = 300,
+                   listener: socket.socket | None = None) -> dist.TCPStore:
     """A TCPStore server reachable from this machine only. Given a host and a port, TCPStore listens on every
     interface, unauthenticated; handed a socket already bound to 127.0.0.1, it serves just that one.
-    port 0: a port the kernel chooses (store.port tells which)."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    port 0: a port the kernel chooses (store.port tells which). `listener`: that socket, bound and listening
+    already (by a launcher without torch, launch.processes.StoreKeeper); `port` is then ignored."""
+    if listener is None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((LOOPBACK, port))
+            listener.listen(128)
+        except BaseException:
+            listener.close()
+            raise
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((LOOPBACK, port))
-        listener.listen(128)
         store = dist.TCPStore(LOOPBACK, listener.getsockname()[1], world_size=world_size, is_master=True,
                               wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
                               master_listen_fd=listener.fileno())

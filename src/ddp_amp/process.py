@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+LOOPBACK = "127.0.0.1"
+"""Where a launcher on one machine serves its rendezvous store: reachable from this machine only."""
 LAUNCHER_PID_VAR = "DDP_AMP_LAUNCHER_PID"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 """What asks a run to stop: kill/schedulers, Ctrl-C, a closed terminal, Slurm's --signal warning (USR1 or USR2,

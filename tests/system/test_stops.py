@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,8 @@ def test_a_signal_to_the_whole_process_group_stops_at_one_step_with_a_checkpoint
     (they ignore it), the launcher and every rank must take it as a stop."""
     run = long_run(command, args=[*QUIET_RUN, *TRAINING], own_session=True, ready=FIRST_CHECKPOINT)
     assert len(run.ranks()) == 2
+    if command == "spawn":  # its launcher never imports torch (launch.processes): only the fork server does
+        assert "libtorch" not in (Path("/proc") / str(run.pid) / "maps").read_text()
     os.killpg(run.pid, signum)  # the launcher leads its own group, as under setsid
     assert_stopped_with_checkpoint(run, signum)
 

@@ -43,7 +43,7 @@ def spawn(
     module: Module = False,
     script: ScriptWords = None,
 ) -> None:
-    """Launch N ranks on this machine with torch.multiprocessing: ddp-amp's training loop, or your SCRIPT."""
+    """Launch N ranks on this machine, forked from a warm fork server: ddp-amp's training loop, or your SCRIPT."""
     from ddp_amp.launch.preflight import preflight, preflight_script
     from ddp_amp.launch.session import Launch, warm_start
 

@@ -196,10 +196,8 @@ def checks_of_task(config: TrainConfig, world_size: int | None
     """check_task_options in a child of the fork server where one runs (launch.forkserver.call_warm): it has
     torch._dynamo imported already, which building the task on the meta device would import here again."""
     from ddp_amp.launch.forkserver import WarmChildDied, call_warm
-    from ddp_amp.tasks import resolve_factory
 
-    resolve_factory(config.task, config.task_arg)  # a bad --task or --task-arg, said here
-    try:
+    try:  # a bad --task or --task-arg too, said here from the child's UsageError
         return call_warm(check_task_of, config, world_size)
     except WarmChildDied as exc:  # the ranks build the task again and say what ends them
         print(f"ddp-amp: warning: the checks of --task {config.task} ended without an answer ({exc}); the ranks "
@@ -232,18 +230,51 @@ def check_validation(config: TrainConfig, task) -> None:
                              "(the task declares no val_metrics)")
 
 
-def check_max_memory(config: TrainConfig, device_type: str) -> None:
+def check_max_memory(config: TrainConfig, devices: DeviceFacts) -> None:
     """--max-memory above what a rank's device has caps nothing: refused, as a typo (GB for MB) most likely."""
     if config.max_memory is None:
         return
-    if device_type == "cuda":
-        import torch
-
-        total, what = torch.cuda.get_device_properties(0).total_memory, "GPU 0 has"
+    if devices.device_type == "cuda":
+        total, what = devices.gpu0_memory, "GPU 0 has"
     else:
         total, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
     if config.max_memory * 2**30 > total:
         raise UsageError(f"--max-memory {config.max_memory:g} GB is more than {what} ({total / 2**30:.1f} GB)")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What --device resolves to on this machine, as the launcher's checks need it."""
+
+    device_type: str
+    visible: int = 0
+    """GPUs visible (cuda only)."""
+    cuda_bf16: bool = False
+    """Whether the GPUs the ranks take compute bf16 natively."""
+    gpu0_memory: int = 0
+
+
+def device_facts(device: str, nproc_per_node: int) -> DeviceFacts:
+    """--cpu needs no torch here; otherwise torch's answers come from a child of the fork server (call_warm),
+    which has torch imported: the launcher of a CPU run never imports it."""
+    if device == "cpu":
+        return DeviceFacts("cpu")
+    from ddp_amp.launch.forkserver import call_warm
+
+    return call_warm(_device_facts_from_torch, device, nproc_per_node)
+
+
+def _device_facts_from_torch(device: str, nproc_per_node: int) -> DeviceFacts:
+    import torch
+
+    device_type = "cuda" if device == "cuda" or torch.cuda.is_available() else "cpu"
+    if device_type == "cpu":
+        return DeviceFacts("cpu")
+    visible = torch.cuda.device_count()
+    if not visible:
+        return DeviceFacts("cuda")
+    return DeviceFacts("cuda", visible, cuda_devices_have_native_bf16(range(min(nproc_per_node, visible))),
+                       torch.cuda.get_device_properties(0).total_memory)
 
 
 def check_tensorboard(config: TrainConfig) -> None:
@@ -277,7 +308,13 @@ def _resumed(config: TrainConfig, world_size: int | None) -> tuple[TrainConfig, 
     config.json."""
     if config.resume is None:
         return config, False
-    config = config.replace(resume=resolve_resume(config, world_size))
+    from ddp_amp.launch.forkserver import WarmChildDied, call_warm
+
+    try:  # reading a checkpoint takes torch: in a child of the fork server, which has it imported
+        resume = call_warm(resolve_resume, config, world_size)
+    except WarmChildDied:
+        resume = resolve_resume(config, world_size)
+    config = config.replace(resume=resume)
     return config, config.resume is None and any(
         (Path(config.run_dir) / name).exists() for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS))
 
@@ -296,22 +333,16 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
         raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
     if world_size == -1:  # one node (spawn, run)
         world_size = nproc_per_node
-    import torch  # only now: --help and flag errors above stay fast
-
-    device_type = config.device
-    if device_type == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_type == "cuda":
-        visible = torch.cuda.device_count()
-        if nproc_per_node > visible:
-            raise UsageError(f"{flag} {nproc_per_node} needs {nproc_per_node} GPUs but {visible} "
-                             f"{'is' if visible == 1 else 'are'} visible with --device cuda; "
-                             "lower it or use --device cpu")
+    devices = device_facts(config.device, nproc_per_node)
+    device_type = devices.device_type
+    if device_type == "cuda" and nproc_per_node > devices.visible:
+        raise UsageError(f"{flag} {nproc_per_node} needs {nproc_per_node} GPUs but {devices.visible} "
+                         f"{'is' if devices.visible == 1 else 'are'} visible with --device cuda; "
+                         "lower it or use --device cpu")
     # What the ranks will decide on this node's GPUs (each rank checks its own device again, and all agree).
-    cuda_bf16 = device_type == "cuda" and cuda_devices_have_native_bf16(range(nproc_per_node))
-    precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=cuda_bf16)
+    precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=devices.cuda_bf16)
     check_ddp_options(config, device_type, precision)
-    check_max_memory(config, device_type)
+    check_max_memory(config, devices)
     check_tensorboard(config)
     # bench --max-batch tries sizes past the data set's length on purpose: its trials are not refused.
     init, left_out = checks_of_task(config, world_size if batch_check else None)
@@ -358,9 +389,8 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     if nproc_per_node < 1:
         raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
     config = config.replace(**(extra or {}), run_dir=str(run_dir or default_run_dir()), launch_time=time.time())
-    import torch  # only now: --help and flag errors above stay fast; the ranks need it anyway
-
-    device_type = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
+    devices = device_facts(config.device, nproc_per_node)
+    device_type = "cuda" if devices.visible else "cpu"
     existed = Path(config.run_dir).exists()
     if (Path(config.run_dir) / METRICS_FILE).exists() and not overwrite and not _a_scripts_run_dir(config.run_dir):
         raise UsageError(f"--run-dir {config.run_dir!r} holds a run of ddp-amp's own loop (metrics.jsonl); pass "

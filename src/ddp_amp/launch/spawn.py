@@ -1,13 +1,13 @@
-"""`ddp-amp spawn`: N ranks on this machine through torch.multiprocessing, environment set as torchrun would.
+"""`ddp-amp spawn`: N ranks on this machine forked from the fork server, environment set as torchrun would.
 
-The launcher hosts the rendezvous TCPStore itself on a kernel-chosen loopback port (bound, not guessed, so two
-jobs on one machine never collide; reachable from this machine only) and tells the workers to join it as
-clients, exactly as a torchrun agent does. A stop signal asks the ranks to stop together (see cli._launch).
+The launcher binds the rendezvous store's port itself, on loopback (bound, not guessed, so two jobs on one
+machine never collide; reachable from this machine only), has it served for as long as the launch lasts, and
+tells the workers to join it as clients, exactly as a torchrun agent does. A stop signal asks the ranks to stop
+together (see cli._launch). No torch here (launch.processes says why).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import re
@@ -15,13 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 from ddp_amp.config import JobKind, TrainConfig
-from ddp_amp.dist import LOOPBACK, loopback_store
 from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom, is_usage_failure
 from ddp_amp.launch.forkserver import start_forkserver
-from ddp_amp.process import DeferredStops, StopSignal, signal_processes
+from ddp_amp.launch.processes import RankExited, RankFailed, RankProcesses, RankRaised, StoreKeeper
+from ddp_amp.process import LOOPBACK, DeferredStops, StopSignal, signal_processes
 
 FAILURE_GRACE_S = 3.0
 """After a rank fails, how long the others get to exit, and then to obey SIGTERM, before SIGKILL (torch's join
@@ -78,10 +76,8 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
           script=None) -> None:
     """Run `nproc` ranks of job `kind` (or of the user's `script`, a launch.script.Script) to completion
     (`extra_env` added to each rank's environment). Raises RunFailed naming the first rank that failed."""
-    store = loopback_store(world_size=nproc, timeout_s=config.timeout)
-    start_forkserver()  # usually already running: the CLI starts it before importing torch
-    # torch logs a warning per rank it terminates after a failure; the failure itself is what matters.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    store = StoreKeeper(world_size=nproc, timeout_s=config.timeout)
+    start_forkserver()  # usually already running: the CLI starts it first
     # A stop that arrives while the ranks are forked waits until every rank exists (each holds it blocked until
     # its handler is set, see process.stop_signals_blocked); it is raised inside the loop below, where it is
     # passed on to all of them.
@@ -89,8 +85,10 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     deferred.hold()
     try:
         context = _start_ranks(config, nproc, store.port, extra_env or {}, kind, script)
+        store.start()
     except BaseException:
         deferred.release()
+        store.close()
         raise
     stop: StopSignal | None = None
     try:
@@ -108,7 +106,7 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                          else max(deadline - time.monotonic(), FAILURE_GRACE_S))
                 if context.join(timeout=None if stop is None else 0.5, grace_period=grace):
                     break
-            except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            except RankFailed:
                 if stop is None or script is None:
                     raise
                 # A script's rank that the stop ended (by the signal's default action, or its own handler's
@@ -126,19 +124,20 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                 break
         if stop is not None:
             raise RunFailed(str(stop), exit_code=stop.exit_code)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+    except RankFailed as exc:
         raise _failure(context, exc, Path(config.run_dir)) from None
     except KeyboardInterrupt:
         _stop_ranks(context)
         raise RunFailed("interrupted", exit_code=130) from None
     finally:
-        del store
+        store.close()
+        context.remove_error_files()
 
 
-def _failure(context: mp.ProcessContext, exc: mp.ProcessException, run_dir: Path) -> RunFailed:
+def _failure(context: RankProcesses, exc: RankFailed, run_dir: Path) -> RunFailed:
     """A rank's failure, as join() reported it, named: the rank that failed first and its exception, or the
     rank that exited (its code, its signal, what C++ printed as it aborted)."""
-    if isinstance(exc, mp.ProcessRaisedException):
+    if isinstance(exc, RankRaised):
         rank, traceback_text = _first_failure(context, exc)
         line = exception_line(traceback_text) if traceback_text else "unknown error"
         return RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text,
@@ -148,15 +147,15 @@ def _failure(context: mp.ProcessContext, exc: mp.ProcessException, run_dir: Path
 
 
 def _start_ranks(config: TrainConfig, nproc: int, port: int, extra_env: dict[str, str], kind: JobKind,
-                 script) -> mp.ProcessContext:
+                 script) -> RankProcesses:
     if script is None:
         entry, args = _rank_main, (config, nproc, port, extra_env, kind)
     else:
         entry, args = _script_rank_main, (script.to_dict(), config.run_dir, nproc, port, extra_env)
-    return mp.start_processes(entry, args=args, nprocs=nproc, join=False, start_method="forkserver")
+    return RankProcesses(entry, args, nproc)
 
 
-def _stop_ranks(context: mp.ProcessContext) -> None:
+def _stop_ranks(context: RankProcesses) -> None:
     """SIGKILL every live rank (a rank takes SIGTERM as a request to stop, which it has had): none outlives the
     launcher."""
     for process in context.processes:
@@ -166,7 +165,7 @@ def _stop_ranks(context: mp.ProcessContext) -> None:
         process.join()
 
 
-def _first_failure(context: mp.ProcessContext, exc: mp.ProcessRaisedException) -> tuple[int, str]:
+def _first_failure(context: RankProcesses, exc: RankRaised) -> tuple[int, str]:
     """The rank that failed first, and its traceback.
 
     join() reports whichever failed rank it looks at first, often a rank that only saw its peer vanish
@@ -204,7 +203,7 @@ def _abort_message(run_dir: Path, rank: int) -> str | None:
     return re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", found[-1]) if found else None
 
 
-def _describe_exit(exc: mp.ProcessExitedException) -> str:
+def _describe_exit(exc: RankExited) -> str:
     if exc.signal_name:
         return f"signal {exc.signal_name}"
     match = re.search(r"exit code (-?\d+)", str(exc))
