@@ -42,11 +42,12 @@ run: $(STAMP)
 
 # Tests marked serial (the network-namespace, start-up-window and elastic tests) run alone first; then the rest
 # on TEST_WORKERS pytest workers, a file per worker at a time (module fixtures are shared within a file), the
-# long files first (tests/conftest.py orders them) and tests/unit's short ones last, to fill the end. The ranks'
-# start-up and teardown leave a core idle often enough that two workers take 0.76 of the time on 2 cores
-# (docs/benchmarks.md, "The test suite"). Both stages always run; exit 5 (PYTEST_ARGS selected none of a
-# stage's tests) counts as a pass, and make fails if either stage failed.
-TEST_WORKERS ?= 2
+# long files first (tests/conftest.py orders them) and tests/unit's short ones last, to fill the end. More
+# workers than cores: a launch's ranks wait (start-up, rendezvous, a stop's grace, Slurm) often enough that two
+# workers leave the 2 cores 17% idle; three take 0.79 of two's time (docs/benchmarks.md, "The test suite").
+# Both stages always run; exit 5 (PYTEST_ARGS selected none of a stage's tests) counts as a pass, and make
+# fails if either stage failed.
+TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	@serial=0; $(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || serial=$$?; \

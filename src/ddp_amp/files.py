@@ -136,3 +136,17 @@ def _is_zombie(pid: int) -> bool:
         return False  # no /proc (not Linux), or it just went: the next launch cleans up
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
+
+def write_new_file(path: Path, text: str, flag: str) -> None:
+    """`text` to a file that must not exist yet (what --emit-slurm and --emit-k8s write): one line naming `flag`
+    when it exists, its directory does not, or it cannot be written."""
+    from ddp_amp.errors import UsageError
+
+    if path.exists():
+        raise UsageError(f"{flag} {str(path)!r} already exists; remove it or choose another name")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    try:
+        atomic_write(path, text.encode())
+    except OSError as exc:
+        raise UsageError(f"{flag} {str(path)!r} cannot be written: {exc.strerror}") from None

@@ -112,6 +112,28 @@ def test_an_fp16_overflow_skips_the_step_and_the_schedule_together(tmp_path):
     assert read_summary(tmp_path / "run")["loop"]["grad_accum"] == 2
 
 
+def test_the_origin_example_skips_an_overflowing_fp16_step_with_both_its_schedules(tmp_path):
+    """examples/origin_loop.py itself (the origin example: SGD, ExponentialLR and CosineAnnealingLR stepped back
+    to back), `--amp on --dtype fp16` on CPU ranks, its loss forced to inf at epoch 3 from outside: that step is
+    skipped on both ranks with the weights, the rate and both schedules' positions unchanged and the loss scale
+    halved; every other step moves the weights and advances both schedules, as the core's step does."""
+    out = tmp_path / "steps.json"
+    result = launch_script(tmp_path / "run", TASKS / "origin_loop_overflow.py", "--out", str(out),
+                           options=("--amp", "on", "--dtype", "fp16"))
+    assert result.returncode == 0, result.stderr
+    found = json.loads(out.read_text())
+    steps = found["steps"]
+    assert found["precision"] == "fp16" and len(steps) == 6
+    assert not steps[2]["stepped"] and steps[2]["scale"] == steps[1]["scale"] / 2
+    assert steps[2]["lr"] == steps[1]["lr"] and steps[2]["positions"] == steps[1]["positions"]
+    stepped = 0
+    for step in steps:
+        stepped += step["stepped"]
+        assert step["moved"] == step["stepped"] and step["positions"] == [stepped, stepped], steps
+    assert stepped >= 4 and found["skipped"] == 6 - stepped
+    assert steps[5]["lr"] < steps[1]["lr"]
+
+
 def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_touched(tmp_path):
     out, run = tmp_path / "errors.json", tmp_path / "run"
     result = subprocess.run([sys.executable, str(TASKS / "loop_misuse.py"), "--out", str(out), "--run-dir", str(run)],

@@ -230,7 +230,7 @@ def test_the_loop_options_are_taken_for_a_script_that_imports_ddp_amp_loop_and_r
     from ddp_amp.commands import train
 
     launched = []
-    monkeypatch.setattr(train, "launch_script", lambda launch, output: launched.append(launch))
+    monkeypatch.setattr(train, "show", lambda launch, output, resolved: launched.append(launch))
     script = tmp_path / "train.py"
     script.write_text(f"{importing}\nprint('hi')\n")
     code, out, err = run_main(["spawn", "-n", "2", "--amp", "on", "--grad-accum", "2", "--resume", "auto",

@@ -17,7 +17,6 @@ from ddp_amp.commands.options import (
     RdzvTimeout,
     RunDir,
     check_json_path,
-    check_rendezvous_timeout,
 )
 from ddp_amp.errors import RunFailed, UsageError
 
@@ -107,7 +106,7 @@ def doctor_job(nnodes: int | None, endpoint: str | None, nproc: int | None, *, r
         raise UsageError(f"--nnodes must be >= 1, got {nnodes}")
     if nproc is not None and nproc < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
-    check_rendezvous_timeout(rdzv_timeout)
+    torchrun.check_rendezvous_timeout(rdzv_timeout)
     where = network.parse_endpoint(endpoint)
     nodes, per_node = torchrun.Nnodes(nnodes, nnodes), nproc or 1
     net = torchrun.detect_node_network(where, rdzv_timeout=rdzv_timeout, check_reachable=True, **network_options)

@@ -143,11 +143,6 @@ Launcher = Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="s
                                                            "node.")]
 
 
-def check_rendezvous_timeout(rdzv_timeout: float) -> None:
-    if rdzv_timeout <= 0:
-        raise UsageError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout:g}")
-
-
 def check_json_path(path: Path | None) -> None:
     if path is not None and not path.resolve().parent.is_dir():
         raise UsageError(f"--json {str(path)!r}: directory {str(path.parent)!r} does not exist")
@@ -219,6 +214,48 @@ K8S_OPTIONS: dict[str, tuple[Any, Any]] = {
 }
 """multinode --emit-k8s: what the manifest asks of the cluster (launch.kubernetes)."""
 with_k8s_options = option_group(K8S_OPTIONS, "k8s")
+
+
+NODE_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "nnodes": (None, Annotated[str | None, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic "
+                                                                         "range.")]),
+    "endpoint": (None, Endpoint),
+    "from_env": (False, Annotated[bool, typer.Option(
+        "--from-env", help="Read --nnodes, --endpoint, --node-rank and --nproc-per-node from what a TrainJob, "
+        "PyTorchJob or ddp-amp's JobSet injects (PET_*, MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK).")]),
+    "node_rank": (None, Annotated[int | None, typer.Option("--node-rank", help="This node's rank (optional with "
+                                                                                "c10d).")]),
+    "rdzv_id": (None, RdzvId),
+    "rdzv_timeout": (600.0, RdzvTimeout),
+    "rdzv_last_call": (30, Annotated[int, typer.Option(
+        "--rdzv-last-call", help="With --nnodes MIN:MAX: seconds to wait for more nodes once MIN have joined "
+        "(torchrun's default).")]),
+    "is_host": (None, IsHost),
+    "local_addr": (None, LocalAddr),
+    "ifname": (None, Ifname),
+    "requeue_signal": ("USR1", Annotated[str, typer.Option(
+        "--requeue-signal", help="With --emit-slurm: the signal Slurm sends before the time limit (USR1, USR2 or "
+        "TERM); the job stops at one step, checkpoints and requeues itself.")]),
+    "emit_slurm": (None, Annotated[Path | None, typer.Option(
+        "--emit-slurm", help="Write an sbatch script running this on every node of an allocation, and exit.")]),
+}
+"""multinode: where the nodes meet, and the Slurm script it can write instead (launch.multinode)."""
+with_node_options = option_group(NODE_OPTIONS, "node")
+
+
+def training_args(train: dict) -> list[str]:
+    """The training options that differ from their defaults, as flags: the same on every node."""
+    args = []
+    for name, value in train.items():
+        if value != TRAINING_OPTIONS[name][0]:
+            flag = name.replace("_", "-")
+            if isinstance(value, bool):
+                args += [f"--{flag}" if value else f"--no-{flag}"]
+            elif isinstance(value, (list, tuple)):  # a repeatable option: the flag once per value
+                args += [part for item in value for part in (f"--{flag}", str(item))]
+            else:
+                args += [f"--{flag}", str(value)]
+    return args
 
 
 NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm", "from_env", *K8S_OPTIONS)

@@ -11,6 +11,7 @@ No torch here: the CLI writes manifests without importing it.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,3 +253,27 @@ def manifest_text(k8s: dict, shared_args: list[str], nodes, *, device: str, run_
     import yaml
 
     return yaml.safe_dump(manifest(k8s["k8s_kind"], spec), sort_keys=False)
+
+
+
+def emit_manifest(k8s: dict, shared_args: list[str], nodes, *, device: str, run_dir: str | None,
+                  nproc_per_node: str, max_restarts: int, stop_timeout: float, script=None) -> None:
+    """--emit-k8s: the manifest (TrainJob, PyTorchJob or JobSet) that runs this on --nnodes pods; printed, then
+    written as YAML."""
+    from ddp_amp.files import write_new_file
+
+    text = manifest_text(k8s, shared_args, nodes, device=device, run_dir=run_dir, nproc_per_node=nproc_per_node,
+                         max_restarts=max_restarts, stop_timeout=stop_timeout,
+                         script=script.argv() if script is not None else [])
+    write_new_file(k8s["emit_k8s"], text, "--emit-k8s")  # first: a path it cannot be written to prints nothing
+    print(text, end="")
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    if k8s["pvc"] is None:
+        say("ddp-amp: warning: without --pvc the run dir is an emptyDir: checkpoints do not outlive a pod")
+    if script is not None:
+        say(f"ddp-amp: the pods run {' '.join(script.argv())} from their working directory: the image must hold it "
+            "there")
+    say(f"ddp-amp: wrote {k8s['emit_k8s']}; start it with kubectl apply -f {k8s['emit_k8s']}")

@@ -94,6 +94,43 @@ class Launch:
                   rank_pids=session.rank_pids, stop_timeout=config.stop_timeout, kind=self.kind, script=self.script)
 
 
+def spawn_launch(train: dict[str, Any], output: dict[str, Any], nproc: int, script=None) -> Launch:
+    """`ddp-amp spawn`: warm start, preflight, and the Launch of `nproc` ranks forked on this machine."""
+    from ddp_amp.launch.preflight import preflight, preflight_script
+
+    config = warm_start(train, start_ranks_soon=nproc >= 1)
+    common = {"nproc_per_node": nproc, "flag": "--gpus", "overwrite": output["overwrite"],
+              "run_dir": output["run_dir"]}
+    plan = preflight_script(config, script, **common) if script is not None else preflight(config, **common)
+    return Launch(plan, nproc, script=script)
+
+
+def standalone_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_node: str, *, max_restarts: int,
+                      monitor_interval: float, dry_run: bool, script=None) -> Launch | None:
+    """`ddp-amp run`: warm start, preflight, and the Launch through torchrun's agent on one node; None after a
+    dry run, which prints torchrun's command instead."""
+    from ddp_amp.launch import torchrun
+    from ddp_amp.launch.preflight import preflight, preflight_script
+
+    torchrun.check_restart_options(max_restarts, monitor_interval)
+    config = warm_start(train, start_ranks_soon=not dry_run)
+    nproc = torchrun.parse_nproc(nproc_per_node)
+    restarts = {"max_restarts": max_restarts, "monitor_interval": monitor_interval}
+    if script is not None and dry_run:  # nothing to check before printing: the script's ranks check their device
+        job = torchrun.standalone_job(nproc_per_node=nproc, device_type="cpu", script=True, **restarts)
+        print(job.torchrun_command(Path(), script=script).shell())
+        return None
+    common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],
+              "run_dir": output["run_dir"]}
+    plan = preflight_script(config, script, **common) if script is not None else preflight(config, **common)
+    if not dry_run:
+        return Launch.standalone(plan, nproc, script=script, **restarts)
+    settle_overwritten(plan, trained=False)  # a dry run starts nothing: an --overwrite takes nothing away
+    job = torchrun.standalone_job(nproc_per_node=nproc, device_type=plan.device_type, **restarts)
+    print(job.torchrun_command(plan.config_path).shell())
+    return None
+
+
 def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
     """Start the ranks while a progress session renders their events to `display`; then the verdict, raised as
     RunFailed when the run did not finish. `announce`: the start line first, and a recovery line after a run

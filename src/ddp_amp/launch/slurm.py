@@ -1,10 +1,11 @@
 """Slurm: the sbatch script `ddp-amp multinode --emit-slurm` writes, which runs the same multinode command once on
 every node of an allocation, stops at one step with a checkpoint on the requeue signal, and requeues itself to
-resume. No torch; the command (commands/train.py) writes the text this module makes."""
+resume (emit_sbatch writes it). No torch."""
 
 from __future__ import annotations
 
 import shlex
+import sys
 
 from ddp_amp.errors import UsageError
 from ddp_amp.launch.torchrun import Nnodes, parse_nproc
@@ -116,3 +117,18 @@ def sbatch_script(shared_args: list[str], *, port: int, nodes: Nnodes, nproc_per
     gpus = int(nproc_per_node) if nproc_per_node.isdigit() and device != "cpu" else None
     return slurm_script(args, port, nodes=nodes, gpus_per_node=gpus, run_dir=run_dir, requeue_signal=requeue_signal,
                         script=script)
+
+
+def emit_sbatch(path, shared_args: list[str], *, port: int, nodes: Nnodes, device: str, run_dir: str | None,
+                log_format: str, script=None, **launch_options) -> None:
+    """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation."""
+    from ddp_amp.files import write_new_file
+
+    text = sbatch_script(shared_args, port=port, nodes=nodes, device=device, run_dir=run_dir, log_format=log_format,
+                         script=script, **launch_options)
+    write_new_file(path, text, "--emit-slurm")
+    print(f"ddp-amp: wrote {path}; submit it with sbatch {path}")
+    if script is not None:
+        where_from = script.path if not script.module else f"module {script.target} from {script.cwd}"
+        print(f"ddp-amp: every node runs {where_from} in {script.cwd}: both must be there on the nodes (a shared "
+              "file system)", file=sys.stderr)

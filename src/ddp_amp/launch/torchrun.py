@@ -26,6 +26,18 @@ from ddp_amp.process import usable_cores
 WORKER_MODULE = "ddp_amp.worker"
 
 
+def check_rendezvous_timeout(rdzv_timeout: float) -> None:
+    if rdzv_timeout <= 0:
+        raise UsageError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout:g}")
+
+
+def check_restart_options(max_restarts: int, monitor_interval: float) -> None:
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if not monitor_interval > 0:
+        raise UsageError(f"--monitor-interval must be > 0 seconds, got {monitor_interval:g}")
+
+
 @dataclass(frozen=True)
 class Nnodes:
     min: int
