@@ -24,9 +24,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ddp_amp.errors import RunFailed
 from ddp_amp.process import LOOPBACK, die_with_parent
 
 STORE_PROCESS_NAME = "ddp-amp-store"
+STORE_START_TIMEOUT_S = 60.0
+"""How long the store's process may take to serve (a fork and a TCPStore: milliseconds on an idle machine)."""
 """The store keeper's name in /proc/PID/comm (`ps -o comm`): a child of the fork server that is not a rank."""
 
 
@@ -72,14 +75,18 @@ class RankProcesses:
     def __init__(self, function: Callable[..., Any], args: tuple, nprocs: int) -> None:
         context = multiprocessing.get_context("forkserver")
         self.processes, self.error_files = [], []
-        for rank in range(nprocs):
-            # Named, not created: the file exists only once the rank has failed with an exception.
-            with tempfile.NamedTemporaryFile(prefix="ddp-amp-rank-error-", suffix=".pickle") as file:
-                error_file = file.name
-            process = context.Process(target=_run_rank, args=(function, rank, args, error_file), daemon=False)
-            process.start()
-            self.processes.append(process)
-            self.error_files.append(error_file)
+        try:
+            for rank in range(nprocs):
+                # Named, not created: the file exists only once the rank has failed with an exception.
+                with tempfile.NamedTemporaryFile(prefix="ddp-amp-rank-error-", suffix=".pickle") as file:
+                    error_file = file.name
+                process = context.Process(target=_run_rank, args=(function, rank, args, error_file), daemon=False)
+                process.start()
+                self.processes.append(process)
+                self.error_files.append(error_file)
+        except BaseException:  # the ranks started so far would wait for the others until the timeout
+            self.kill()
+            raise
         self._waiting = {process.sentinel: rank for rank, process in enumerate(self.processes)}
 
     def join(self, timeout: float | None = None, grace_period: float = 30.0) -> bool:
@@ -122,7 +129,7 @@ class RankProcesses:
         try:
             with open(self.error_files[rank], "rb") as file:
                 trace = pickle.load(file)
-        except OSError:
+        except (OSError, EOFError, pickle.UnpicklingError):  # no traceback, or one cut short by a kill
             code = process.exitcode
             if code < 0:
                 try:
@@ -132,6 +139,14 @@ class RankProcesses:
                 return RankExited(f"process {rank} terminated with signal {name}", rank, process.pid, code, name)
             return RankExited(f"process {rank} terminated with exit code {code}", rank, process.pid, code)
         return RankRaised(f"\n\n-- Process {rank} terminated with the following error:\n{trace}", rank, process.pid)
+
+    def kill(self) -> None:
+        """SIGKILL every live rank and wait for it."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join()
 
     def remove_error_files(self) -> None:
         for path in self.error_files:
@@ -160,7 +175,8 @@ class StoreKeeper:
         self._process = self._connection = None
 
     def start(self) -> None:
-        """Start serving (after the ranks: their start-up is the launch's critical path, the store's is not)."""
+        """Start serving (after the ranks: their start-up is the launch's critical path, the store's is not);
+        returns once it serves. Raises RunFailed when the child could not."""
         context = multiprocessing.get_context("forkserver")
         self._connection, theirs = context.Pipe()
         self._process = context.Process(target=_serve_store, name=STORE_PROCESS_NAME, daemon=True,
@@ -168,6 +184,14 @@ class StoreKeeper:
         self._process.start()
         theirs.close()
         self._listener.close()  # the child has its own copy
+        try:
+            if self._connection.poll(STORE_START_TIMEOUT_S):
+                self._connection.recv()
+                return
+        except (EOFError, OSError):
+            pass
+        raise RunFailed("the rendezvous store could not be served (its process, a child of the fork server, "
+                        f"ended with exit code {self._process.exitcode}; its error is above)")
 
     def close(self) -> None:
         """Stop serving: the child exits when its end of the pipe closes."""
@@ -187,6 +211,7 @@ def _serve_store(listener: socket.socket, world_size: int, timeout_s: float, con
     from ddp_amp.dist import loopback_store
 
     store = loopback_store(world_size=world_size, timeout_s=timeout_s, listener=listener)
+    connection.send("serving")
     try:
         connection.recv()  # until the launcher closes its end (or dies)
     except (EOFError, OSError):

@@ -84,11 +84,9 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
     deferred = DeferredStops()
     deferred.hold()
     try:
-        context = _start_ranks(config, nproc, store.port, extra_env or {}, kind, script)
-        store.start()
+        context = _start_with_store(store, config, nproc, extra_env or {}, kind, script)
     except BaseException:
         deferred.release()
-        store.close()
         raise
     stop: StopSignal | None = None
     try:
@@ -111,7 +109,7 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                     raise
                 # A script's rank that the stop ended (by the signal's default action, or its own handler's
                 # exit): the stop, not a failure. join() has ended the others as well.
-                _stop_ranks(context)
+                context.kill()  # none outlives the launcher
                 break
             except StopSignal as first:
                 # Ask every rank to stop at one step they agree on (and checkpoint); wait --stop-timeout. The
@@ -120,14 +118,15 @@ def spawn(config: TrainConfig, nproc: int, extra_env: dict[str, str] | None = No
                 signal_processes([p.pid for p in context.processes if p.is_alive()], first.signum)
                 continue
             if stop is not None and time.monotonic() > deadline:
-                _stop_ranks(context)
+                # SIGKILL: a rank takes SIGTERM as a request to stop, which it has had. None outlives the launcher.
+                context.kill()
                 break
         if stop is not None:
             raise RunFailed(str(stop), exit_code=stop.exit_code)
     except RankFailed as exc:
         raise _failure(context, exc, Path(config.run_dir)) from None
     except KeyboardInterrupt:
-        _stop_ranks(context)
+        context.kill()  # none outlives the launcher
         raise RunFailed("interrupted", exit_code=130) from None
     finally:
         store.close()
@@ -146,6 +145,21 @@ def _failure(context: RankProcesses, exc: RankFailed, run_dir: Path) -> RunFaile
     return RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}" + (f": {why}" if why else ""))
 
 
+def _start_with_store(store: StoreKeeper, config: TrainConfig, nproc: int, extra_env: dict[str, str],
+                      kind: JobKind, script) -> RankProcesses:
+    """The ranks, then the store they meet at; when either fails, neither is left running."""
+    context = None
+    try:
+        context = _start_ranks(config, nproc, store.port, extra_env, kind, script)
+        store.start()
+        return context
+    except BaseException:
+        if context is not None:
+            context.kill()
+        store.close()
+        raise
+
+
 def _start_ranks(config: TrainConfig, nproc: int, port: int, extra_env: dict[str, str], kind: JobKind,
                  script) -> RankProcesses:
     if script is None:
@@ -153,16 +167,6 @@ def _start_ranks(config: TrainConfig, nproc: int, port: int, extra_env: dict[str
     else:
         entry, args = _script_rank_main, (script.to_dict(), config.run_dir, nproc, port, extra_env)
     return RankProcesses(entry, args, nproc)
-
-
-def _stop_ranks(context: RankProcesses) -> None:
-    """SIGKILL every live rank (a rank takes SIGTERM as a request to stop, which it has had): none outlives the
-    launcher."""
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
-    for process in context.processes:
-        process.join()
 
 
 def _first_failure(context: RankProcesses, exc: RankRaised) -> tuple[int, str]:
