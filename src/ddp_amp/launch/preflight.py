@@ -18,9 +18,10 @@ from pathlib import Path
 from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
+from ddp_amp.launch.devices import DeviceFacts, device_facts
 from ddp_amp.launch.run_dir import EARLIER_RUN_DIRS, EARLIER_RUN_FILES, prepare_run_dir, running_job
 from ddp_amp.outputs import METRICS_FILE
-from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
+from ddp_amp.precision import Precision, resolve_precision
 
 RUNS_ROOT = Path("runs")
 
@@ -240,41 +241,6 @@ def check_max_memory(config: TrainConfig, devices: DeviceFacts) -> None:
         total, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
     if config.max_memory * 2**30 > total:
         raise UsageError(f"--max-memory {config.max_memory:g} GB is more than {what} ({total / 2**30:.1f} GB)")
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """What --device resolves to on this machine, as the launcher's checks need it."""
-
-    device_type: str
-    visible: int = 0
-    """GPUs visible (cuda only)."""
-    cuda_bf16: bool = False
-    """Whether the GPUs the ranks take compute bf16 natively."""
-    gpu0_memory: int = 0
-
-
-def device_facts(device: str, nproc_per_node: int) -> DeviceFacts:
-    """--cpu needs no torch here; otherwise torch's answers come from a child of the fork server (call_warm),
-    which has torch imported: the launcher of a CPU run never imports it."""
-    if device == "cpu":
-        return DeviceFacts("cpu")
-    from ddp_amp.launch.forkserver import call_warm
-
-    return call_warm(_device_facts_from_torch, device, nproc_per_node)
-
-
-def _device_facts_from_torch(device: str, nproc_per_node: int) -> DeviceFacts:
-    import torch
-
-    device_type = "cuda" if device == "cuda" or torch.cuda.is_available() else "cpu"
-    if device_type == "cpu":
-        return DeviceFacts("cpu")
-    visible = torch.cuda.device_count()
-    if not visible:
-        return DeviceFacts("cuda")
-    return DeviceFacts("cuda", visible, cuda_devices_have_native_bf16(range(min(nproc_per_node, visible))),
-                       torch.cuda.get_device_properties(0).total_memory)
 
 
 def check_tensorboard(config: TrainConfig) -> None:
