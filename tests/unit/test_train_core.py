@@ -313,8 +313,6 @@ def test_a_checkpoint_is_saved_after_its_steps_log_line(one_rank_group, tmp_path
     metrics back to N and never logs N again."""
     config = TrainConfig(task="inline", steps=6, log_every=2, amp="off", batch_size=16, run_dir=str(tmp_path))
     recorder = Recorder()
-    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.resumable(),
-                      recorder)
 
     class Watching:
         logged_at_save: dict[int, list[int]] = {}
@@ -322,13 +320,14 @@ def test_a_checkpoint_is_saved_after_its_steps_log_line(one_rank_group, tmp_path
         def due(self, step):
             return step % 2 == 0
 
-        def save(self, trainer, step):
+        def save(self, parts, step):
             self.logged_at_save[step] = [record["step"] for record in recorder.records]
 
         def take_unlogged(self):
             return {}
 
-    trainer.checkpointer = Watching()
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.resumable(),
+                      recorder, checkpoints=Watching())
     trainer.train()
     trainer.close()
     assert Watching.logged_at_save == {2: [2], 4: [2, 4], 6: [2, 4, 6]}

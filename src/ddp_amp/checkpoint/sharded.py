@@ -86,7 +86,7 @@ def local_state(module: nn.Module, optimizer: torch.optim.Optimizer,
     template): DCP's getter gives an empty optimizer state by running a zero-lr step on it, which would change
     a live run (Adam's step count) if a save came before the first step (a stop at step 0, or fp16 steps all
     skipped so far). An optimizer without state (SGD without momentum, or before any step) is saved without its
-    part; its learning rate is the schedule's (Trainer.load_state_dict)."""
+    part; its learning rate is the schedule's (formats.ShardedDirectory.load_weights)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     local = _local_optimizer(optimizer)

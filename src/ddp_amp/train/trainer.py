@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 from ddp_amp.config import TrainConfig, parse_window
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankUsageError
-from ddp_amp.outputs import BEST_MODEL_FILE, save_weights
+from ddp_amp.outputs import BEST_MODEL_FILE, METRICS_FILE, cut_metrics, save_weights
 from ddp_amp.parallel import strategy_for
 from ddp_amp.parallel.base import on_meta_device
 from ddp_amp.precision import Precision
@@ -35,6 +35,7 @@ from ddp_amp.train.evaluation import BestKeeper, Validation
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts
+from ddp_amp.train.parts import Restored, TrainingParts
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
 from ddp_amp.train.step import LOG, AmpStep
@@ -51,13 +52,32 @@ class TrainResult:
 
 
 class Checkpointer(Protocol):
-    """Saves the trainer's state every so many optimizer steps (checkpoint.manager provides one)."""
+    """Saves the run's state every so many optimizer steps and continues from it (checkpoint.manager)."""
+
+    run_dir: Path
 
     def due(self, step: int) -> bool: ...
 
-    def save(self, trainer: Trainer, step: int) -> None: ...
+    def save(self, parts: TrainingParts, step: int) -> None: ...
+
+    def load(self, parts: TrainingParts, writers: list[int]) -> Restored | None: ...
 
     def take_unlogged(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class LoopState:
+    """The loop's own part of a checkpoint: the optimizer steps fp16 skipped so far, the best evaluation so far."""
+
+    best: BestKeeper
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps, "best": self.best.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = state["skipped_steps"]
+        self.best.best = state.get("best")  # the best evaluation so far, over the run's attempts
 
 
 def micro_batches(config: TrainConfig) -> MicroBatches | None:
@@ -81,7 +101,7 @@ def rank_data(task: Task, config: TrainConfig, env: DistEnv, device: torch.devic
 
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, device: torch.device, precision: Precision, task: Task,
-                 reporter: Reporter, *, time_steps: bool = False,
+                 reporter: Reporter, *, checkpoints: Checkpointer | None = None, time_steps: bool = False,
                  stop_signal: Callable[[], int | None] = lambda: None) -> None:
         self.config, self.env, self.device, self.precision = config, env, device, precision
         self.time_steps = time_steps
@@ -100,8 +120,12 @@ class Trainer:
         self.scaler = self.strategy.grad_scaler(precision)
         self.data = rank_data(task, config, env, device)
         self.total_steps = self._total_steps()
-        self.scheduler = build_scheduler(self.optimizer, schedule=config.schedule, total_steps=self.total_steps,
-                                         warmup_steps=config.warmup_steps, min_lr_ratio=config.min_lr_ratio)
+        self.best = BestKeeper(config.keep_best)
+        self.loop_state = LoopState(self.best)
+        self.parts = TrainingParts(self.strategy, self.module, self.optimizer, build_scheduler(
+            self.optimizer, schedule=config.schedule, total_steps=self.total_steps, warmup_steps=config.warmup_steps,
+            min_lr_ratio=config.min_lr_ratio), self.scaler, self.data, self.loop_state)
+        """What a checkpoint holds (train.parts): handed to the checkpoint manager at each save and load."""
         self.micro = micro_batches(config)
         params = [p for p in self.module.parameters() if p.requires_grad]
 
@@ -114,8 +138,7 @@ class Trainer:
                             task=config.task, every_field=task.pass_every_field,
                             count_items=loss_items_counter(task, self.module))
         self.start_step = 0
-        self.skipped_steps = 0
-        self.checkpointer: Checkpointer | None = None
+        self.checkpoints = checkpoints
         self.stop_signal = stop_signal
         """This rank's stop request (a signal's number, rank.signals), polled every step and agreed on by all
         ranks a step later (train.stop)."""
@@ -129,7 +152,6 @@ class Trainer:
         if self.validation is None and (config.eval_every or config.keep_best):
             raise RankUsageError(f"--task {config.task}: --eval-every and --keep-best need Task.val_dataset, and "
                                  "this task has none")
-        self.best = BestKeeper(config.keep_best)
         self.last_validation: dict[str, float] | None = None
         self._writers: list[int] | None = None
         self.profiler = StepProfiler(parse_window(config.profile) if config.profile else None, device, env.rank,
@@ -171,18 +193,9 @@ class Trainer:
         return search(self.step, self.task.dataset, self.device, self.env.world_size, self.config.batch_size,
                       collate_fn=self.task.collate_fn)
 
-    def state_dict(self, writers: list[int], whole: bool = True) -> dict[str, Any] | None:
-        """Everything that decides the rest of the run, except the RNG states (per rank, see checkpoint), on
-        the ranks in `writers`; None on the others. Every rank calls it: gathering sharded state is collective.
-        whole=False: all but the model and the optimizer (a sharded checkpoint's extras; no collective)."""
-        weights = {}
-        if whole:
-            model, optimizer = self.strategy.full_state(self.module, self.optimizer, writers)
-            weights = {"model": model, "optimizer": optimizer}
-        if self.env.rank not in writers:
-            return None
-        return {**weights, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                **self.data.state_dict(), "skipped_steps": self.skipped_steps, "best": self.best.best}
+    @property
+    def scheduler(self):  # the parts' own: replaced where a resized --epochs run re-enters its schedule
+        return self.parts.scheduler
 
     def model_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict on the run dir's writers (None elsewhere); every rank calls it."""
@@ -202,26 +215,22 @@ class Trainer:
         evaluation), None elsewhere; every rank calls it (a sharded model's weights are gathered)."""
         return self.strategy.plain_model(self.module, self.writers)
 
-    def load_state_dict(self, state: dict[str, Any], step: int, saved_world_size: int | None = None,
-                        data_ranks: list | None = None, weights_loaded: bool = False) -> None:
-        """Continue from a checkpoint taken after optimizer step `step`, by `saved_world_size` ranks;
-        `data_ranks`: every rank's position in iterable data; `weights_loaded`: the model and the optimizer
-        came from a sharded checkpoint already (checkpoint.sharded), `state` holds the rest."""
-        if not weights_loaded:
-            self.strategy.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if weights_loaded:  # ZeroRedundancyOptimizer's own groups hold the rate its step copies to its local
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):  # optimizer's
-                group["lr"] = lr
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])  # the loss scale and its growth tracker
-        self.data.load_state_dict(state, saved_world_size)
-        self.data.load_rank_state(data_ranks, saved_world_size)
-        self.skipped_steps = state["skipped_steps"]
-        self.best.best = state.get("best")  # the best evaluation so far, over the run's attempts
-        self.start_step = step
-        if saved_world_size not in (None, self.env.world_size) and self.config.steps is None:
-            self._follow_progress()
+    def resume(self) -> str | None:
+        """Every rank: continue from the checkpoint the ranks agree on (checkpoint.manager), if any; returns its
+        path. The metrics of the run dir are cut back to where this group continues (each step logged once, in
+        order) or, on a fresh start, removed: lines there are an earlier attempt's (a restart, or a membership
+        change, which torchrun does not count as one); a new run's directory has none (see prepare_run_dir)."""
+        restored = self.checkpoints.load(self.parts, self.writers) if self.checkpoints is not None else None
+        if restored is not None:
+            self.start_step = restored.step
+            if restored.world_size != self.env.world_size and self.config.steps is None:
+                self._follow_progress()
+        if self.checkpoints is not None and self.env.writes_run_dir:
+            if restored is None:
+                (self.checkpoints.run_dir / METRICS_FILE).unlink(missing_ok=True)
+            else:
+                cut_metrics(self.checkpoints.run_dir, self.start_step)
+        return None if restored is None else str(restored.path)
 
     def _follow_progress(self) -> None:
         """An --epochs run resumed on another world size: its optimizer steps have another size and its
@@ -236,7 +245,7 @@ class Trainer:
             group["lr"] = config.lr
             for key in ("initial_lr", "max_lr", "min_lr"):
                 group.pop(key, None)
-        self.scheduler = self.step.scheduler = build_scheduler(
+        self.parts.scheduler = self.step.scheduler = build_scheduler(
             self.optimizer, schedule=config.schedule, total_steps=self.total_steps, warmup_steps=config.warmup_steps,
             min_lr_ratio=config.min_lr_ratio)
         with warnings.catch_warnings():
@@ -265,7 +274,7 @@ class Trainer:
             log_due = number % config.log_every == 0 or number == self.total_steps
             outcome = self.step(self.data.take() if iterable else batches, step, want_norm=log_due)
             if not outcome.stepped:
-                self.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update
+                self.loop_state.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update
             diverged = divergence.end_step(number, outcome.loss, outcome.stepped)
             metrics.step_done(number, outcome)
             if number < self.total_steps and not self.data.can_run(number):  # the same step on every rank
@@ -275,9 +284,10 @@ class Trainer:
                 self.step.position = (step, config.grad_accum, LOG)
                 # A tripped divergence watch rides along with the log's all-reduce: every rank learns of it at
                 # the same step.
-                (tripped,) = metrics.log(number, lr=lr, epoch=self.data.epoch, skipped_steps=self.skipped_steps,
-                                         grad_norm=outcome.grad_norm, flags=[divergence.tripped()],
-                                         extra=self.checkpointer.take_unlogged() if self.checkpointer else None)
+                (tripped,) = metrics.log(number, lr=lr, epoch=self.data.epoch,
+                                         skipped_steps=self.loop_state.skipped_steps, grad_norm=outcome.grad_norm,
+                                         flags=[divergence.tripped()],
+                                         extra=self.checkpoints.take_unlogged() if self.checkpoints else None)
                 if tripped and diverged is None:
                     diverged = divergence.verdict(self.env)  # where and on which rank: the same on all
             if self.validation is not None and diverged is None and (
@@ -286,8 +296,8 @@ class Trainer:
                 self.evaluate(number)
             # After the log line: a checkpoint at step N always has N's line before it (a resume cuts the
             # metrics back to N and never writes that line again).
-            if self.checkpointer is not None and self.checkpointer.due(number):
-                self.checkpointer.save(self, number)
+            if self.checkpoints is not None and self.checkpoints.due(number):
+                self.checkpoints.save(self.parts, number)
             if (signum := stop.agreed(number)) and number < self.total_steps and self.stopped_at is None:
                 self.stopped_at, self.stopped_by = number, signum  # a signal on any rank, lately
             steps_done = number
@@ -348,7 +358,8 @@ class Trainer:
                        if self.data.batches_per_epoch else None),
             "batch_size": config.batch_size, "global_batch_size": config.batch_size * config.grad_accum * world_size,
             "precision": self.precision.name, "device": str(self.device.type), "backend": dist.get_backend(),
-            "skipped_steps": self.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0], "seed": config.seed,
+            "skipped_steps": self.loop_state.skipped_steps, "final_lr": self.scheduler.get_last_lr()[0],
+            "seed": config.seed,
             "loader_workers": self.data.workers, "optimizer_impl": self.optimizer_impl, **self.strategy.summary(),
             "optimizer_state_mb": self._optimizer_state_per_rank(),
             "ddp": {"bucket_mb": config.bucket_mb, "bucket_view": config.bucket_view,
@@ -368,5 +379,5 @@ class Trainer:
         """
         dist.barrier()  # every rank's last collective is complete; nothing is in flight
         # the loader's workers end too
-        del self.module, self.model, self.optimizer, self.scaler, self.scheduler, self.step, self.data
+        del self.module, self.model, self.optimizer, self.scaler, self.parts, self.step, self.data
         gc.collect()
