@@ -13,6 +13,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +69,12 @@ def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | 
         raise
     except RankOutOfMemory as exc:
         traceback.print_exc()  # the allocator's own error stays in the rank's log; the launcher shows one line
-        _dump_flight_record(config, reporter, f"failed: {exc}")
+        _dump_flight_record(config, reporter, f"failed: {exc}", exc)
         reporter.error(str(exc))
         raise
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
-        _dump_flight_record(config, reporter, f"failed: {type(exc).__name__}: {first}")
+        _dump_flight_record(config, reporter, f"failed: {type(exc).__name__}: {first}", exc)
         reporter.error(traceback.format_exc())
         raise
     finally:
@@ -80,18 +83,56 @@ def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | 
             sender.close()
 
 
-def _dump_flight_record(config: TrainConfig, reporter: WorkerReporter, reason: str) -> None:
-    position = None
-    if reporter.trainer is not None:  # where its loop was
-        step, micro, phase = reporter.trainer.position
-        position = (step + 1, micro, PHASES[phase])
-    flight_recorder.dump(Path(config.run_dir), reporter.env.rank, reason, position)
+class LocatedFailure:
+    """Where a rank's training loop was when an exception left it (step, micro-step, phase): set by
+    _failures_located on the exception, read by the flight record."""
+
+    ATTRIBUTE = "ddp_amp_loop_position"
+
+    @classmethod
+    def position(cls, exc: BaseException) -> tuple[int, int, str] | None:
+        return getattr(exc, cls.ATTRIBUTE, None)
+
+
+@contextmanager
+def _failures_located(trainer: Trainer) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as exc:
+        if hasattr(trainer, "step"):  # not after trainer.close(), which lets the loop's parts go
+            step, micro, phase = trainer.position
+            setattr(exc, LocatedFailure.ATTRIBUTE, (step + 1, micro, PHASES[phase]))
+        raise
+
+
+def _dump_flight_record(config: TrainConfig, reporter: WorkerReporter, reason: str, exc: BaseException) -> None:
+    flight_recorder.dump(Path(config.run_dir), reporter.env.rank, reason, LocatedFailure.position(exc))
+
+
+@dataclass
+class RankRun:
+    """One rank's launch, set up: what every job kind starts from."""
+
+    config: TrainConfig
+    job: JobKind
+    env: DistEnv
+    reporter: WorkerReporter
+    device: torch.device
+    precision: Any
+    """The precision every rank agreed on (precision.Precision); --amp auto's measurement may change it."""
+    threads: int
+    flushing: Any
+    started: float
+    restarts: int
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run_dir)
 
 
 def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerReporter, started: float,
              restarts: int) -> dict[str, Any] | None:
-    """The process group, the precision all ranks agree on, then the job: doctor's measurements, or a trainer
-    (resumed where a checkpoint says) that searches the largest batch or trains."""
+    """The process group and the precision all ranks agree on, then the job (JOBS)."""
     device, threads, flushing = setup.prepare_device(config, env.local_rank, env.local_world_size)
     run_dir = Path(config.run_dir)
     flight_recorder.enable()  # before the process group is made
@@ -101,45 +142,72 @@ def _run_job(config: TrainConfig, job: JobKind, env: DistEnv, reporter: WorkerRe
         if config.tensorboard and env.rank == 0:
             reporter.write_tensorboard()
         precision = setup.agreed_precision(config, device)
-        if job == "doctor":
-            return _doctor(config, env, device, precision, ready_at=time.time())
-        setup.import_mode_libraries(config)  # code, not training state: in the baseline
-        baseline = memory_now_mb(device)  # before the model exists: the peak less it is the training state's
-        task = setup.build_checked_task(config, env)
-        precision, amp_probe = setup.measured_precision(precision, config, task, env, device)
-        if amp_probe is not None:
-            reporter.precision_chosen(precision)
-        initial = setup.load_initial_weights(task, config)
-        reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
-        trainer = Trainer(config, env, device, precision, task, reporter, time_steps=job == "bench",
-                          stop_signal=lambda: STOP_REQUEST.signum)
-        reporter.trainer = trainer
-        trainer.checkpointer = CheckpointManager(config, env, run_dir, device)
-        resumed = trainer.checkpointer.load(trainer)
-        reporter.state("running")
-        if job == "max-batch":
-            return _search_max_batch(config, env, reporter, trainer, device, threads)
-        with Heartbeat(reporter, trainer, stall_after_s(config.timeout), run_dir):
+        run = RankRun(config, job, env, reporter, device, precision, threads, flushing, started, restarts)
+        return JOBS[job](run)
+
+
+@dataclass
+class Built:
+    """A trainer built and resumed where a checkpoint says, with what its summary tells of how it was built."""
+
+    trainer: Trainer
+    checkpoints: CheckpointManager
+    task: Task
+    baseline_mb: Any
+    """The device's memory before the model existed (train.metrics.memory_now_mb)."""
+    amp_probe: dict[str, Any] | None
+    initial: dict[str, Any] | None
+    resumed: str | None
+
+
+def _built_trainer(run: RankRun) -> Built:
+    config, env, reporter, device = run.config, run.env, run.reporter, run.device
+    setup.import_mode_libraries(config)  # code, not training state: in the baseline
+    baseline = memory_now_mb(device)  # before the model exists: the peak less it is the training state's
+    task = setup.build_checked_task(config, env)
+    run.precision, amp_probe = setup.measured_precision(run.precision, config, task, env, device)
+    if amp_probe is not None:
+        reporter.precision_chosen(run.precision)
+    initial = setup.load_initial_weights(task, config)
+    reporter.item_name, reporter.items_per_sample = task.item_name, task.items_per_sample
+    checkpoints = CheckpointManager(config, env, run.run_dir, device)
+    trainer = Trainer(config, env, device, run.precision, task, reporter, checkpoints=checkpoints,
+                      time_steps=run.job == "bench", stop_signal=lambda: STOP_REQUEST.signum)
+    with _failures_located(trainer):
+        resumed = trainer.resume()
+    reporter.state("running")
+    return Built(trainer, checkpoints, task, baseline, amp_probe, initial, resumed)
+
+
+def _train(run: RankRun) -> dict[str, Any] | None:
+    """train (spawn, run, multinode), and bench: the trainer's loop, its summary, model.pt (bench: every rank's
+    step times beside it)."""
+    config, env, device = run.config, run.env, run.device
+    built = _built_trainer(run)
+    trainer, checkpoints = built.trainer, built.checkpoints
+    with _failures_located(trainer):  # the flight record of a failing rank says where its loop was
+        with Heartbeat(run.reporter, trainer, stall_after_s(config.timeout), run.run_dir):
             result = trainer.train()
         memory = peak_memory(device)  # of training: before rank 0's evaluation
-        summary = _finish_training(trainer, result, memory, bench=job == "bench")
-        if amp_probe is not None:
-            summary["amp_auto"] = _probe_summary(amp_probe, precision)
-        summary.update(restarts=restarts, baseline_memory_mb=baseline, threads_per_rank=threads, tf32=config.tf32,
-                       flush_denormal=flushing,
-                       worker_start_s=started - (config.launch_time or started),
-                       **({"resumed_from": resumed} if resumed is not None else {}),  # its step: resumed_from_step
-                       **({"checkpoints_skipped": trainer.checkpointer.skipped} if trainer.checkpointer.skipped
-                          else {}),
-                       **({"init_from": {**initial, "used": resumed is None}} if initial is not None else {}))
+        summary = _finish_training(trainer, checkpoints, result, memory, bench=run.job == "bench")
+        if built.amp_probe is not None:
+            summary["amp_auto"] = _probe_summary(built.amp_probe, run.precision)
+        summary.update(restarts=run.restarts, baseline_memory_mb=built.baseline_mb, threads_per_rank=run.threads,
+                       tf32=config.tf32, flush_denormal=run.flushing,
+                       worker_start_s=run.started - (config.launch_time or run.started),
+                       # its step: resumed_from_step
+                       **({"resumed_from": built.resumed} if built.resumed is not None else {}),
+                       **({"checkpoints_skipped": checkpoints.skipped} if checkpoints.skipped else {}),
+                       **({"init_from": {**built.initial, "used": built.resumed is None}}
+                          if built.initial is not None else {}))
         rank_times = None
-        if job == "bench":  # every rank's step times, for the launcher's analysis
+        if run.job == "bench":  # every rank's step times, for the launcher's analysis
             rank_times = [None] * env.world_size
             dist.all_gather_object(rank_times, {"rank": env.rank, "step_s": result.step_s, **memory})
         if env.writes_run_dir:
-            reporter.state("checkpointing")
-            write_results(config, summary, result, task, rank_times, device)
-        reporter.done(summary, memory)
+            run.reporter.state("checkpointing")
+            write_results(config, summary, result, built.task, rank_times, device)
+        run.reporter.done(summary, memory)
         _wait_for_own_agent(config, trainer)
         return summary if env.writes_run_dir else None
 
@@ -161,12 +229,11 @@ def _wait_for_own_agent(config: TrainConfig, trainer: Trainer) -> None:
         wait_for_own_stop_signal(ELASTIC_STOP_WAIT_S)
 
 
-def _finish_training(trainer: Trainer, result: TrainResult, memory: dict[str, float], *,
-                     bench: bool) -> dict[str, Any]:
+def _finish_training(trainer: Trainer, checkpointer: CheckpointManager, result: TrainResult,
+                     memory: dict[str, float], *, bench: bool) -> dict[str, Any]:
     """After the loop: the stop checkpoint, the writes in flight waited for, the trainer closed; the summary."""
     numerics = trainer.probe_numerics() if bench else {}
-    checkpointer = trainer.checkpointer
-    checkpointer.save_at_stop(trainer)
+    checkpointer.save_at_stop(trainer.parts, trainer.stopped_at)
     checkpointer.close()  # waits for the write in flight
     if "diverged" not in result.summary and "stopped_at_step" not in result.summary:
         result.model = trainer.plain_model()  # every rank (a sharded model's weights are gathered): model.pt
@@ -182,23 +249,25 @@ def _finish_training(trainer: Trainer, result: TrainResult, memory: dict[str, fl
     return summary
 
 
-def _doctor(config: TrainConfig, env: DistEnv, device: torch.device, precision, ready_at: float) -> None:
+def _doctor(run: RankRun) -> None:
     """ddp-amp doctor: the measurements instead of training, in RUN_DIR/doctor.json on every node."""
     from ddp_amp.rank.doctor import measure
 
-    figures = measure(env, device, precision, ready_at, config.launch_time or ready_at)
+    config, env, ready_at = run.config, run.env, time.time()
+    figures = measure(env, run.device, run.precision, ready_at, config.launch_time or ready_at)
     if env.writes_run_dir:  # every node's run directory gets the whole job's figures
-        outputs.write_json(Path(config.run_dir) / outputs.DOCTOR_FILE,
+        outputs.write_json(run.run_dir / outputs.DOCTOR_FILE,
                            {**figures, "world_size": env.world_size, "backend": dist.get_backend(),
-                            "precision": precision.name, "torch": torch.__version__,
+                            "precision": run.precision.name, "torch": torch.__version__,
                             "elapsed_s": time.time() - (config.launch_time or ready_at)})
     return None
 
 
-def _search_max_batch(config: TrainConfig, env: DistEnv, reporter: WorkerReporter, trainer: Trainer,
-                      device: torch.device, threads: int) -> dict[str, Any] | None:
+def _search_max_batch(run: RankRun) -> dict[str, Any] | None:
     """bench --max-batch: the search instead of training; its result in summary.json, no model.pt."""
-    with Heartbeat(reporter, trainer, stall_after_s(config.timeout)):
+    config, env, reporter, device, threads = run.config, run.env, run.reporter, run.device, run.threads
+    trainer = _built_trainer(run).trainer
+    with Heartbeat(reporter, trainer, stall_after_s(config.timeout)), _failures_located(trainer):
         try:
             found = trainer.largest_batch()
         except Exception as exc:  # one size per launch (--shard full): a size that does not fit ends it
@@ -236,6 +305,11 @@ def write_results(config: TrainConfig, summary: dict[str, Any], result: TrainRes
     if task.evaluate is not None and finished:
         evaluate_into(summary, task, config.task, result.model, device)
         outputs.write_summary(run_dir, summary)
+
+
+JOBS: dict[str, Callable[[RankRun], dict[str, Any] | None]] = {
+    "train": _train, "bench": _train, "max-batch": _search_max_batch, "doctor": _doctor}
+"""What each job kind (config.JobKind) does once the process group and the precision are set up."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,8 +29,6 @@ class WorkerReporter:
         self.scalars: TensorBoardScalars | NoScalars = NoScalars()
         """TensorBoard scalars on global rank 0 with --tensorboard (`write_tensorboard`); a sink that keeps
         nothing elsewhere, so no call site asks which."""
-        self.trainer: Any = None
-        """The rank's Trainer once built: where its loop is, for the flight record of a rank that fails."""
 
     def write_tensorboard(self) -> None:
         self.scalars = TensorBoardScalars(self.run_dir)
