@@ -79,10 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             typer.echo(f"ddp-amp: error: {problem}", err=True)
         code = 2
     except StopSignal as exc:  # a stop signal outside a launcher's own handling: during its start-up
-        from ddp_amp.launch.preflight import STARTUP
-
-        where = "" if STARTUP.ranks_started else f" while the launch was starting, before any rank trained: " \
-            f"{STARTUP.describe()}"
+        where = "" if exc.startup is None else f" while the launch was starting, before any rank trained: " \
+            f"{exc.startup}"
         typer.echo(f"ddp-amp: error: {exc}{where}", err=True)
         code = exc.exit_code
     except RunFailed as exc:

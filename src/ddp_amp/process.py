@@ -164,6 +164,9 @@ class StopSignal(Exception):
     def __init__(self, signum: int) -> None:
         self.signum = signum
         self.name = signal.Signals(signum).name
+        self.startup: str | None = "nothing was written"
+        """What the launch had changed on disk when the stop landed while it was still starting (before any rank
+        trained), set by the launch as it goes (launch.session.Launch.stops_told); None once the ranks started."""
         super().__init__(f"stopped by {self.name}")
 
     @property

@@ -505,9 +505,12 @@ def test_a_stop_while_the_launch_starts_says_what_it_changed(tmp_path):
 
 
 def test_the_start_up_line_names_what_the_launch_had_changed():
-    from ddp_amp.launch.preflight import StartUp
+    from ddp_amp.launch.preflight import changed_on_disk
+    from ddp_amp.process import StopSignal
 
-    assert StartUp().describe() == "nothing was written"
-    assert StartUp(Path("r"), created=True).describe() == "r was created, with this launch's config.json only"
-    assert StartUp(Path("r"), cleared=True).describe() == "--overwrite had already removed the earlier run's files in r"
-    assert "nothing of an earlier run there was changed" in StartUp(Path("r")).describe()
+    assert StopSignal(15).startup == "nothing was written"  # a stop before the run directory was prepared
+    assert changed_on_disk(Path("r"), created=True, cleared=False) == \
+        "r was created, with this launch's config.json only"
+    assert changed_on_disk(Path("r"), created=False, cleared=True) == \
+        "--overwrite had already removed the earlier run's files in r"
+    assert "nothing of an earlier run there was changed" in changed_on_disk(Path("r"), created=False, cleared=False)

@@ -104,13 +104,14 @@ def show(launch, output: dict, resolved: dict) -> None:
     progress shown: a training launch's, or the ranks' output of a user's script as it comes."""
     if launch is None:
         return
-    if launch.script is not None:
-        from ddp_amp.launch.session import run_launch
-        from ddp_amp.progress.display import make_display
+    with launch.stops_told():  # a stop before the ranks start says what the launch changed on disk
+        if launch.script is not None:
+            from ddp_amp.launch.session import run_launch
+            from ddp_amp.progress.display import make_display
 
-        run_launch(launch, make_display(output["log_format"], quiet=output["quiet"], script=True))
-        return
-    launch_training(launch, output, resolved)
+            run_launch(launch, make_display(output["log_format"], quiet=output["quiet"], script=True))
+            return
+        launch_training(launch, output, resolved)
 
 
 def launch_training(launch, output: dict, resolved: dict) -> None:

@@ -11,6 +11,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,32 +24,30 @@ from ddp_amp.launch.devices import DeviceFacts, device_facts
 from ddp_amp.launch.run_dir import EARLIER_RUN_DIRS, EARLIER_RUN_FILES, prepare_run_dir, running_job
 from ddp_amp.outputs import METRICS_FILE
 from ddp_amp.precision import Precision, resolve_precision
+from ddp_amp.process import StopSignal
 
 RUNS_ROOT = Path("runs")
 
 
-@dataclass
-class StartUp:
-    """What this launch has changed on disk so far: the one line of a stop that lands while it is still starting
-    (before any rank trained) says it, so the user knows what is left of an earlier run."""
-
-    run_dir: Path | None = None
-    created: bool = False
-    cleared: bool = False
-    ranks_started: bool = False
-
-    def describe(self) -> str:
-        if self.run_dir is None:
-            return "nothing was written"
-        if self.cleared:
-            return f"--overwrite had already removed the earlier run's files in {self.run_dir}"
-        if self.created:
-            return f"{self.run_dir} was created, with this launch's config.json only"
-        return f"{self.run_dir} holds this launch's config.json; nothing of an earlier run there was changed"
+def changed_on_disk(run_dir: Path, *, created: bool, cleared: bool) -> str:
+    """What a launch has changed on disk once its run directory is prepared: the one line of a stop that lands
+    while it is still starting (before any rank trained) says it, so the user knows what is left of an earlier
+    run (StopSignal.startup)."""
+    if cleared:
+        return f"--overwrite had already removed the earlier run's files in {run_dir}"
+    if created:
+        return f"{run_dir} was created, with this launch's config.json only"
+    return f"{run_dir} holds this launch's config.json; nothing of an earlier run there was changed"
 
 
-STARTUP = StartUp()
-"""This process's launch (one per process)."""
+@contextmanager
+def stops_say(changed: str) -> Iterator[None]:
+    """A stop signal raised inside says `changed` (what the launch has changed on disk so far)."""
+    try:
+        yield
+    except StopSignal as exc:
+        exc.startup = changed
+        raise
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class LaunchPlan:
     """--init-from: what of the file fits the model (loaded, missing, unexpected tensors)."""
     fields_left_out: tuple[str, ...] = ()
     """The batch fields the model's forward does not take (tasks.batches.fields_left_out): said at the start."""
+    changed_on_disk: str = "nothing was written"
+    """What this launch has changed on disk (changed_on_disk): a stop before any rank trained says it."""
 
 
 def default_run_dir() -> Path:
@@ -320,20 +322,25 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite or starting_over, unique=run_dir is None,
                                lock=lock_run_dir, resuming=config.resume is not None, joining=joining)
     path = prepared.path
-    STARTUP.run_dir, STARTUP.created = path, not existed or str(path) != config.run_dir
-    STARTUP.cleared = overwrite or starting_over
+    changed = changed_on_disk(path, created=not existed or str(path) != config.run_dir,
+                              cleared=overwrite or starting_over)
     if str(path) != config.run_dir:
         config = config.replace(run_dir=str(path))
     # A node joining a running elastic job in a shared run dir keeps the job's config.json (its ranks read it
     # at every restart) and writes its own beside it.
     config_path = path / (f"config.{socket.gethostname()}.{os.getpid()}.json" if joins else CONFIG_FILE)
-    try:
-        atomic_write(config_path, (config.to_json() + "\n").encode())
-    except OSError as exc:
-        raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
+    with stops_say(changed):
+        _write_config(config_path, (config.to_json() + "\n").encode())
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
                       run_dir_lock=prepared.lock, init=init, set_aside=prepared.set_aside,
-                      fields_left_out=left_out)
+                      fields_left_out=left_out, changed_on_disk=changed)
+
+
+def _write_config(path: Path, content: bytes) -> None:
+    try:
+        atomic_write(path, content)
+    except OSError as exc:
+        raise UsageError(f"--run-dir {str(path.parent)!r} is not writable: {exc.strerror}") from None
 
 
 def _a_scripts_run_dir(run_dir: str) -> bool:
@@ -365,14 +372,11 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
                                resuming=True)
     path = prepared.path
-    STARTUP.run_dir, STARTUP.created = path, not existed or str(path) != config.run_dir
-    STARTUP.cleared = overwrite
+    changed = changed_on_disk(path, created=not existed or str(path) != config.run_dir, cleared=overwrite)
     config = config.replace(run_dir=str(path))
     config_path = path / CONFIG_FILE
     record = {**json.loads(config.to_json()), "script": script.to_dict()}
-    try:
-        atomic_write(config_path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
-    except OSError as exc:
-        raise UsageError(f"--run-dir {str(path)!r} is not writable: {exc.strerror}") from None
+    with stops_say(changed):
+        _write_config(config_path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return LaunchPlan(config=config, device_type=device_type, precision=None, config_path=config_path,
-                      run_dir_lock=prepared.lock, set_aside=prepared.set_aside)
+                      run_dir_lock=prepared.lock, set_aside=prepared.set_aside, changed_on_disk=changed)

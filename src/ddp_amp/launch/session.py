@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import signal as signals
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from ddp_amp.launch.preflight import LaunchPlan
 from ddp_amp.launch.torchrun import ElasticJob
 from ddp_amp.outputs import failure_of, read_summary
 from ddp_amp.parallel import MODES
-from ddp_amp.process import stop_signals_raise
+from ddp_amp.process import StopSignal, stop_signals_raise
 
 
 def say(line: str) -> None:
@@ -59,6 +61,8 @@ class Launch:
     """The rendezvous store this launcher serves on loopback for a standalone job, alive as long as the launch."""
     script: Any = None
     """A launch.script.Script: the ranks run the user's script instead of ddp-amp's loop."""
+    started: bool = False
+    """The ranks were started (start() was called)."""
 
     @property
     def agent_log(self) -> Path:
@@ -77,11 +81,19 @@ class Launch:
                                       store_port=store.port, script=script is not None)
         return cls(plan, nproc, kind, job, store, script)
 
+    @contextmanager
+    def stops_told(self) -> Iterator[None]:
+        """A stop signal raised inside, before the ranks started, says what the launch changed on disk (the
+        plan's changed_on_disk); after they started it says nothing of the start-up (cli.main)."""
+        try:
+            yield
+        except StopSignal as exc:
+            exc.startup = None if self.started else self.plan.changed_on_disk
+            raise
+
     def start(self, session) -> None:
         """The ranks, to completion, under `session` (a progress.session.ProgressSession)."""
-        from ddp_amp.launch.preflight import STARTUP
-
-        STARTUP.ranks_started = True
+        self.started = True
         config = self.plan.config
         if self.job is None:
             from ddp_amp.launch.spawn import spawn
@@ -135,12 +147,13 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
     """Start the ranks while a progress session renders their events to `display`; then the verdict, raised as
     RunFailed when the run did not finish. `announce`: the start line first, and a recovery line after a run
     that torchrun restarted (the training commands; the measuring ones are quiet)."""
-    if launch.script is not None:
-        return run_script_launch(launch, display)
-    try:
-        _run_and_judge(launch, display, announce)
-    finally:
-        settle_overwritten(launch.plan)
+    with launch.stops_told():
+        if launch.script is not None:
+            return run_script_launch(launch, display)
+        try:
+            _run_and_judge(launch, display, announce)
+        finally:
+            settle_overwritten(launch.plan)
 
 
 def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None:
