@@ -40,9 +40,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/ddp-amp spawn --nproc $(NPROC) --device auto --task mlp --steps 200 --amp auto
 
-# Tests marked serial (the network-namespace, start-up-window and elastic tests) run alone first; then the rest
-# on TEST_WORKERS pytest workers, a file per worker at a time (module fixtures are shared within a file), the
-# long files first (tests/conftest.py orders them) and tests/unit's short ones last, to fill the end. More
+# Tests marked serial (the start-up-window and elastic tests, doctor's and a late node's across namespaces) run
+# alone first; then the rest on TEST_WORKERS pytest workers, a file per worker at a time (module fixtures are
+# shared within a file), the long files first (tests/conftest.py orders them; --no-loadscope-reorder keeps that
+# order, which xdist would otherwise replace with one by test count: the Slurm file, 5 tests and 3 minutes, went
+# 23rd of 36) and tests/unit's short ones last, to fill the end. More
 # workers than cores: a launch's ranks wait (start-up, rendezvous, a stop's grace, Slurm) often enough that two
 # workers leave the 2 cores 17% idle; three take 0.79 of two's time (docs/benchmarks.md, "The test suite").
 # Both stages always run; exit 5 (PYTEST_ARGS selected none of a stage's tests) counts as a pass, and make
@@ -51,7 +53,8 @@ TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	@serial=0; $(BIN)/python -m pytest -m serial $(PYTEST_ARGS) || serial=$$?; \
-	rest=0; $(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || rest=$$?; \
+	rest=0; $(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) \
+	  || rest=$$?; \
 	for code in $$serial $$rest; do [ $$code = 0 ] || [ $$code = 5 ] || exit $$code; done; \
 	[ $$serial = 0 ] || [ $$rest = 0 ] || { echo "no test selected"; exit 5; }
 

@@ -1,5 +1,7 @@
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +49,7 @@ def pytest_collection_modifyitems(config, items):
 # --amp auto's measured answers go to a cache of this test session's own, not the user's ~/.cache: every run of
 # one task at one thread count in the session then trains in the same precision.
 os.environ["DDP_AMP_CACHE_DIR"] = tempfile.mkdtemp(prefix="ddp-amp-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DDP_AMP_CACHE_DIR"], ignore_errors=True)  # each process its own
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,9 @@
 """The project's own error types: UsageError is one line on stderr and exit code 2, a failed run one line and 1."""
 
+from __future__ import annotations
+
 import re
+from typing import Literal
 
 
 class UsageError(Exception):
@@ -20,6 +23,12 @@ class RunFailed(Exception):
         self.details = details
         """What the failing rank printed (its traceback), shown before the one-line message."""
 
+    def as_usage_error(self) -> RunFailed:
+        """A rank failed for a flag that does not fit what only a rank can see (its error event's kind is
+        "usage"): exit 2, as for any other bad flag."""
+        self.exit_code = 2
+        return self
+
 
 class RankSetupError(Exception):
     """A problem a rank finds before it trains (the task breaks its contract, no room for the weights). The
@@ -31,13 +40,24 @@ class RankUsageError(RankSetupError):
     logs): one line, and the launcher exits 2, as for any other bad flag."""
 
 
-def is_usage_failure(exception_line: str) -> bool:
-    return exception_line.strip().split(":", 1)[0].endswith("RankUsageError")
-
-
 class RankOutOfMemory(Exception):
     """A rank ran out of memory where no halving of --micro-batch can help. Reported as one line, like
     RankSetupError; the allocator's own error and traceback stay in the rank's log."""
+
+
+FailureKind = Literal["usage", "setup", "out_of_memory", "exception"]
+"""What kind of failure ended a rank: sent as the `kind` of its error event (rank.reporter), so that the launcher
+decides by it (a usage failure exits 2, as a bad flag does) and never by the text of a traceback."""
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    if isinstance(exc, RankUsageError):
+        return "usage"
+    if isinstance(exc, RankSetupError):
+        return "setup"
+    if isinstance(exc, RankOutOfMemory):
+        return "out_of_memory"
+    return "exception"
 
 
 SELF_EXPLAINING = ("RankSetupError", "RankUsageError", "RankOutOfMemory")

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,35 +75,237 @@ def write_json(path: Path, value: Any) -> Path:
     return path
 
 
-def failure_of(summary: dict[str, Any], run_dir: str | Path) -> str | None:
-    """The one line that fails a run whose ranks all finished: divergence, a --keep-best metric never logged, or
-    an evaluation that raised."""
-    if diverged := summary.get("diverged"):
-        where = f"step {diverged['step']}" + (f" on rank {diverged['rank']}" if diverged.get("rank") is not None
-                                               else "")
-        kept = (f"; the newest finite checkpoint is {summary['checkpoint']} (--resume {summary['checkpoint']})"
-                if summary.get("checkpoint") else "")
-        return (f"training diverged at {where}: {diverged['reason']}; no model.pt written (see --max-nonfinite)"
-                f"{kept}")
-    if summary.get("keep_best_error"):
-        return (f"{summary['keep_best_error']}: no {BEST_MODEL_FILE} kept; the trained weights are in "
-                f"{Path(run_dir) / MODEL_FILE}")
-    if summary.get("eval_error"):
-        return (f"{summary['eval_error']} (the trained weights are in {Path(run_dir) / MODEL_FILE}; the traceback "
-                f"in {Path(run_dir) / 'logs'}/)")
-    return None
-
-
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     return write_json(run_dir / SUMMARY_FILE, summary)
 
 
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    """The run's summary.json, or {} when there is none (yet) or it cannot be read."""
+def read_summary(run_dir: str | Path) -> RunRecord:
+    """The run's summary.json, empty (false) when there is none (yet) or it cannot be read."""
     try:
-        return json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
+        return RunRecord(json.loads((Path(run_dir) / SUMMARY_FILE).read_text()))
     except (OSError, ValueError):
-        return {}
+        return RunRecord({})
+
+
+@dataclass(frozen=True)
+class Divergence:
+    step: int
+    rank: int | None
+    reason: str
+
+
+class RunRecord:
+    """summary.json as its readers see it: every key they read is named here, once (the ranks write it:
+    worker, train.trainer, train.metrics, checkpoint.manager, launch.script for a user's script). A key the run
+    did not write reads as None (or an empty value); `raw` is the whole record, for what lists every figure."""
+
+    def __init__(self, raw: dict[str, Any] | None) -> None:
+        self.raw: dict[str, Any] = raw or {}
+
+    def __bool__(self) -> bool:
+        return bool(self.raw)
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    # How the run ended.
+    @property
+    def stopped_at_step(self) -> int | None:
+        """The step every rank stopped at, for a stop signal (not set for a run that ended)."""
+        return self._get("stopped_at_step")
+
+    @property
+    def stopped_by(self) -> str | None:
+        return self._get("stopped_by")
+
+    @property
+    def diverged(self) -> Divergence | None:
+        value = self._get("diverged")
+        return None if not value else Divergence(value["step"], value.get("rank"), value["reason"])
+
+    @property
+    def keep_best_error(self) -> str | None:
+        return self._get("keep_best_error")
+
+    @property
+    def eval_error(self) -> str | None:
+        return self._get("eval_error")
+
+    @property
+    def outcome(self) -> str | None:
+        """A user's script's end as its launcher saw it (finished, failed, stopped); None for ddp-amp's loop."""
+        return self._get("outcome")
+
+    @property
+    def finished(self) -> bool:
+        """Trained to its end (its model.pt is written): neither diverged nor stopped by a signal."""
+        return self.diverged is None and self.stopped_at_step is None
+
+    @property
+    def data_ended_at_step(self) -> int | None:
+        return self._get("data_ended_at_step")
+
+    # Where its work is.
+    @property
+    def model_path(self) -> str | None:
+        return self._get("model_path")
+
+    @property
+    def summary_path(self) -> str | None:
+        return self._get("summary_path")
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The newest checkpoint written (never one that held inf/NaN)."""
+        return self._get("checkpoint")
+
+    # Restarts and resumes.
+    @property
+    def restarts(self) -> int:
+        return self._get("restarts") or 0
+
+    @property
+    def resumed_from_step(self) -> int | None:
+        return self._get("resumed_from_step")
+
+    @property
+    def resumed_skipping_items(self) -> int | None:
+        return self._get("resumed_skipping_items")
+
+    @property
+    def checkpoints_skipped(self) -> list[str]:
+        return self._get("checkpoints_skipped") or []
+
+    # What ran.
+    @property
+    def world_size(self) -> int | None:
+        return self._get("world_size")
+
+    @property
+    def backend(self) -> str | None:
+        return self._get("backend")
+
+    @property
+    def precision(self) -> str | None:
+        return self._get("precision")
+
+    @property
+    def steps(self) -> int | None:
+        return self._get("steps")
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return self._get("global_batch_size")
+
+    @property
+    def threads_per_rank(self) -> int | None:
+        return self._get("threads_per_rank")
+
+    @property
+    def flush_denormal(self) -> Any:
+        return self._get("flush_denormal")
+
+    @property
+    def model_flops_per_token(self) -> float | None:
+        return self._get("model_flops_per_token")
+
+    @property
+    def loop(self) -> dict[str, Any]:
+        """A script's loop account (ddp_amp.loop's loop.json), or {}."""
+        loop = self._get("loop")
+        return loop if isinstance(loop, dict) else {}
+
+    # Its figures.
+    @property
+    def final_loss(self) -> float | None:
+        return self._get("final_loss")
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self._get("samples_per_s")
+
+    @property
+    def rank_samples_per_s(self) -> float | None:
+        """This rank's own throughput (the rank's summary before it is written; summary.json holds rank 0's)."""
+        return self._get("rank_samples_per_s")
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self._get("tokens_per_s")
+
+    @property
+    def wall_s(self) -> float | None:
+        return self._get("wall_s")
+
+    @property
+    def time_to_first_step_s(self) -> float | None:
+        return self._get("time_to_first_step_s")
+
+    @property
+    def peak_memory_mb(self) -> float | None:
+        return self._get("peak_memory_mb")
+
+    @property
+    def baseline_memory_mb(self) -> float | None:
+        return self._get("baseline_memory_mb")
+
+    @property
+    def optimizer_state_mb(self) -> Any:
+        return self._get("optimizer_state_mb")
+
+    @property
+    def compile_s(self) -> float | None:
+        return self._get("compile_s")
+
+    @property
+    def subnormal_fraction(self) -> dict[str, float] | None:
+        return self._get("subnormal_fraction")
+
+    @property
+    def gradient_to_weight_norm(self) -> float | None:
+        return self._get("gradient_to_weight_norm")
+
+    @property
+    def trainable_parameters(self) -> int | None:
+        return self._get("trainable_parameters")
+
+    @property
+    def frozen_parameters(self) -> int | None:
+        return self._get("frozen_parameters")
+
+    @property
+    def eval(self) -> dict[str, Any]:
+        """Task.evaluate's values."""
+        return self._get("eval") or {}
+
+    @property
+    def validation(self) -> dict[str, Any]:
+        return self._get("validation") or {}
+
+    @property
+    def profile(self) -> dict[str, Any] | None:
+        return self._get("profile")
+
+    @property
+    def max_batch_search(self) -> dict[str, Any] | None:
+        return self._get("max_batch_search")
+
+    def failure(self, run_dir: str | Path) -> str | None:
+        """The one line that fails a run whose ranks all finished: divergence, a --keep-best metric never
+        logged, or an evaluation that raised."""
+        if diverged := self.diverged:
+            where = f"step {diverged.step}" + (f" on rank {diverged.rank}" if diverged.rank is not None else "")
+            kept = f"; the newest finite checkpoint is {self.checkpoint} (--resume {self.checkpoint})" \
+                if self.checkpoint else ""
+            return (f"training diverged at {where}: {diverged.reason}; no model.pt written (see --max-nonfinite)"
+                    f"{kept}")
+        if self.keep_best_error:
+            return (f"{self.keep_best_error}: no {BEST_MODEL_FILE} kept; the trained weights are in "
+                    f"{Path(run_dir) / MODEL_FILE}")
+        if self.eval_error:
+            return (f"{self.eval_error} (the trained weights are in {Path(run_dir) / MODEL_FILE}; the traceback "
+                    f"in {Path(run_dir) / 'logs'}/)")
+        return None
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from ddp_amp.checkpoint.manager import CheckpointManager
 from ddp_amp.checkpoint.weights import save_pretrained
 from ddp_amp.config import JOB_KINDS, JobKind, TrainConfig
 from ddp_amp.dist import DistEnv, process_group, settle_run_dir_writers
-from ddp_amp.errors import RankOutOfMemory, RankSetupError
+from ddp_amp.errors import RankOutOfMemory, RankSetupError, failure_kind
 from ddp_amp.process import FORKSERVER_PID_VAR, die_with_parent
 from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.rank import flight_recorder, setup
@@ -65,17 +65,17 @@ def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | 
     try:
         return _run_job(config, job, env, reporter, started, restart)
     except RankSetupError as exc:
-        reporter.error(str(exc))
+        reporter.error(str(exc), failure_kind(exc))
         raise
     except RankOutOfMemory as exc:
         traceback.print_exc()  # the allocator's own error stays in the rank's log; the launcher shows one line
         _dump_flight_record(config, reporter, f"failed: {exc}", exc)
-        reporter.error(str(exc))
+        reporter.error(str(exc), failure_kind(exc))
         raise
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         _dump_flight_record(config, reporter, f"failed: {type(exc).__name__}: {first}", exc)
-        reporter.error(traceback.format_exc())
+        reporter.error(traceback.format_exc(), failure_kind(exc))
         raise
     finally:
         reporter.scalars.close()
@@ -235,7 +235,7 @@ def _finish_training(trainer: Trainer, checkpointer: CheckpointManager, result: 
     numerics = trainer.probe_numerics() if bench else {}
     checkpointer.save_at_stop(trainer.parts, trainer.stopped_at)
     checkpointer.close()  # waits for the write in flight
-    if "diverged" not in result.summary and "stopped_at_step" not in result.summary:
+    if outputs.RunRecord(result.summary).finished:
         result.model = trainer.plain_model()  # every rank (a sharded model's weights are gathered): model.pt
     trainer.close()  # on success only: after a failure the launcher stops every rank anyway
     summary = {**result.summary, **memory, **numerics}
@@ -292,7 +292,7 @@ def write_results(config: TrainConfig, summary: dict[str, Any], result: TrainRes
     run's weights are NaN or untrained, a stopped run's unfinished: neither is saved as model.pt, which marks
     a finished run."""
     run_dir = Path(config.run_dir)
-    finished = "diverged" not in summary and "stopped_at_step" not in summary
+    finished = outputs.RunRecord(summary).finished
     if finished:
         summary["model_path"] = str(outputs.save_weights(run_dir, result.model.state_dict()))
         # A Hugging Face model (or a task's wrapper of one, at .pretrained) also in its own format.
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"usage: python -m ddp_amp.worker RUN_DIR/config.json [{'|'.join(JOB_KINDS)}]")
     config = TrainConfig.from_json(Path(args[0]).read_text())
     summary = run_worker(config, *args[1:])
-    failure = summary and outputs.failure_of(summary, config.run_dir)
+    failure = summary and outputs.RunRecord(summary).failure(config.run_dir)
     if failure and not os.environ.get(ADDRESS_VAR):
         # Started by a hand-written torchrun: no ddp-amp launcher reads the summary, so say it and fail here.
         print(f"ddp-amp: error: {failure}", file=sys.stderr, flush=True)

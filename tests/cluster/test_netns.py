@@ -18,9 +18,11 @@ import pytest
 from conftest import CHECKS_SCRIPT, HELPER_TASKS, read_summary
 from helper_tasks import HOLD_AT_CALL
 
-# serial: doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota), which another test's
-# load would blur.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow]
+# serial (two tests, run alone): doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota),
+# which another test's load would blur; a node that arrives later joins on rendezvous deadlines, which another
+# test's load could decide. The others train across the namespaces with generous deadlines, beside other tests
+# (each test's namespaces are its own: their names carry the worker's pid).
 SUBNET = "10.77.{}.{}"
 
 
@@ -96,6 +98,7 @@ def test_three_namespaces_train_together(three_hosts, tmp_path):
     print(f"3-namespace multinode wall time: {elapsed:.1f}s")
 
 
+@pytest.mark.serial
 def test_a_node_that_arrives_later_joins_an_elastic_job_at_a_restart(three_hosts, tmp_path):
     """--nnodes 2:3: two nodes start and train with world size 2 (their task holds at a step until the world has
     three ranks, or its agent's SIGTERM asks it to stop); the third node's arrival makes torchrun restart the
@@ -181,6 +184,7 @@ def cpu_quota():
                 time.sleep(0.2)
 
 
+@pytest.mark.serial
 def test_doctor_names_the_slow_node_link_and_the_slow_rank(three_hosts, cpu_quota, tmp_path):
     """Three namespaces run `doctor --nnodes 3`. The third one's veth sends at most 400 Mbit/s (a real kernel
     queueing discipline, tbf; the veths carry several Gbit/s otherwise); the second one runs under a CPU quota of

@@ -124,6 +124,15 @@ def test_a_model_without_values_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_ranks_usage_error_under_torchruns_agent_is_exit_2_too(tmp_path):
+    """The kind of a rank's failure travels in its error event (errors.failure_kind), under the agent as under
+    spawn: a usage error is exit 2 whatever the launcher, not text found in a traceback."""
+    result = run_cli("run", "--nproc-per-node", "2", "--device", "cpu", "--task", f"{HELPER_TASKS}:model_on_meta",
+                     "--steps", "2", "--run-dir", str(tmp_path), timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "Task.model is on the meta device (it has no values)" in last_line(result.stderr), result.stderr
+
+
 @pytest.mark.parametrize("launcher", ["spawn", "run"])
 def test_fully_sharded_micro_batches_match_ddps_under_either_launcher(launcher, tmp_path):
     """--micro-batch 4 of 16: FSDP's pieces but the last run with gradient sync off, as DDP's under no_sync;

@@ -68,7 +68,7 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
     for run in runs:
-        assert f"{run.summary['samples_per_s']:.0f}" in text
-        assert f"{run.summary['final_loss']:.4f}" in text
+        assert f"{run.summary.samples_per_s:.0f}" in text
+        assert f"{run.summary.final_loss:.4f}" in text
     result = show(*two_runs, columns=width)  # the command itself, at that width
     assert result.returncode == 0 and "…" not in result.stdout, result.stdout

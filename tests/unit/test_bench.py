@@ -56,12 +56,14 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, command):
 
 def test_compiled_variants_are_compared_within_their_precision():
     from ddp_amp.measure.bench import Measurement, analyse
+    from ddp_amp.outputs import RunRecord
 
     def measured(label, repeat, step_s, compile_s=None):
         summary = {"global_batch_size": 64, "final_loss": 0.5, "samples_per_s": 1.0}
         if compile_s is not None:
             summary["compile_s"] = compile_s
-        return Measurement(label, repeat, {0: [step_s] * 3, 1: [step_s] * 3}, {0: 100.0, 1: 100.0}, summary)
+        return Measurement(label, repeat, {0: [step_s] * 3, 1: [step_s] * 3}, {0: 100.0, 1: 100.0},
+                           RunRecord(summary))
 
     report = analyse([measured("fp32", 0, 0.010), measured("fp32+compile", 0, 0.008, 7.0),
                       measured("bf16", 0, 0.005), measured("bf16+compile", 0, 0.004, 8.0)])

@@ -126,7 +126,7 @@ def launch_training(launch, output: dict, resolved: dict) -> None:
     atomic_write(launch.plan.config_path.parent / "config.toml", config_toml(resolved).encode())
     run_launch(launch, make_display(output["log_format"], quiet=output["quiet"]))
     if config.profile and not output["quiet"]:
-        if profile := read_summary(Path(config.run_dir)).get("profile"):
+        if profile := read_summary(Path(config.run_dir)).profile:
             from rich.console import Console
 
             from ddp_amp.results.report import profile_table

@@ -212,9 +212,7 @@ def _raise_failure(error: BaseException | None, log_path: Path) -> None:
     details = _tail(log_path)
     if isinstance(error, ChildFailedError):
         rank, what = root_failure(error.failures)
-        raise RunFailed(f"rank {rank} {what} (the agent's log: {log_path})", details=details,
-                        exit_code=2 if any("RankUsageError: " in str(f.message) for f in error.failures.values())
-                        else 1)
+        raise RunFailed(f"rank {rank} {what} (the agent's log: {log_path})", details=details)
     raise RunFailed(f"the elastic agent failed: {type(error).__name__}: {_first_line(error)} "
                     f"(its log: {log_path})", details=details)
 

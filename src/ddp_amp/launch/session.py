@@ -25,7 +25,7 @@ from ddp_amp.config import JobKind, TrainConfig
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.preflight import LaunchPlan
 from ddp_amp.launch.torchrun import ElasticJob
-from ddp_amp.outputs import failure_of, read_summary
+from ddp_amp.outputs import read_summary
 from ddp_amp.parallel import MODES
 from ddp_amp.process import StopSignal, stop_signals_raise
 
@@ -206,6 +206,8 @@ def _start_ranks(launch: Launch, session) -> RunFailed | None:
             exc.details = ""  # the display has shown the failing rank's traceback already
         if exc.exit_code > 128:
             return exc
+        if session.failed_for_usage():
+            exc = exc.as_usage_error()
         # One node's records only under multinode (the others are on their hosts): no "left no record" there.
         return explained_failure(exc, session, config, None if config.job_id else launch.nproc)
     return None
@@ -275,19 +277,19 @@ def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = N
     """After a stop signal (to this launcher, `signalled`, or to a rank alone): one line saying at which step
     the ranks stopped and where their work is, raised with exit code 128 + the signal's number. A run that
     had already finished (model.pt written) when the stop took effect returns instead: exit 0."""
-    summary = read_summary(run_dir)
-    name = summary.get("stopped_by") or (signalled or "").removeprefix("stopped by ")
-    if summary.get("model_path") and "stopped_at_step" not in summary:
-        say(f"ddp-amp: {name} came after the run had finished; {summary['model_path']} is written")
+    record = read_summary(run_dir)
+    name = record.stopped_by or (signalled or "").removeprefix("stopped by ")
+    step = record.stopped_at_step
+    if record.model_path and step is None:
+        say(f"ddp-amp: {name} came after the run had finished; {record.model_path} is written")
         return
-    step = summary.get("stopped_at_step")
     if step is None:
         raise RunFailed(f"{signalled}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and "
                         "were killed; nothing of this run kept", exit_code=exit_code)
     if name in signals.Signals.__members__:
         exit_code = 128 + signals.Signals[name].value
-    if summary.get("checkpoint"):
-        raise RunFailed(f"stopped by {name} at step {step}; checkpoint {summary['checkpoint']} (continue with "
+    if record.checkpoint:
+        raise RunFailed(f"stopped by {name} at step {step}; checkpoint {record.checkpoint} (continue with "
                         f"--resume auto --run-dir {run_dir})", exit_code=exit_code)
     raise RunFailed(f"stopped by {name} at step {step}; no checkpoint kept", exit_code=exit_code)
 
@@ -317,29 +319,29 @@ def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: 
 
 def check_outcome(run_dir: Path, config: TrainConfig) -> None:
     """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
-    summary = read_summary(run_dir)
-    if "stopped_at_step" in summary:  # a stop signal reached a rank, not this launcher
+    record = read_summary(run_dir)
+    if record.stopped_at_step is not None:  # a stop signal reached a rank, not this launcher
         report_stop(run_dir, config)
-    if summary and (failure := failure_of(summary, run_dir)):
-        raise RunFailed(failure, exit_code=2 if summary.get("keep_best_error") else 1)
-    if skipped := summary.get("resumed_skipping_items"):
-        step = summary["resumed_from_step"]
+    if failure := record.failure(run_dir):
+        raise RunFailed(failure, exit_code=2 if record.keep_best_error else 1)
+    if skipped := record.resumed_skipping_items:
+        step = record.resumed_from_step
         say(f"ddp-amp: resumed at step {step}: skipped the {skipped} items trained before step {step} (the data set "
             "has no state_dict/load_state_dict, so its stream was read again from the start)")
-    if (ended := summary.get("data_ended_at_step")) is not None:
+    if (ended := record.data_ended_at_step) is not None:
         say(f"ddp-amp: the data ran out at step {ended}: every rank stopped there"
-            + (f"; {summary['model_path']} written" if summary.get("model_path") else ""))
+            + (f"; {record.model_path} written" if record.model_path else ""))
 
 
 def report_recovery(config: TrainConfig, log_path: Path, model) -> None:
     """A run that torchrun restarted and that then succeeded ends with one line saying what it recovered from."""
     from ddp_amp.launch import torchrun
 
-    summary = read_summary(config.run_dir)
-    if not summary.get("restarts"):
+    record = read_summary(config.run_dir)
+    if not record.restarts:
         return
-    restarts = summary["restarts"]
-    for skipped in summary.get("checkpoints_skipped", []):  # the rank's warning, which only its log holds
+    restarts = record.restarts
+    for skipped in record.checkpoints_skipped:  # the rank's warning, which only its log holds
         say(f"ddp-amp: warning: the restart skipped checkpoint {skipped}")
     line = f"ddp-amp: recovered after {restarts} restart{'s' if restarts > 1 else ''}"
     causes = torchrun.restart_causes(log_path.read_text(errors="replace")) if log_path.exists() else []
@@ -348,7 +350,7 @@ def report_recovery(config: TrainConfig, log_path: Path, model) -> None:
         rank = model.ranks_before_restart.get(local_rank, local_rank)  # on another node local != global
         step = model.steps_before_restart.get(rank)
         line += f": rank {rank} {what}" + (f" (last seen in step {step})" if step is not None else "")
-    resumed = summary.get("resumed_from_step")
+    resumed = record.resumed_from_step
     line += f"; resumed from step {resumed}" if resumed else "; restarted from the beginning (no checkpoint)"
     say(line)
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ddp_amp.config import JobKind, TrainConfig
-from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom, is_usage_failure
+from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.processes import RankExited, RankFailed, RankProcesses, RankRaised, StoreKeeper
 from ddp_amp.process import LOOPBACK, DeferredStops, StopSignal, signal_processes
@@ -139,8 +139,7 @@ def _failure(context: RankProcesses, exc: RankFailed, run_dir: Path) -> RunFaile
     if isinstance(exc, RankRaised):
         rank, traceback_text = _first_failure(context, exc)
         line = exception_line(traceback_text) if traceback_text else "unknown error"
-        return RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text,
-                         exit_code=2 if is_usage_failure(line) else 1)
+        return RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text)
     why = _abort_message(run_dir, exc.error_index) if exc.signal_name == "SIGABRT" else None
     return RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}" + (f": {why}" if why else ""))
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.outputs import STEP_TIMES_FILE
+from ddp_amp.outputs import STEP_TIMES_FILE, RunRecord, read_summary
 from ddp_amp.process import usable_cores
 
 
@@ -38,11 +38,11 @@ class Measurement:
     repeat: int
     step_s: dict[int, list[float]]
     peak_memory_mb: dict[int, float]
-    summary: dict[str, Any]
+    summary: RunRecord
 
     @classmethod
     def load(cls, run_dir: Path, precision: str, repeat: int, warmup: int) -> Measurement:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = read_summary(run_dir)
         ranks = json.loads((run_dir / STEP_TIMES_FILE).read_text())
         return cls(precision, repeat, {r["rank"]: r["step_s"][warmup:] for r in ranks},
                    {r["rank"]: r["peak_memory_mb"] for r in ranks}, summary)
@@ -58,7 +58,7 @@ def _precision_entry(runs: list[Measurement]) -> dict[str, Any]:
     per_rank = {rank: statistics.median(t for m in runs for t in m.step_s[rank]) for rank in runs[0].step_s}
     first = runs[0].summary
     median = statistics.median(pooled)
-    samples_per_s = first["global_batch_size"] / median
+    samples_per_s = first.global_batch_size / median
     entry = {
         "step_s_median": median,
         "step_s_p90": percentile(pooled, 90),
@@ -66,19 +66,19 @@ def _precision_entry(runs: list[Measurement]) -> dict[str, Any]:
         "per_rank_step_s_median": {str(rank): value for rank, value in per_rank.items()},
         "samples_per_s": samples_per_s,
         "peak_memory_mb": max(max(m.peak_memory_mb.values()) for m in runs),  # reserved, on a GPU
-        "final_loss": statistics.median(m.summary["final_loss"] for m in runs),
-        "repeats": [{"repeat": m.repeat, "step_s_median": m.median_step_s, "final_loss": m.summary["final_loss"],
+        "final_loss": statistics.median(m.summary.final_loss for m in runs),
+        "repeats": [{"repeat": m.repeat, "step_s_median": m.median_step_s, "final_loss": m.summary.final_loss,
                      "step_s": {str(rank): times for rank, times in m.step_s.items()}} for m in runs],
     }
-    if first.get("compile_s") is not None:
-        entry["compile_s"] = statistics.median(m.summary["compile_s"] for m in runs)
-    if "subnormal_fraction" in first:  # the worst of the repeats
-        entry["subnormal_fraction"] = {part: max(m.summary["subnormal_fraction"][part] for m in runs)
-                                       for part in first["subnormal_fraction"]}
-        entry["gradient_to_weight_norm"] = min(m.summary["gradient_to_weight_norm"] for m in runs)
-        entry["flush_denormal"] = first.get("flush_denormal")
-    if first.get("tokens_per_s") is not None:
-        entry["tokens_per_s"] = samples_per_s * first["tokens_per_s"] / first["samples_per_s"]
+    if first.compile_s is not None:
+        entry["compile_s"] = statistics.median(m.summary.compile_s for m in runs)
+    if first.subnormal_fraction is not None:  # the worst of the repeats
+        entry["subnormal_fraction"] = {part: max(m.summary.subnormal_fraction[part] for m in runs)
+                                       for part in first.subnormal_fraction}
+        entry["gradient_to_weight_norm"] = min(m.summary.gradient_to_weight_norm for m in runs)
+        entry["flush_denormal"] = first.flush_denormal
+    if first.tokens_per_s is not None:
+        entry["tokens_per_s"] = samples_per_s * first.tokens_per_s / first.samples_per_s
     return entry
 
 
@@ -163,16 +163,16 @@ def cpu_name() -> str:
     return cpu_model()
 
 
-def environment(device_type: str, nproc: int, summary: dict[str, Any], tf32: bool | None) -> dict[str, Any]:
+def environment(device_type: str, nproc: int, summary: RunRecord, tf32: bool | None) -> dict[str, Any]:
     import torch
 
     from ddp_amp.precision import cpu_has_native_bf16
 
     env: dict[str, Any] = {
         "torch": torch.__version__,
-        "world_size": summary["world_size"],
-        "backend": summary["backend"],
-        "threads_per_rank": summary.get("threads_per_rank"),
+        "world_size": summary.world_size,
+        "backend": summary.backend,
+        "threads_per_rank": summary.threads_per_rank,
         "cpu": cpu_name(),
         "cpu_native_bf16": cpu_has_native_bf16(),
         "cpu_flags": flags_that_matter(),
@@ -310,7 +310,7 @@ def compare_shards(by_shard: dict[str, list[Measurement]]) -> dict[str, Any]:
     (base, reference), *others = by_shard.items()
 
     def state(m: Measurement) -> float:
-        return m.summary["peak_memory_mb"] - m.summary["baseline_memory_mb"]
+        return m.summary.peak_memory_mb - m.summary.baseline_memory_mb
 
     def ratios(pairs: list[tuple[Measurement, Measurement]], figure) -> dict[str, float]:
         values = [figure(a) / figure(b) for a, b in pairs]
@@ -325,7 +325,7 @@ def compare_shards(by_shard: dict[str, list[Measurement]]) -> dict[str, Any]:
                 "throughput": ratios(pairs, lambda m: 1 / m.median_step_s),
                 "training_state_memory": ratios(pairs, state),
                 "training_state_mb": statistics.median(state(a) for a, _ in pairs),
-                "optimizer_state_mb": pairs[0][0].summary.get("optimizer_state_mb")}
+                "optimizer_state_mb": pairs[0][0].summary.optimizer_state_mb}
     return comparison
 
 
@@ -365,14 +365,14 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
         report["shards"] = compare_shards(by_shard)
     tf32 = train_options.get("tf32")
     env = environment(plan.device_type, nproc, summary, None if tf32 is None else tf32 == "on")
-    flops = summary.get("model_flops_per_token")
+    flops = summary.model_flops_per_token
     if flops:
         env["model_flops_per_token"] = flops
         for label, entry in report["precisions"].items():
             if "tokens_per_s" in entry:
                 entry["mfu"] = (mfu(env["device"], peak_precision(label, env), entry["tokens_per_s"], flops,
-                                    gpus=summary["world_size"]) if plan.device_type == "cuda" else None)
-    env["flush_denormal"] = summary.get("flush_denormal")
+                                    gpus=summary.world_size) if plan.device_type == "cuda" else None)
+    env["flush_denormal"] = summary.flush_denormal
     report["environment"] = env
     report["notes"] = notes + numerics_notes(report)
     report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,

@@ -4,14 +4,13 @@ batch that trains (train.batch_search), and the report of what they found."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ddp_amp.measure.bench import BenchOptions, environment
-from ddp_amp.outputs import OUT_OF_MEMORY_FILE
+from ddp_amp.outputs import OUT_OF_MEMORY_FILE, read_summary
 from ddp_amp.parallel import MODES
 
 
@@ -41,11 +40,11 @@ def run_max_batch(train_options: dict[str, Any], options: BenchOptions, *, nproc
             plan, summary, found = _search_by_launches(run_options, run_dir, nproc=nproc, launcher=options.launcher)
         else:
             plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher, kind="max-batch")
-            summary = json.loads((run_dir / "summary.json").read_text())
-            found = summary["max_batch_search"]
+            summary = read_summary(run_dir)
+            found = summary.max_batch_search
         first = first or summary
-        results[summary["precision"]] = {**found, "peak_memory_mb": summary["peak_memory_mb"]}
-        status(f"bench: largest batch per rank in {summary['precision']}: {found['max_batch']} "
+        results[summary.precision] = {**found, "peak_memory_mb": summary.peak_memory_mb}
+        status(f"bench: largest batch per rank in {summary.precision}: {found['max_batch']} "
                f"({len(found['trials'])} trials)")
     report: dict[str, Any] = {"max_batch": results, "notes": []}
     amp = next((p for p in results if p != "fp32"), None)
@@ -86,10 +85,10 @@ def _search_by_launches(run_options: dict[str, Any], run_dir: Path, *, nproc: in
                 raise
             trials.append({"batch": size, "fits": False})
             return None
-        summary = json.loads((trial_dir / "summary.json").read_text())
-        trials.extend(summary["max_batch_search"]["trials"])
+        summary = read_summary(trial_dir)
+        trials.extend(summary.max_batch_search["trials"])
         fitted[size] = plan, summary
-        return summary["max_batch_search"]["samples_per_s"]
+        return summary.max_batch_search["samples_per_s"]
 
     largest, rate = search(trial, run_options["batch_size"])
     if not fitted:

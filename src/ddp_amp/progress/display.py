@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from ddp_amp.outputs import RunRecord
 from ddp_amp.progress.events import metrics_text, plain_line
 from ddp_amp.progress.model import ProgressModel
 
@@ -38,20 +39,20 @@ def summary_rows(model: ProgressModel) -> list[tuple[str, ...]]:
 
 
 def summary_footer(model: ProgressModel) -> list[str]:
-    summary = model.summary
-    if not summary:
+    record = RunRecord(model.summary)
+    if not record:
         return []
-    lines = [f"wall time {summary['wall_s']:.1f}s, time to first step {summary['time_to_first_step_s']:.1f}s, "
-             f"{summary['samples_per_s']:.0f} samples/s global, precision {summary['precision']}"]
-    if summary.get("frozen_parameters"):
-        lines.append(f"parameters: {summary['trainable_parameters']:,} trained, {summary['frozen_parameters']:,} "
+    lines = [f"wall time {record.wall_s:.1f}s, time to first step {record.time_to_first_step_s:.1f}s, "
+             f"{record.samples_per_s:.0f} samples/s global, precision {record.precision}"]
+    if record.frozen_parameters:
+        lines.append(f"parameters: {record.trainable_parameters:,} trained, {record.frozen_parameters:,} "
                      "frozen (left out of the optimizer)")
-    if summary.get("eval"):
-        lines.append("eval: " + ", ".join(f"{k} {v:.4g}" for k, v in summary["eval"].items()))
-    if summary.get("model_path"):
-        lines.append(f"wrote {summary['model_path']} and {summary['summary_path']}")
+    if record.eval:
+        lines.append("eval: " + ", ".join(f"{k} {v:.4g}" for k, v in record.eval.items()))
+    if record.model_path:
+        lines.append(f"wrote {record.model_path} and {record.summary_path}")
     else:  # a diverged run keeps no weights
-        lines.append(f"wrote {summary['summary_path']} (no model.pt)")
+        lines.append(f"wrote {record.summary_path} (no model.pt)")
     return lines
 
 

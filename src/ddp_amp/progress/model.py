@@ -27,6 +27,8 @@ class RankState:
     micro_batch_size: int | None = None
     done: dict[str, Any] | None = None
     traceback: str | None = None
+    failure_kind: str | None = None
+    """What kind of failure ended the rank (errors.FailureKind), as its error event says."""
     failed_at: float = 0.0
     pid: int | None = None
     position: tuple | None = None
@@ -110,6 +112,7 @@ class ProgressModel:
         elif kind == "error":
             state.status = "failed"
             state.traceback = event["traceback"]
+            state.failure_kind = event.get("kind")
             state.failed_at = event.get("time", 0.0)
         elif kind == "heartbeat":
             position = (event["step"], event["micro"], event["phase_index"], event["phase"])

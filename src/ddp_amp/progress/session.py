@@ -35,6 +35,10 @@ class ProgressSession:
     def failure_shown(self) -> bool:
         return bool(self.display.model.failures())
 
+    def failed_for_usage(self) -> bool:
+        """A rank failed for a flag that does not fit what only a rank can see (its error event's kind)."""
+        return any(state.failure_kind == "usage" for state in self.display.model.failures())
+
     def rank_pids(self) -> list[int]:
         """The process ids of this node's ranks that have reported (for a graceful stop)."""
         return [state.pid for state in self.display.model.ranks.values()

@@ -12,6 +12,7 @@ from typing import Any
 
 from ddp_amp import outputs
 from ddp_amp.dist import DistEnv
+from ddp_amp.errors import FailureKind
 from ddp_amp.progress.channel import EventSender
 from ddp_amp.progress.events import plain_line
 
@@ -81,9 +82,10 @@ class WorkerReporter:
 
     def done(self, summary: dict[str, Any], memory: dict[str, float]) -> None:
         """`memory`: train.metrics.peak_memory of the training, measured before any evaluation."""
-        event = {"type": "done", "steps": summary["steps"], "samples_per_s": summary["rank_samples_per_s"],
-                 **memory, "final_loss": self.last_loss, "precision": summary["precision"],
-                 "stopped": "stopped_at_step" in summary}
+        record = outputs.RunRecord(summary)
+        event = {"type": "done", "steps": record.steps, "samples_per_s": record.rank_samples_per_s,
+                 **memory, "final_loss": self.last_loss, "precision": record.precision,
+                 "stopped": record.stopped_at_step is not None}
         if self.env.writes_run_dir:
             event["summary"] = summary
         self._send(event)
@@ -91,8 +93,9 @@ class WorkerReporter:
     def heartbeat(self, **position: Any) -> None:
         self._send({"type": "heartbeat", **position})
 
-    def error(self, text: str) -> None:
-        self._send({"type": "error", "traceback": text, "time": time.time()})
+    def error(self, text: str, kind: FailureKind) -> None:
+        """This rank failed: `text` its one line or traceback, `kind` what kind of failure (errors.failure_kind)."""
+        self._send({"type": "error", "traceback": text, "kind": kind, "time": time.time()})
 
 
 class NoScalars:

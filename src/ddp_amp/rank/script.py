@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from ddp_amp.config import Script
+from ddp_amp.errors import failure_kind
 from ddp_amp.process import FORKSERVER_PID_VAR, STOP_SIGNALS, die_with_parent
 from ddp_amp.progress.channel import EventSender
 from ddp_amp.progress.output import OUTPUT_VAR, connect_stream
@@ -70,7 +71,7 @@ def run_script(script: Script, run_dir: Path) -> int:
         text = script_traceback(exc)
         recorder.write(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                        where=_raised_at(exc))
-        send({"type": "error", "traceback": text, "time": time.time()})
+        send({"type": "error", "traceback": text, "kind": failure_kind(exc), "time": time.time()})
         raise ScriptFailed(text) from None
     finally:
         recorder.stop()

@@ -227,26 +227,27 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
     first_speed = first_loss = None
     for index, run in enumerate(runs):
         s = run.summary
-        total = s.get("steps") if s else _last(run, "total_steps")
-        steps = s.get("steps", _last(run, "step") or 0)
-        speed = s.get("samples_per_s", _last(run, "samples_per_s"))
-        loss = s.get("final_loss", _last(run, run.loss_key))
+        total = s.steps if s else _last(run, "total_steps")
+        steps = s.steps if s.steps is not None else _last(run, "step") or 0
+        speed = s.samples_per_s if s.samples_per_s is not None else _last(run, "samples_per_s")
+        loss = s.final_loss if s.final_loss is not None else _last(run, run.loss_key)
         if index == 0:
             first_speed, first_loss = speed, loss
-        validation = {k: v for k, v in s.get("validation", {}).items() if k.startswith("val_")}
+        validation = {k: v for k, v in s.validation.items() if k.startswith("val_")}
         evaluation = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                               for k, v in {**validation, **s.get("eval", {})}.items()) or (
-            "error" if "eval_error" in s else "-")
+                               for k, v in {**validation, **s.eval}.items()) or (
+            "error" if s.eval_error is not None else "-")
         row = [run.name, Text(run.state, style="green" if run.state == "finished" else "yellow"), run.work,
-               s.get("precision", run.loop.get("precision", "-")), str(s.get("world_size", "-")),
-               _script_steps(run) if "outcome" in s else f"{steps}/{total}" if run.state != "finished" else str(steps),
+               s.precision or run.loop.get("precision", "-"), str(s.world_size or "-"),
+               _script_steps(run) if s.outcome is not None else f"{steps}/{total}" if run.state != "finished"
+               else str(steps),
                _num(speed, ".0f")]
         if compare:
             row.append(f"{speed / first_speed:.2f}x" if speed and first_speed else "-")
         row.append(_num(loss, ".4f") + ("" if run.loss_key == "loss" or loss is None else f" ({run.loss_key})"))
         if compare:
             row.append(f"{loss - first_loss:+.4f}" if loss is not None and first_loss is not None else "-")
-        row += [evaluation, _seconds(s.get("wall_s")), _seconds(s.get("time_to_first_step_s")),
+        row += [evaluation, _seconds(s.wall_s), _seconds(s.time_to_first_step_s),
                 sparkline([value for _, value in curve(run, run.loss_key)], width=16)]
         rows.append(row)
     return headers, rows

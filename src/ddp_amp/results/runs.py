@@ -10,14 +10,14 @@ from typing import Any
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
 from ddp_amp.files import lock_holder
-from ddp_amp.outputs import METRICS_FILE, SUMMARY_FILE
+from ddp_amp.outputs import METRICS_FILE, SUMMARY_FILE, RunRecord
 
 
 @dataclass
 class Run:
     path: Path
     config: dict[str, Any]
-    summary: dict[str, Any]
+    summary: RunRecord
     metrics: list[dict[str, Any]] = field(default_factory=list)
     state: str = "finished"
     """finished, stopped, diverged, failed (its evaluation raised, or a user's script failed), in progress (a
@@ -50,8 +50,7 @@ class Run:
     @property
     def loop(self) -> dict[str, Any]:
         """A script's loop account (ddp_amp.loop's loop.json in summary.json), or {}."""
-        loop = self.summary.get("loop")
-        return loop if isinstance(loop, dict) else {}
+        return self.summary.loop
 
 
 def load_run(path: Path) -> Run:
@@ -64,7 +63,7 @@ def load_run(path: Path) -> Run:
         raise UsageError(f"show: {str(path)!r} is not a run directory (no {CONFIG_FILE})")
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
-        summary = json.loads((path / SUMMARY_FILE).read_text()) if (path / SUMMARY_FILE).is_file() else {}
+        summary = RunRecord(json.loads((path / SUMMARY_FILE).read_text()) if (path / SUMMARY_FILE).is_file() else {})
         metrics = [json.loads(line) for line in (path / METRICS_FILE).read_text().splitlines() if line.strip()] \
             if (path / METRICS_FILE).is_file() else []
     except (OSError, ValueError) as exc:
@@ -73,13 +72,13 @@ def load_run(path: Path) -> Run:
         state = "in progress"
     elif not summary:
         state = "unfinished"
-    elif "outcome" in summary:  # a user's script: finished, failed or stopped, as its launcher saw it
-        state = summary["outcome"]
-    elif "diverged" in summary:
+    elif summary.outcome is not None:  # a user's script: finished, failed or stopped, as its launcher saw it
+        state = summary.outcome
+    elif summary.diverged is not None:
         state = "diverged"
-    elif "stopped_at_step" in summary:
+    elif summary.stopped_at_step is not None:
         state = "stopped"
-    elif "eval_error" in summary:
+    elif summary.eval_error is not None:
         state = "failed"
     else:
         state = "finished"
