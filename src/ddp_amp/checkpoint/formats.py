@@ -42,6 +42,8 @@ class CheckpointFormat:
     every_rank_writes: ClassVar[bool]
     """Every rank writes (and waits for its previous write before staging); else only the run dir's writers do,
     and the others return after staging."""
+    libraries: ClassVar[tuple[str, ...]] = ()
+    """The torch.distributed modules it uses, imported before the memory baseline (rank.setup)."""
 
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: Path) -> None:
         self.config, self.env, self.run_dir = config, env, run_dir
@@ -102,6 +104,7 @@ class SingleFile(CheckpointFormat):
 class ShardedDirectory(CheckpointFormat):
     name: ClassVar[str] = "sharded"
     every_rank_writes: ClassVar[bool] = True
+    libraries: ClassVar[tuple[str, ...]] = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict")
 
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: Path) -> None:
         super().__init__(config, env, run_dir)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddp_amp.checkpoint.formats import FORMATS
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, resolve_device, set_cpu_threads
 from ddp_amp.errors import RankSetupError, RankUsageError
@@ -175,10 +176,7 @@ def import_mode_libraries(config: TrainConfig) -> None:
     baseline is taken: their code is no training state. torch.distributed.tensor (FSDP2's and DCP's DTensor)
     alone is about 41 MB resident on a CPU rank; imported lazily after the baseline, the peak less the baseline
     counted it as if the model held it (docs/benchmarks.md)."""
-    names = list(MODES[config.shard].libraries)
-    if config.checkpoint_format == "sharded":
-        names += ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"]
-    for name in names:
+    for name in (*MODES[config.shard].libraries, *FORMATS[config.checkpoint_format].libraries):
         importlib.import_module(name)
 
 
