@@ -10,10 +10,10 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TextIO
 
 from ddp_amp.outputs import RunRecord
-from ddp_amp.progress.events import metrics_text, plain_line
+from ddp_amp.progress.events import Event, metrics_text, plain_line
 from ddp_amp.progress.model import ProgressModel
 
 
@@ -66,7 +66,7 @@ class PlainDisplay:
         self.final_summary = final_summary
         self.model = ProgressModel(clock=clock)
 
-    def handle(self, event: dict[str, Any]) -> None:
+    def handle(self, event: Event) -> None:
         self.model.apply(event)
         if self.quiet or event["type"] in ("error", "done"):
             return  # tracebacks and each rank's totals are shown once, at the end
@@ -99,7 +99,7 @@ class JsonDisplay:
         self.stream = stream or sys.stdout
         self.model = ProgressModel()
 
-    def handle(self, event: dict[str, Any]) -> None:
+    def handle(self, event: Event) -> None:
         self.model.apply(event)
         print(json.dumps(event, sort_keys=True), file=self.stream, flush=event["type"] != "output")
 
@@ -132,7 +132,7 @@ class RichDisplay:
         self._live = Live(self.render(), console=self.console, refresh_per_second=4, get_renderable=self.render)
         self._live.start()
 
-    def handle(self, event: dict[str, Any]) -> None:
+    def handle(self, event: Event) -> None:
         self.model.apply(event)
         if event["type"] in ("precision", "output"):  # a line above the live table
             self.console.print(plain_line(event), highlight=False, markup=False, soft_wrap=True)

@@ -1,4 +1,5 @@
-"""Progress events: plain dicts that travel as one JSON line each, and their plain-text rendering.
+"""Progress events: dicts that travel as one JSON line each, their types (one TypedDict per event type, below:
+what the ranks send and the launcher's model reads), and their plain-text rendering.
 
 Every event has "type" and "rank"; the rest depends on the type:
 
@@ -11,7 +12,8 @@ Every event has "type" and "rank"; the rest depends on the type:
            CPU: peak RSS), on a GPU peak_memory_allocated_mb, final_loss, stopped (by a stop signal,
            before the last step), plus the run summary on the
            node's writer (wall_s, time_to_first_step_s, model_path, summary_path)
-    error  traceback (the failing rank's, sent once)
+    error  traceback (the failing rank's, sent once; a self-explaining error's one line), kind (errors.FailureKind:
+           the launcher exits 2 for "usage"), time
     precision  precision, reason: --amp auto's answer on CPU ranks, measured by rank 0 (sent by rank 0 once)
     heartbeat  step (optimizer steps done), micro, phase_index, phase (data, forward, backward, step, log):
            where the rank's loop is, sent every second; stall_after_s
@@ -23,7 +25,107 @@ Every event has "type" and "rank"; the rest depends on the type:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypedDict
+
+
+class StateEvent(TypedDict, total=False):
+    type: Literal["state"]
+    rank: int
+    status: str
+    local_rank: int
+    node: int
+    world_size: int
+    restart: int
+    pid: int
+    exit_code: int
+
+
+class LogEvent(TypedDict, total=False):
+    type: Literal["log"]
+    rank: int
+    step: int
+    total_steps: int
+    epoch: int
+    loss: float
+    global_loss: float
+    lr: float
+    samples_per_s: float
+    global_samples_per_s: float
+    items_per_s: float
+    global_items_per_s: float
+    item_name: str
+    loss_scale: float
+    skipped_steps: int
+    micro_batch_size: int
+    grad_norm: float
+    slow: bool
+
+
+class DoneEvent(TypedDict, total=False):
+    type: Literal["done"]
+    rank: int
+    steps: int
+    samples_per_s: float
+    precision: str
+    peak_memory_mb: float
+    peak_memory_allocated_mb: float
+    final_loss: float | None
+    stopped: bool
+    summary: dict[str, Any]
+    """The run's summary (outputs.RunRecord reads it), on the node's writer."""
+
+
+class ErrorEvent(TypedDict):
+    type: Literal["error"]
+    rank: int
+    traceback: str
+    kind: str
+    """errors.FailureKind."""
+    time: float
+
+
+class HeartbeatEvent(TypedDict, total=False):
+    type: Literal["heartbeat"]
+    rank: int
+    step: int
+    micro: int
+    phase_index: int
+    phase: str
+    stall_after_s: float
+
+
+class StalledEvent(TypedDict):
+    type: Literal["stalled"]
+    rank: int
+    step: int
+    phase: str
+    silent_s: float
+
+
+class PrecisionEvent(TypedDict):
+    type: Literal["precision"]
+    rank: int
+    precision: str
+    reason: str
+
+
+class OutputEvent(TypedDict):
+    type: Literal["output"]
+    rank: int
+    stream: str
+    line: str
+
+
+class ReportEvent(TypedDict):
+    type: Literal["report"]
+    rank: int
+    step: int
+    metrics: dict[str, float]
+
+
+Event = (StateEvent | LogEvent | DoneEvent | ErrorEvent | HeartbeatEvent | StalledEvent | PrecisionEvent
+         | OutputEvent | ReportEvent | dict[str, Any])
+"""Any progress event ("eval" events carry a validation's values under their own names: a plain dict)."""
 
 
 def metrics_text(metrics: dict[str, float]) -> str:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddp_amp.progress.events import Event
+
 
 @dataclass
 class RankState:
@@ -69,7 +71,7 @@ class ProgressModel:
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()
 
-    def apply(self, event: dict[str, Any]) -> None:
+    def apply(self, event: Event) -> None:
         kind = event["type"]
         if kind == "state" and event["status"] in ("starting", "restarting") and event["rank"] not in self.ranks:
             # An elastic job that changed its membership numbers its ranks anew: this process's earlier rank

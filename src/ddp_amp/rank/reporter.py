@@ -14,7 +14,7 @@ from ddp_amp import outputs
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import FailureKind
 from ddp_amp.progress.channel import EventSender
-from ddp_amp.progress.events import plain_line
+from ddp_amp.progress.events import DoneEvent, ErrorEvent, LogEvent, StateEvent, plain_line
 
 
 class WorkerReporter:
@@ -49,8 +49,10 @@ class WorkerReporter:
         self._send({"type": "eval", **record})
 
     def state(self, status: str, **extra: Any) -> None:
-        self._send({"type": "state", "status": status, "local_rank": self.env.local_rank,
-                    "node": int(os.environ.get("GROUP_RANK", "0")), "world_size": self.env.world_size, **extra})
+        event: StateEvent = {"type": "state", "status": status, "local_rank": self.env.local_rank,
+                             "node": int(os.environ.get("GROUP_RANK", "0")), "world_size": self.env.world_size,
+                             **extra}
+        self._send(event)
 
     def precision_chosen(self, precision) -> None:
         """--amp auto's measured answer, once (rank 0's, which every rank took)."""
@@ -62,7 +64,7 @@ class WorkerReporter:
             outputs.append_metrics(self.run_dir, {k: v for k, v in record.items() if not k.startswith("rank_")})
         self.scalars.write(record, self.item_name)
         self.last_loss = record["rank_loss"]
-        event = {"type": "log", "step": record["step"], "total_steps": record["total_steps"],
+        event: LogEvent = {"type": "log", "step": record["step"], "total_steps": record["total_steps"],
                  "epoch": record["epoch"], "loss": record["rank_loss"], "global_loss": record["loss"],
                  "lr": record["lr"], "samples_per_s": record["rank_samples_per_s"],
                  "global_samples_per_s": record["samples_per_s"], "skipped_steps": record["skipped_steps"],
@@ -83,7 +85,7 @@ class WorkerReporter:
     def done(self, summary: dict[str, Any], memory: dict[str, float]) -> None:
         """`memory`: train.metrics.peak_memory of the training, measured before any evaluation."""
         record = outputs.RunRecord(summary)
-        event = {"type": "done", "steps": record.steps, "samples_per_s": record.rank_samples_per_s,
+        event: DoneEvent = {"type": "done", "steps": record.steps, "samples_per_s": record.rank_samples_per_s,
                  **memory, "final_loss": self.last_loss, "precision": record.precision,
                  "stopped": record.stopped_at_step is not None}
         if self.env.writes_run_dir:
@@ -95,7 +97,9 @@ class WorkerReporter:
 
     def error(self, text: str, kind: FailureKind) -> None:
         """This rank failed: `text` its one line or traceback, `kind` what kind of failure (errors.failure_kind)."""
-        self._send({"type": "error", "traceback": text, "kind": kind, "time": time.time()})
+        event: ErrorEvent = {"type": "error", "rank": self.env.rank, "traceback": text, "kind": kind,
+                             "time": time.time()}
+        self._send(event)
 
 
 class NoScalars:
