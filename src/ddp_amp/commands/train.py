@@ -89,9 +89,7 @@ def multinode(
     """Launch this node's ranks through torchrun with c10d rendezvous across machines: ddp-amp's training loop,
     or your SCRIPT."""
     from ddp_amp.launch.multinode import multinode_launch
-    from ddp_amp.launch.torchrun import check_restart_options
 
-    check_restart_options(max_restarts, monitor_interval)
     program = user_script(script, module, train)
     launch = multinode_launch(train, output, node, k8s, as_flags=training_args, script=program,
                               nproc_per_node=nproc_per_node, max_restarts=max_restarts,
