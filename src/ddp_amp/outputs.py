@@ -94,6 +94,17 @@ class Divergence:
     reason: str
 
 
+class _Key:
+    """A key of summary.json read as an attribute of RunRecord (its name is the key); None where the run did not
+    write it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = name
+
+    def __get__(self, record: RunRecord | None, owner: type) -> Any:
+        return self if record is None else record.raw.get(self.key)
+
+
 class RunRecord:
     """summary.json as its readers see it: every key they read is named here, once (the ranks write it:
     worker, train.trainer, train.metrics, checkpoint.manager, launch.script for a user's script). A key the run
@@ -105,36 +116,55 @@ class RunRecord:
     def __bool__(self) -> bool:
         return bool(self.raw)
 
-    def _get(self, key: str, default: Any = None) -> Any:
-        return self.raw.get(key, default)
-
     # How the run ended.
-    @property
-    def stopped_at_step(self) -> int | None:
-        """The step every rank stopped at, for a stop signal (not set for a run that ended)."""
-        return self._get("stopped_at_step")
-
-    @property
-    def stopped_by(self) -> str | None:
-        return self._get("stopped_by")
+    stopped_at_step: int | None = _Key()
+    """The step every rank stopped at, for a stop signal (not set for a run that ended)."""
+    stopped_by: str | None = _Key()
+    keep_best_error: str | None = _Key()
+    eval_error: str | None = _Key()
+    outcome: str | None = _Key()
+    """A user's script's end as its launcher saw it (finished, failed, stopped); None for ddp-amp's loop."""
+    data_ended_at_step: int | None = _Key()
+    # Where its work is.
+    model_path: str | None = _Key()
+    summary_path: str | None = _Key()
+    checkpoint: str | None = _Key()
+    """The newest checkpoint written (never one that held inf/NaN)."""
+    # Resumes.
+    resumed_from_step: int | None = _Key()
+    resumed_skipping_items: int | None = _Key()
+    # What ran.
+    world_size: int | None = _Key()
+    backend: str | None = _Key()
+    precision: str | None = _Key()
+    steps: int | None = _Key()
+    global_batch_size: int | None = _Key()
+    threads_per_rank: int | None = _Key()
+    flush_denormal: Any = _Key()
+    model_flops_per_token: float | None = _Key()
+    # Its figures.
+    final_loss: float | None = _Key()
+    samples_per_s: float | None = _Key()
+    rank_samples_per_s: float | None = _Key()
+    """This rank's own throughput (the rank's summary before it is written; summary.json holds rank 0's)."""
+    tokens_per_s: float | None = _Key()
+    wall_s: float | None = _Key()
+    time_to_first_step_s: float | None = _Key()
+    peak_memory_mb: float | None = _Key()
+    baseline_memory_mb: float | None = _Key()
+    optimizer_state_mb: Any = _Key()
+    compile_s: float | None = _Key()
+    subnormal_fraction: dict[str, float] | None = _Key()
+    gradient_to_weight_norm: float | None = _Key()
+    trainable_parameters: int | None = _Key()
+    frozen_parameters: int | None = _Key()
+    profile: dict[str, Any] | None = _Key()
+    max_batch_search: dict[str, Any] | None = _Key()
 
     @property
     def diverged(self) -> Divergence | None:
-        value = self._get("diverged")
+        value = self.raw.get("diverged")
         return None if not value else Divergence(value["step"], value.get("rank"), value["reason"])
-
-    @property
-    def keep_best_error(self) -> str | None:
-        return self._get("keep_best_error")
-
-    @property
-    def eval_error(self) -> str | None:
-        return self._get("eval_error")
-
-    @property
-    def outcome(self) -> str | None:
-        """A user's script's end as its launcher saw it (finished, failed, stopped); None for ddp-amp's loop."""
-        return self._get("outcome")
 
     @property
     def finished(self) -> bool:
@@ -142,153 +172,27 @@ class RunRecord:
         return self.diverged is None and self.stopped_at_step is None
 
     @property
-    def data_ended_at_step(self) -> int | None:
-        return self._get("data_ended_at_step")
-
-    # Where its work is.
-    @property
-    def model_path(self) -> str | None:
-        return self._get("model_path")
-
-    @property
-    def summary_path(self) -> str | None:
-        return self._get("summary_path")
-
-    @property
-    def checkpoint(self) -> str | None:
-        """The newest checkpoint written (never one that held inf/NaN)."""
-        return self._get("checkpoint")
-
-    # Restarts and resumes.
-    @property
     def restarts(self) -> int:
-        return self._get("restarts") or 0
-
-    @property
-    def resumed_from_step(self) -> int | None:
-        return self._get("resumed_from_step")
-
-    @property
-    def resumed_skipping_items(self) -> int | None:
-        return self._get("resumed_skipping_items")
+        return self.raw.get("restarts") or 0
 
     @property
     def checkpoints_skipped(self) -> list[str]:
-        return self._get("checkpoints_skipped") or []
-
-    # What ran.
-    @property
-    def world_size(self) -> int | None:
-        return self._get("world_size")
-
-    @property
-    def backend(self) -> str | None:
-        return self._get("backend")
-
-    @property
-    def precision(self) -> str | None:
-        return self._get("precision")
-
-    @property
-    def steps(self) -> int | None:
-        return self._get("steps")
-
-    @property
-    def global_batch_size(self) -> int | None:
-        return self._get("global_batch_size")
-
-    @property
-    def threads_per_rank(self) -> int | None:
-        return self._get("threads_per_rank")
-
-    @property
-    def flush_denormal(self) -> Any:
-        return self._get("flush_denormal")
-
-    @property
-    def model_flops_per_token(self) -> float | None:
-        return self._get("model_flops_per_token")
+        return self.raw.get("checkpoints_skipped") or []
 
     @property
     def loop(self) -> dict[str, Any]:
         """A script's loop account (ddp_amp.loop's loop.json), or {}."""
-        loop = self._get("loop")
+        loop = self.raw.get("loop")
         return loop if isinstance(loop, dict) else {}
-
-    # Its figures.
-    @property
-    def final_loss(self) -> float | None:
-        return self._get("final_loss")
-
-    @property
-    def samples_per_s(self) -> float | None:
-        return self._get("samples_per_s")
-
-    @property
-    def rank_samples_per_s(self) -> float | None:
-        """This rank's own throughput (the rank's summary before it is written; summary.json holds rank 0's)."""
-        return self._get("rank_samples_per_s")
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self._get("tokens_per_s")
-
-    @property
-    def wall_s(self) -> float | None:
-        return self._get("wall_s")
-
-    @property
-    def time_to_first_step_s(self) -> float | None:
-        return self._get("time_to_first_step_s")
-
-    @property
-    def peak_memory_mb(self) -> float | None:
-        return self._get("peak_memory_mb")
-
-    @property
-    def baseline_memory_mb(self) -> float | None:
-        return self._get("baseline_memory_mb")
-
-    @property
-    def optimizer_state_mb(self) -> Any:
-        return self._get("optimizer_state_mb")
-
-    @property
-    def compile_s(self) -> float | None:
-        return self._get("compile_s")
-
-    @property
-    def subnormal_fraction(self) -> dict[str, float] | None:
-        return self._get("subnormal_fraction")
-
-    @property
-    def gradient_to_weight_norm(self) -> float | None:
-        return self._get("gradient_to_weight_norm")
-
-    @property
-    def trainable_parameters(self) -> int | None:
-        return self._get("trainable_parameters")
-
-    @property
-    def frozen_parameters(self) -> int | None:
-        return self._get("frozen_parameters")
 
     @property
     def eval(self) -> dict[str, Any]:
         """Task.evaluate's values."""
-        return self._get("eval") or {}
+        return self.raw.get("eval") or {}
 
     @property
     def validation(self) -> dict[str, Any]:
-        return self._get("validation") or {}
-
-    @property
-    def profile(self) -> dict[str, Any] | None:
-        return self._get("profile")
-
-    @property
-    def max_batch_search(self) -> dict[str, Any] | None:
-        return self._get("max_batch_search")
+        return self.raw.get("validation") or {}
 
     def failure(self, run_dir: str | Path) -> str | None:
         """The one line that fails a run whose ranks all finished: divergence, a --keep-best metric never
