@@ -91,7 +91,7 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
                  script=None, **rendezvous: Any):
     """This node's network found, its ranks' plan, and its share of the job as a Launch (None after a dry run,
     which prints torchrun's command instead)."""
-    from ddp_amp.launch.preflight import preflight, preflight_script
+    from ddp_amp.launch.preflight import preflight, preflight_script, stops_say
     from ddp_amp.launch.session import Launch, say, settle_overwritten, warm_start
 
     config = warm_start(train, start_ranks_soon=not dry_run)
@@ -107,12 +107,13 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
         plan = preflight_script(config, script, **common)
     else:
         plan = preflight(config, world_size=nodes.min * nproc if nodes.min == nodes.max else None, **common)
-    job = torchrun.node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id, script=script is not None,
-                            **rendezvous)(plan.device_type)
-    if net.note:
-        say(f"ddp-amp: {net.note}")
-    if not dry_run:
-        return Launch(plan, nproc, job=job, script=script)
+    with stops_say(plan.changed_on_disk):  # until show() takes over, a stop says what the launch changed
+        job = torchrun.node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id,
+                                script=script is not None, **rendezvous)(plan.device_type)
+        if net.note:
+            say(f"ddp-amp: {net.note}")
+        if not dry_run:
+            return Launch(plan, nproc, job=job, script=script)
     settle_overwritten(plan, trained=False)  # a dry run starts nothing: an --overwrite takes nothing away
     print(job.torchrun_command(plan.config_path, script=script).shell())
     if script is None:

@@ -122,7 +122,7 @@ def standalone_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_n
     """`ddp-amp run`: warm start, preflight, and the Launch through torchrun's agent on one node; None after a
     dry run, which prints torchrun's command instead."""
     from ddp_amp.launch import torchrun
-    from ddp_amp.launch.preflight import preflight, preflight_script
+    from ddp_amp.launch.preflight import preflight, preflight_script, stops_say
 
     torchrun.check_restart_options(max_restarts, monitor_interval)
     config = warm_start(train, start_ranks_soon=not dry_run)
@@ -136,7 +136,8 @@ def standalone_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_n
               "run_dir": output["run_dir"]}
     plan = preflight_script(config, script, **common) if script is not None else preflight(config, **common)
     if not dry_run:
-        return Launch.standalone(plan, nproc, script=script, **restarts)
+        with stops_say(plan.changed_on_disk):  # the store starts: until show() takes over, the stop says it
+            return Launch.standalone(plan, nproc, script=script, **restarts)
     settle_overwritten(plan, trained=False)  # a dry run starts nothing: an --overwrite takes nothing away
     job = torchrun.standalone_job(nproc_per_node=nproc, device_type=plan.device_type, **restarts)
     print(job.torchrun_command(plan.config_path).shell())
