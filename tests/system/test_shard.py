@@ -126,11 +126,15 @@ def test_a_model_without_values_is_one_line_and_exit_2(tmp_path):
 
 def test_a_ranks_usage_error_under_torchruns_agent_is_exit_2_too(tmp_path):
     """The kind of a rank's failure travels in its error event (errors.failure_kind), under the agent as under
-    spawn: a usage error is exit 2 whatever the launcher, not text found in a traceback."""
+    spawn: a usage error is exit 2 whatever the launcher, not text found in a traceback. The ranks' error files
+    (torch.multiprocessing's, one per failed rank) are not left in the temporary directory."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     result = run_cli("run", "--nproc-per-node", "2", "--device", "cpu", "--task", f"{HELPER_TASKS}:model_on_meta",
-                     "--steps", "2", "--run-dir", str(tmp_path), timeout=300)
+                     "--steps", "2", "--run-dir", str(tmp_path / "run"), timeout=300, env={"TMPDIR": str(temporary)})
     assert result.returncode == 2, result.stderr
     assert "Task.model is on the meta device (it has no values)" in last_line(result.stderr), result.stderr
+    assert not list(temporary.rglob("pytorch-errorfile-*")) and not list(temporary.glob("ddp-amp-agent-*"))
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "run"])

@@ -185,7 +185,7 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
         finally:
             finished.set()
 
-    with _agent_log(log_path):
+    with _agent_log(log_path), _error_files_of_our_own():
         threading.Thread(target=agent, name="ddp-amp-agent", daemon=True).start()
         try:
             while not _finished_within(finished, 0.2):  # timed: the main thread keeps handling signals
@@ -296,6 +296,23 @@ def root_failure(failures: dict) -> tuple[int, str]:
     if text:
         return rank, f"failed: {failure_line(exception_line(text))}"
     return rank, f"exited with code {failure.exitcode}"
+
+
+@contextlib.contextmanager
+def _error_files_of_our_own() -> Iterator[None]:
+    """torch.multiprocessing, under the agent, gives every rank it starts an error file in the temporary directory
+    (pytorch-errorfile-*.pickle, written when the rank raises) and never removes one: each failed rank left a file
+    in /tmp. Here they go into a directory of this launch's own, removed when the agent is done."""
+    import shutil
+    import tempfile
+
+    own = tempfile.mkdtemp(prefix="ddp-amp-agent-")
+    saved, tempfile.tempdir = tempfile.tempdir, own
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(own, ignore_errors=True)
 
 
 @contextlib.contextmanager
