@@ -5,6 +5,7 @@ between modes and world sizes."""
 import functools
 import re
 import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -128,13 +129,17 @@ def test_a_ranks_usage_error_under_torchruns_agent_is_exit_2_too(tmp_path):
     """The kind of a rank's failure travels in its error event (errors.failure_kind), under the agent as under
     spawn: a usage error is exit 2 whatever the launcher, not text found in a traceback. The ranks' error files
     (torch.multiprocessing's, one per failed rank) are not left in the temporary directory."""
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
-    result = run_cli("run", "--nproc-per-node", "2", "--device", "cpu", "--task", f"{HELPER_TASKS}:model_on_meta",
-                     "--steps", "2", "--run-dir", str(tmp_path / "run"), timeout=300, env={"TMPDIR": str(temporary)})
-    assert result.returncode == 2, result.stderr
-    assert "Task.model is on the meta device (it has no values)" in last_line(result.stderr), result.stderr
-    assert not list(temporary.rglob("pytorch-errorfile-*")) and not list(temporary.glob("ddp-amp-agent-*"))
+    # Short, not under tmp_path: the fork server's socket lives in it, and AF_UNIX paths end at 107 bytes.
+    temporary = Path(tempfile.mkdtemp(prefix="ddpa-"))
+    try:
+        result = run_cli("run", "--nproc-per-node", "2", "--device", "cpu", "--task",
+                         f"{HELPER_TASKS}:model_on_meta", "--steps", "2", "--run-dir", str(tmp_path / "run"),
+                         timeout=300, env={"TMPDIR": str(temporary)})
+        assert result.returncode == 2, result.stderr
+        assert "Task.model is on the meta device (it has no values)" in last_line(result.stderr), result.stderr
+        assert not list(temporary.rglob("pytorch-errorfile-*")) and not list(temporary.glob("ddp-amp-agent-*"))
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "run"])
