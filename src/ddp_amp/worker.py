@@ -83,15 +83,9 @@ def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | 
             sender.close()
 
 
-class LocatedFailure:
-    """Where a rank's training loop was when an exception left it (step, micro-step, phase): set by
-    _failures_located on the exception, read by the flight record."""
-
-    ATTRIBUTE = "ddp_amp_loop_position"
-
-    @classmethod
-    def position(cls, exc: BaseException) -> tuple[int, int, str] | None:
-        return getattr(exc, cls.ATTRIBUTE, None)
+LOOP_POSITION = "ddp_amp_loop_position"
+"""The attribute an exception that left the training loop carries: where the loop was (step, micro-step, phase),
+for the flight record (set by _failures_located)."""
 
 
 @contextmanager
@@ -101,12 +95,12 @@ def _failures_located(trainer: Trainer) -> Iterator[None]:
     except BaseException as exc:
         if hasattr(trainer, "step"):  # not after trainer.close(), which lets the loop's parts go
             step, micro, phase = trainer.position
-            setattr(exc, LocatedFailure.ATTRIBUTE, (step + 1, micro, PHASES[phase]))
+            setattr(exc, LOOP_POSITION, (step + 1, micro, PHASES[phase]))
         raise
 
 
 def _dump_flight_record(config: TrainConfig, reporter: WorkerReporter, reason: str, exc: BaseException) -> None:
-    flight_recorder.dump(Path(config.run_dir), reporter.env.rank, reason, LocatedFailure.position(exc))
+    flight_recorder.dump(Path(config.run_dir), reporter.env.rank, reason, getattr(exc, LOOP_POSITION, None))
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The user's own model and data as they already wrote them, in real 2-rank gloo runs: Hugging Face batches
 and losses, collate functions, iterable datasets and their end, DDP's switches, task arguments and imports."""
 
+import json
 import os
 import subprocess
 import sys
@@ -243,6 +244,9 @@ def test_the_rank_that_failed_first_is_named_not_the_peer_that_saw_it_die(tmp_pa
     assert result.returncode == 1
     verdict = last_line(result.stderr)
     assert "rank 1" in verdict and "the real cause, on rank 1" in verdict, verdict
+    # Its flight record says where its loop was when the exception left it: step 3 (the loss's third call).
+    record = json.loads((tmp_path / "flight_recorder" / "rank1.json").read_text())
+    assert record["position"]["step"] == 3 and record["reason"].startswith("failed: ValueError"), record
 
 
 def _metrics_lines(run_dir: Path) -> list[dict]:
