@@ -33,6 +33,17 @@ FORKSERVER_PID_VAR = "DDP_AMP_FORKSERVER_PID"
 parent it must die with, without reading it after the fork (when a dead parent would already be replaced)."""
 
 
+def children_started_as_the_platform_does() -> None:
+    """A rank forked from the fork server inherits its start method ("forkserver", from multiprocessing's
+    preparation data), so the rank's own children came from the launcher's fork server too: DataLoader workers
+    that could not import a data set class of a --task file (loaded from its path, under a name of its own), and
+    a script's workers that re-ran the script. A rank starts its children as the platform does, as under
+    torchrun (fork, on Linux before Python 3.14)."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
+
+
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
     """Within the block, the STOP_SIGNALS are blocked, not lost: one that arrives stays pending and is delivered

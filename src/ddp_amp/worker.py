@@ -28,7 +28,7 @@ from ddp_amp.checkpoint.weights import save_pretrained
 from ddp_amp.config import JOB_KINDS, JobKind, TrainConfig
 from ddp_amp.dist import DistEnv, process_group, settle_run_dir_writers
 from ddp_amp.errors import RankOutOfMemory, RankSetupError, failure_kind
-from ddp_amp.process import FORKSERVER_PID_VAR, die_with_parent
+from ddp_amp.process import FORKSERVER_PID_VAR, children_started_as_the_platform_does, die_with_parent
 from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.rank import flight_recorder, setup
 from ddp_amp.rank.evaluation import evaluate_into
@@ -55,6 +55,7 @@ def run_worker(config: TrainConfig, job: JobKind = "train") -> dict[str, Any] | 
     # died since would already be replaced by the reaper.
     forkserver = os.environ.get(FORKSERVER_PID_VAR)
     die_with_parent(parent=int(forkserver) if forkserver else None)
+    children_started_as_the_platform_does()
     env = DistEnv.from_environ()
     setup.redirect_output(env.rank)
     sender = EventSender.from_environ()

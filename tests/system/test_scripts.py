@@ -2,6 +2,7 @@
 2-rank gloo runs of the project's origin example and of a script with ways to fail; real signals."""
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -71,7 +72,8 @@ def test_the_origin_example_runs_unchanged_and_ends_on_torchruns_weights(command
 @pytest.mark.parametrize("command", ["spawn", "run"])
 def test_each_rank_sees_torchruns_environment_argv_path_and_main(command, tmp_path):
     """What the script can read is what torchrun gives it: the variables of its contract, sys.argv as typed,
-    sys.path[0] its folder, the launcher's working directory, __name__ == "__main__", OMP_NUM_THREADS=1."""
+    sys.path[0] its folder, the launcher's working directory, __name__ == "__main__", OMP_NUM_THREADS=1, and the
+    platform's start method for its own processes (not the fork server's, that the rank was forked from)."""
     seen = tmp_path / "seen"
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     result = subprocess.run([sys.executable, "-m", "ddp_amp", command, "-n", "2", "--run-dir", str(tmp_path / "run"),
@@ -89,6 +91,7 @@ def test_each_rank_sees_torchruns_environment_argv_path_and_main(command, tmp_pa
         assert found["argv"] == ["script_checks.py", "--steps", "1", "--env-to", str(seen)]
         assert found["path0"] == str(TASKS) and found["cwd"] == str(TASKS) and found["name"] == "__main__"
         assert found["threads"] == 1
+        assert found["start_method"] == multiprocessing.get_all_start_methods()[0]  # the first is the default
 
 
 def test_a_module_runs_as_python_m_runs_it(tmp_path):

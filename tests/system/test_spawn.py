@@ -185,6 +185,17 @@ def test_loader_workers_train_the_same_weights(two_rank_run, tmp_path):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
+def test_a_data_set_class_of_a_task_file_reaches_the_loader_workers(tmp_path, helper_task):
+    """The task file is loaded from its path, under a name of its own that no fresh process can import: the
+    workers are forked from the rank (they came from the fork server, could not unpickle the data set, and every
+    run with workers of a task file failed: "DataLoader worker exited unexpectedly"). 64 samples, batches of
+    16: the persistent workers serve three epochs."""
+    spawn(tmp_path, "--device", "cpu", "--amp", "off", "--task", helper_task("structured_batches"), "--steps", "10",
+          "--batch-size", "16", "--num-workers", "2", nproc=1)
+    summary = read_summary(tmp_path)
+    assert summary["loader_workers"] == 2 and summary["steps"] == 10
+
+
 def test_ranks_draw_different_random_numbers_reproducibly(tmp_path, helper_task):
     draws = []
     for attempt in ("first", "second"):

@@ -2,7 +2,8 @@
 
     --steps N            all-reduces (one per step), printing "rank R step S" after each
     --step-s S           seconds of sleep per step (a job that runs long enough to signal)
-    --env-to DIR         write DIR/rank<R>.json: the environment, sys.argv, sys.path[0], cwd, __name__
+    --env-to DIR         write DIR/rank<R>.json: the environment, sys.argv, sys.path[0], cwd, __name__,
+                         the start method of its own processes
     --fail-rank R        raise ValueError("rank R fails on purpose") on that rank at --fail-step
     --hang-rank R        sleep for an hour on that rank at --fail-step instead of entering the all-reduce
     --signals-to DIR     on SIGTERM (or SIGUSR1), write DIR/rank<R>.<SIGNAL> and exit 128 + its number
@@ -14,6 +15,7 @@
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -54,7 +56,7 @@ def main() -> None:
         Path(args.env_to).mkdir(parents=True, exist_ok=True)
         Path(args.env_to, f"rank{rank}.json").write_text(json.dumps({
             "env": dict(os.environ), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
-            "threads": torch.get_num_threads()}))
+            "threads": torch.get_num_threads(), "start_method": multiprocessing.get_start_method()}))
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     total = torch.zeros(1)

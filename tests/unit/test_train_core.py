@@ -408,42 +408,60 @@ def test_a_token_mean_loss_in_pieces_or_accumulated_gives_the_full_batchs_weight
         assert max((other[k] - whole[k]).abs().max().item() for k in whole) < 1e-5, options
 
 
-def test_a_piece_that_does_not_fit_is_halved_and_the_same_batch_rerun(one_rank_group, tmp_path, monkeypatch):
+def _train_in_pieces(group, tmp_path, micro_batch, fail_above=None, once_stepped=False):
+    """plain_regression, 3 steps of 16 samples in pieces of `micro_batch`, whose backward runs out of memory (the
+    CPU allocator's words) on a piece of more than `fail_above` samples (only once the optimizer has taken a step,
+    with `once_stepped`: its state then takes memory). (weights, summary, optimizer steps)."""
+    config = TrainConfig(task="inline", steps=3, log_every=3, amp="off", batch_size=16, seed=5,
+                         optimizer="sgd", schedule="constant", micro_batch=micro_batch, run_dir=str(tmp_path))
+    torch.manual_seed(5)  # the model's initial weights, as a rank seeds before it builds the task
+    task = helper_tasks.plain_regression()
+    steps = []
+    if fail_above is not None:
+        original = task.loss_fn
+
+        def loss_fn(output, target):
+            loss = original(output, target)
+            if output.shape[0] > fail_above and (steps or not once_stepped):
+                def fail(grad):
+                    raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't "
+                                       "allocate memory: you tried to allocate 4294967296 bytes.")
+
+                loss.register_hook(fail)
+            return loss
+
+        task.loss_fn = loss_fn
+    trainer = Trainer(config, group, torch.device("cpu"), Precision("fp32"), task, Recorder())
+    original_step = trainer.step.optimizer_step
+    trainer.step.optimizer_step = lambda: steps.append(1) or original_step()
+    result = trainer.train()
+    weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    trainer.close()
+    return weights, result.summary, len(steps)
+
+
+def test_a_piece_that_does_not_fit_is_halved_and_the_same_batch_rerun(one_rank_group, tmp_path):
     """Under auto, an out-of-memory error in backward (the CPU allocator's) halves the piece, reruns the same
     batch, and steps the optimizer once on the whole batch's gradient: the weights of --micro-batch 4."""
-    def run(micro_batch, fail_above=None):
-        config = TrainConfig(task="inline", steps=3, log_every=3, amp="off", batch_size=16, seed=5,
-                             optimizer="sgd", schedule="constant", micro_batch=micro_batch, run_dir=str(tmp_path))
-        torch.manual_seed(5)  # the model's initial weights, as a rank seeds before it builds the task
-        task = helper_tasks.plain_regression()
-        if fail_above is not None:
-            original = task.loss_fn
-
-            def loss_fn(output, target):
-                loss = original(output, target)
-                if output.shape[0] > fail_above:
-                    def fail(grad):
-                        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't "
-                                           "allocate memory: you tried to allocate 4294967296 bytes.")
-                    loss.register_hook(fail)
-                return loss
-
-            task.loss_fn = loss_fn
-        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), task, Recorder())
-        steps = []
-        original_step = trainer.step.optimizer_step
-        trainer.step.optimizer_step = lambda: steps.append(1) or original_step()
-        result = trainer.train()
-        weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
-        trainer.close()
-        return weights, result.summary, len(steps)
-
-    fixed, _, _ = run("4")
-    auto, summary, optimizer_steps = run("auto", fail_above=4)
+    fixed, _, _ = _train_in_pieces(one_rank_group, tmp_path, "4")
+    auto, summary, optimizer_steps = _train_in_pieces(one_rank_group, tmp_path, "auto", fail_above=4)
     assert summary["micro_batch_size"] == 4
     assert summary["micro_batch_changes"] == [{"step": 1, "micro_batch_size": 8}, {"step": 1, "micro_batch_size": 4}]
     assert optimizer_steps == 3  # never on a partial gradient
     assert summary["steps"] == 3 and summary["final_lr"] == pytest.approx(3e-3)
+    for key in fixed:
+        torch.testing.assert_close(auto[key], fixed[key], rtol=1e-5, atol=1e-7)
+
+
+def test_auto_keeps_probing_until_a_step_has_run_beside_the_optimizers_state(one_rank_group, tmp_path):
+    """The first optimizer step allocates the optimizer's state; a piece that fit before it may not fit after
+    (a GPU run settled on 2048 samples in step 1 and ran out of memory in step 2). Step 2 still probes: its
+    pieces of 16 fail, it halves to 8 and 4 and reruns, and the run ends with --micro-batch 4's weights."""
+    fixed, _, _ = _train_in_pieces(one_rank_group, tmp_path, "4")
+    auto, summary, optimizer_steps = _train_in_pieces(one_rank_group, tmp_path, "auto", fail_above=4,
+                                                      once_stepped=True)
+    assert summary["micro_batch_changes"] == [{"step": 2, "micro_batch_size": 8}, {"step": 2, "micro_batch_size": 4}]
+    assert optimizer_steps == 3 and summary["micro_batch_size"] == 4
     for key in fixed:
         torch.testing.assert_close(auto[key], fixed[key], rtol=1e-5, atol=1e-7)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ddp_amp.config import Script
 from ddp_amp.errors import failure_kind
-from ddp_amp.process import FORKSERVER_PID_VAR, STOP_SIGNALS, die_with_parent
+from ddp_amp.process import FORKSERVER_PID_VAR, STOP_SIGNALS, children_started_as_the_platform_does, die_with_parent
 from ddp_amp.progress.channel import EventSender
 from ddp_amp.progress.output import OUTPUT_VAR, connect_stream
 from ddp_amp.rank import flight_recorder
@@ -49,6 +49,7 @@ def run_script(script: Script, run_dir: Path) -> int:
     raised is reported (an error event, the rank's log) and raised again as ScriptFailed."""
     forkserver = os.environ.get(FORKSERVER_PID_VAR)
     die_with_parent(parent=int(forkserver) if forkserver else None)
+    children_started_as_the_platform_does()
     rank = int(os.environ.get("RANK", "0"))
     os.environ[RUN_DIR_VAR] = str(run_dir)
     _capture_output(rank)

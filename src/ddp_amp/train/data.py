@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -18,6 +19,9 @@ from ddp_amp.dist import DistEnv, SideGroup
 from ddp_amp.process import usable_cores
 from ddp_amp.train.microbatch import batch_length
 
+WORKERS_START = "fork" if sys.platform == "linux" else None
+"""How a rank's DataLoader workers start: forked from the rank, holding its data set as it is (a fresh process
+could not import the class of a --task file, loaded from its path), as on Linux by default before Python 3.14."""
 MAX_DEFAULT_WORKERS = 4
 
 
@@ -63,7 +67,7 @@ def build_loader(dataset: Any, batch_sampler: Any, workers: int, device: torch.d
     extra: dict[str, Any] = {"generator": torch.Generator().manual_seed(seed)}
     if workers:
         # Workers live as long as the run (not re-forked every epoch) and keep two batches each ready.
-        extra.update(persistent_workers=True, prefetch_factor=2)
+        extra.update(persistent_workers=True, prefetch_factor=2, multiprocessing_context=WORKERS_START)
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
                       collate_fn=collate_fn, **extra)
 
@@ -253,7 +257,8 @@ class IterableRankData:
         self.stateful = workers == 0 and callable(getattr(dataset, "state_dict", None)) and callable(
             getattr(dataset, "load_state_dict", None))
         self.loader = DataLoader(self.shard, batch_size=batch_size, num_workers=workers, collate_fn=collate_fn,
-                                 pin_memory=device.type == "cuda")
+                                 pin_memory=device.type == "cuda",
+                                 multiprocessing_context=WORKERS_START if workers else None)
         self.epochs = epochs or 1
         self.epoch = 0
         size = len(dataset) if hasattr(dataset, "__len__") else None

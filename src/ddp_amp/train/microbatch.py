@@ -1,17 +1,18 @@
 """Micro-batches: a rank's batch cut into pieces that fit in memory (--micro-batch N), and the agreement that
 lets --micro-batch auto halve the pieces on every rank when any one runs out of memory.
 
-The protocol of auto, after composer's automatic micro-batching: while a size is new (the first step, and the
-first step after each halving), every piece's forward and backward run under `no_sync`, so no collective runs
-inside any pass and a rank that fails anywhere in them leaves no other rank waiting in one; after each piece the
-ranks all-reduce one flag, "did anyone run out of memory". If anyone did, every rank drops its gradients,
-empties the CUDA cache, halves the piece and runs the same batch again: the optimizer, GradScaler, schedule and
-data position have not moved. Otherwise the accumulated gradients are all-reduced once after the last piece, in
-buckets. Once a whole step has run at a size, the steps are DDP's own again (the last backward all-reduces,
-overlapping) with no flag at all: a flag per piece cost 25% of the default task's 5 ms step here (a gloo
-all-reduce of one number takes ~450 us on this machine). A size that has trained a whole step needs the same
-memory at the next step of the same shapes; where it does not (shapes that vary), an out-of-memory error at a
-settled size ends the run with one line, as without auto.
+The protocol of auto, after composer's automatic micro-batching: while a size is new (the first step, the
+first step after each halving, and any step before the optimizer has allocated its state), every piece's forward
+and backward run under `no_sync`, so no collective runs inside any pass and a rank that fails anywhere in them
+leaves no other rank waiting in one; after each piece the ranks all-reduce one flag, "did anyone run out of
+memory". If anyone did, every rank drops its gradients, empties the CUDA cache, halves the piece and runs the
+same batch again: the optimizer, GradScaler, schedule and data position have not moved. Otherwise the
+accumulated gradients are all-reduced once after the last piece, in buckets. Once a whole step has run at a size
+beside the optimizer's state, the steps are DDP's own again (the last backward all-reduces, overlapping) with no
+flag at all: a flag per piece cost 25% of the default task's 5 ms step here (a gloo all-reduce of one number
+takes ~450 us on this machine). A size that has so trained a whole step needs the same memory at the next step
+of the same shapes; where it does not (shapes that vary), an out-of-memory error at a settled size ends the run
+with one line, as without auto.
 """
 
 from __future__ import annotations

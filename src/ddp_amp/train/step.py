@@ -199,7 +199,11 @@ class AmpStep:
             self.micro.halve(step + 1, cause)
         if probe:
             self.gradient_reduction()
-            self.micro.settled = True
+            # The first optimizer step allocates the optimizer's state (AdamW: two copies of the weights), which
+            # every later step's passes share the memory with: a size settles only once a whole step has run
+            # beside it. (Settled after the first step, a GPU run fit 2048 samples in step 1 and ran out of
+            # memory in step 2's backward.)
+            self.micro.settled = self.steps_taken > 0
         return loss_sum
 
     def _weighted_by_items(self, pieces: list[tuple[Any, float]]) -> list[tuple[Any, torch.Tensor]]:
