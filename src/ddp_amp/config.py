@@ -15,7 +15,7 @@ from ddp_amp.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
 AMP_MODES = ("auto", "on", "off")
-DTYPES = ("auto", "bf16", "fp16")
+DTYPES = ("auto", "bf16", "fp16", "bf16-true")
 SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
 OPTIMIZERS = ("adamw", "sgd")
 TF32_MODES = ("on", "off")
@@ -65,7 +65,8 @@ class TrainConfig:
     amp: str = "auto"
     """Mixed precision: auto (on where the device computes bf16 natively), on, or off (fp32)."""
     dtype: str = "auto"
-    """Autocast dtype when AMP is on: auto, bf16 or fp16 (fp16 trains with a GradScaler)."""
+    """Autocast dtype when AMP is on: auto, bf16 or fp16 (fp16 trains with a GradScaler); bf16-true: the model's
+    weights in bf16 too, the optimizer updating fp32 master copies of them."""
     optimizer: str = "adamw"
     """adamw or sgd (with --momentum)."""
     lr: float = 3e-3

@@ -22,7 +22,8 @@ from ddp_amp.errors import UsageError
 @dataclass(frozen=True)
 class Precision:
     name: str
-    """fp32, bf16 or fp16: what summary.json reports."""
+    """fp32, bf16, fp16 (autocast over fp32 weights) or bf16-true (bf16 weights, fp32 master copies): what
+    summary.json reports."""
     warning: str | None = None
     """One line to print once, e.g. bf16 emulated on a CPU without native support."""
     reason: str | None = None
@@ -36,6 +37,13 @@ class Precision:
         return self.name != "fp32"
 
     @property
+    def bf16_weights(self) -> bool:
+        """bf16-true: the model holds and computes with bf16 weights; the optimizer updates fp32 master copies
+        (parallel.master; under --shard full, FSDP2's MixedPrecisionPolicy). Autocast stays on around it: with
+        the weights bf16 already it casts no weight, and it keeps the losses and norms in fp32."""
+        return self.name == BF16_TRUE
+
+    @property
     def uses_scaler(self) -> bool:
         # bf16 has fp32's exponent range: gradients do not underflow, so only fp16 needs loss scaling.
         return self.name == "fp16"
@@ -43,7 +51,13 @@ class Precision:
     def torch_dtype(self):
         import torch
 
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, BF16_TRUE: torch.bfloat16}[
+            self.name]
+
+
+BF16_TRUE = "bf16-true"
+"""Lightning's name for a model that computes in bf16 (theirs keeps no fp32 copy; this one does, as DeepSpeed's
+bf16 and torchtitan's FSDP2 mixed precision do, so an update below a bf16 ulp of a weight is not lost)."""
 
 
 @lru_cache(maxsize=1)
@@ -135,8 +149,8 @@ def resolve_precision(
                 return Precision("bf16", reason="native on these GPUs (compute capability 8.0+)")
             return Precision("fp16", reason="with GradScaler: these GPUs predate native bf16 "
                              "(compute capability < 8.0)")
-        if dtype == "bf16" and not cuda_bf16:
-            raise UsageError("--dtype bf16 needs a GPU of compute capability 8.0 or newer (Ampere); "
+        if dtype in ("bf16", BF16_TRUE) and not cuda_bf16:
+            raise UsageError(f"--dtype {dtype} needs a GPU of compute capability 8.0 or newer (Ampere); "
                              "use --dtype fp16")
         return Precision(dtype)
     # CPU
@@ -145,9 +159,10 @@ def resolve_precision(
             return Precision("fp32", reason="bf16 or fp32, whichever trains the task faster on rank 0",
                              measured=True)
         dtype = "bf16"  # --amp on asked for AMP: bf16 is the CPU's AMP dtype
-    if dtype == "bf16" and not cpu_native_bf16:
+    if dtype in ("bf16", BF16_TRUE) and not cpu_native_bf16:
         return Precision(
-            "bf16", warning="this CPU has no native bf16 (avx512_bf16/amx): bf16 autocast is emulated and will be slow"
+            dtype, warning="this CPU has no native bf16 (avx512_bf16/amx): bf16 matrix products are emulated and "
+            "will be slow"
         )
     if dtype == "fp16" and not cpu_autocast_supports_fp16():
         raise UsageError("--dtype fp16 is not supported on CPU by this torch build; use --dtype bf16 or --amp off")

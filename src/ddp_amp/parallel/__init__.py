@@ -24,12 +24,13 @@ if TYPE_CHECKING:
 
     from ddp_amp.config import TrainConfig
     from ddp_amp.parallel.base import Strategy
+    from ddp_amp.precision import Precision
 
 
-def strategy_for(config: TrainConfig, device: torch.device) -> Strategy:
-    """This rank's strategy for the run's --shard mode."""
+def strategy_for(config: TrainConfig, device: torch.device, precision: Precision | None = None) -> Strategy:
+    """This rank's strategy for the run's --shard mode (and, for bf16-true, where the fp32 weights live)."""
     module, name = MODES[config.shard].strategy.split(":")
-    return getattr(importlib.import_module(module), name)(config, device)
+    return getattr(importlib.import_module(module), name)(config, device, precision)
 
 
 __all__ = ["MODES", "Mode", "strategy_for"]

@@ -27,8 +27,9 @@ class Strategy:
     lockstep_evaluation: ClassVar[bool] = False
     """Every rank must run each validation forward together (a forward that all-gathers the weights)."""
 
-    def __init__(self, config: TrainConfig, device: torch.device) -> None:
+    def __init__(self, config: TrainConfig, device: torch.device, precision: Precision | None = None) -> None:
         self.config, self.device = config, device
+        self.precision = precision or Precision("fp32")
         self.one_size_per_launch = MODES[self.mode].one_size_per_launch
         """bench --max-batch tries one size per launch (parallel.Mode)."""
 
@@ -41,6 +42,24 @@ class Strategy:
                         options: dict[str, Any]) -> torch.optim.Optimizer:
         """The optimizer `cls(params, **options)` as this mode runs it."""
         return cls(params, **options)
+
+    def optimized(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """What the optimizer updates for the model's trainable `params`: themselves, or their fp32 masters
+        (bf16-true under DDP, parallel.master)."""
+        return params
+
+    def gradients_for_update(self) -> None:
+        """Once the gradients are reduced, before anything reads them (the norm, clipping) or the optimizer steps:
+        where the optimizer's parameters are not the model's, their gradients are moved over."""
+
+    def update_done(self) -> None:
+        """After the optimizer stepped: where its parameters are not the model's, the model takes their values."""
+
+    def drop_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every gradient the step made so far, on the model and the optimizer's parameters (an out-of-memory
+        rerun starts from none)."""
+        module.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
 
     def grad_scaler(self, precision: Precision) -> torch.amp.GradScaler:
         """fp16's loss scaler (enabled only for fp16; disabled it is a cheap pass-through)."""

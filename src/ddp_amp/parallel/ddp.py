@@ -4,6 +4,7 @@ the gradients in buckets while the backward runs. Its options (--bucket-mb, --st
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,13 +12,48 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.parallel.base import Strategy
+from ddp_amp.parallel.master import MasterWeights
 
 
 class DDPStrategy(Strategy):
     mode = "none"
+    masters: MasterWeights | None = None
+    """bf16-true: the fp32 weights the optimizer updates (the model's own are bf16)."""
 
     def setup_module(self, module: nn.Module, units=None) -> nn.Module:
+        if self.precision.bf16_weights:
+            self.masters = MasterWeights(module)
         return wrap_ddp(module, self.config, self.device)
+
+    def optimized(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        return self.masters.for_optimizer(params) if self.masters else params
+
+    def gradients_for_update(self) -> None:
+        if self.masters:
+            self.masters.take_gradients()
+
+    def update_done(self) -> None:
+        if self.masters:
+            self.masters.write_back()
+
+    def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   writers: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        model, optimizer_state = super().full_state(module, optimizer, writers)
+        return (self.masters.state_with_masters(model) if self.masters and model else model), optimizer_state
+
+    def load_model_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        super().load_model_state(module, state)
+        if self.masters:
+            self.masters.load(state)
+
+    def plain_model(self, module: nn.Module, writers: list[int]) -> nn.Module | None:
+        """bf16-true: an fp32 copy holding the masters, on the writers: what a task's evaluate and the model's own
+        save format take, as after any other run."""
+        if not self.masters:
+            return module
+        if torch.distributed.get_rank() not in writers:
+            return None
+        return self.masters.fp32_copy(module)
 
     def error_line(self, exc: BaseException, model: nn.Module, step: int) -> str | None:
         return ddp_error_line(exc, model, step)

@@ -37,15 +37,16 @@ class FSDPStrategy(Strategy):
     replicated_parts = ()  # every tensor of the model and the optimizer is a DTensor shard
     lockstep_evaluation = True
 
-    def __init__(self, config, device: torch.device) -> None:
-        super().__init__(config, device)
+    def __init__(self, config, device: torch.device, precision: Precision | None = None) -> None:
+        super().__init__(config, device, precision)
         self.shell: nn.Module | None = None
         """A meta-device copy of the model taken before sharding: the plain model at the end (plain_model)."""
         self.units: dict[str, int] = {}
         """The FSDP units by class."""
 
     def setup_module(self, module: nn.Module, units: Sequence[type | str] | None = None) -> nn.Module:
-        sharded, self.shell, self.units = shard_task_model(module, units, self.device, compile=self.config.compile)
+        sharded, self.shell, self.units = shard_task_model(module, units, self.device, compile=self.config.compile,
+                                                           bf16_weights=self.precision.bf16_weights)
         return sharded
 
     def grad_scaler(self, precision: Precision) -> torch.amp.GradScaler:
@@ -146,14 +147,20 @@ def return_freed_memory() -> None:
         pass
 
 
-def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device, compile: bool = False) -> nn.Module:
+def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device, compile: bool = False,
+                bf16_weights: bool = False) -> nn.Module:
     """fully_shard each unit, then the root, on a mesh of every rank; the model itself, sharded in place (its
     parameters are DTensors from here on, its names unchanged). compile (--compile): each unit is compiled in
     place first (Module.compile, torchtitan's order: per block, then sharded), so that FSDP's all-gathers and
     reduce-scatters stay outside the compiled graphs (dynamo skips FSDP's hooks); the root's own layers
-    (embeddings, head) stay eager."""
+    (embeddings, head) stay eager. bf16_weights (bf16-true): the sharded parameters stay fp32, the masters the
+    optimizer updates; FSDP2 all-gathers them in bf16 (half the bytes) for a bf16 forward and backward, and
+    reduce-scatters the gradients in fp32 (torchtitan's mixed_precision_param and mixed_precision_reduce)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_weights else \
+        MixedPrecisionPolicy()
 
     if device.type == "cpu":
         return_freed_memory()
@@ -162,13 +169,13 @@ def shard_fully(model: nn.Module, units: list[nn.Module], device: torch.device, 
     for unit in units:
         if compile:
             unit.compile()
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
-def shard_task_model(module: nn.Module, shard_units, device: torch.device,
-                     compile: bool = False) -> tuple[nn.Module, nn.Module, dict[str, int]]:
+def shard_task_model(module: nn.Module, shard_units, device: torch.device, compile: bool = False,
+                     bf16_weights: bool = False) -> tuple[nn.Module, nn.Module, dict[str, int]]:
     """--shard full: (the module itself sharded, a meta-device skeleton of it taken before, its FSDP units by
     class). Where any rank built its model on the meta device, rank 0's weights are handed out after sharding."""
     shell, units = skeleton(module), unit_rule(module, shard_units)
@@ -176,7 +183,7 @@ def shard_task_model(module: nn.Module, shard_units, device: torch.device,
     from_rank0 = built_on_meta_anywhere(module, device)
     # Rank 0's whole tensors, kept alive past sharding until they are handed out; {} elsewhere.
     rank0_state = module.state_dict() if from_rank0 and torch.distributed.get_rank() == 0 else {}
-    sharded = shard_fully(module, units, device, compile=compile)
+    sharded = shard_fully(module, units, device, compile=compile, bf16_weights=bf16_weights)
     if from_rank0:
         take_rank0_weights(sharded, rank0_state, device)
     return sharded, shell, by_class

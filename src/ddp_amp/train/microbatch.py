@@ -18,7 +18,7 @@ with one line, as without auto.
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,10 +120,10 @@ class OutOfMemoryAgreement:
         return bool(self.flag.item())  # host sync: every rank must know before it goes on
 
 
-def free_after_out_of_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+def free_after_out_of_memory(drop_gradients: Callable[[], None], device: torch.device) -> None:
     """Drop the partial gradients and whatever the failed pass left, so the rerun starts from what the step
     started with."""
-    optimizer.zero_grad(set_to_none=True)
+    drop_gradients()
     gc.collect()  # the failed pass's activations, held by its traceback's frames until now
     if device.type == "cuda":
         torch.cuda.empty_cache()

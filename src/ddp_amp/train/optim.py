@@ -25,7 +25,7 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, strategy: Strat
     keeps the state of its share)."""
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
     # Frozen parameters (requires_grad=False) stay out: no state for them, and weight decay never moves them.
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = strategy.optimized([p for p in model.parameters() if p.requires_grad])
     if config.optimizer == "sgd":
         cls, options = torch.optim.SGD, {"lr": config.lr, "momentum": config.momentum,
                                          "weight_decay": config.weight_decay, **kind}

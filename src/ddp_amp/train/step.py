@@ -114,6 +114,7 @@ class AmpStep:
             else:  # the step's batches in hand: their pieces' weights depend on all of them
                 loss_sum = self._accumulate_pieces([next(batches) for _ in range(self.grad_accum)], step)
             self.position = (step, self.grad_accum, STEP)
+            self.strategy.gradients_for_update()
             grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
             stepped = self.optimizer_step()
         except Exception as exc:
@@ -137,7 +138,7 @@ class AmpStep:
             self.out_of_memory = OutOfMemoryAgreement(self.device)
         if self._run_pieces([(batch, 1.0)], step, probe=True) is None:
             self.failed_with = None
-            free_after_out_of_memory(self.optimizer, self.device)
+            free_after_out_of_memory(self._drop_gradients, self.device)
             return False
         self.gradient_reduction()
         self.optimizer_step()
@@ -195,7 +196,7 @@ class AmpStep:
             if loss_sum is not None:
                 break
             cause, self.failed_with = self.failed_with, None
-            free_after_out_of_memory(self.optimizer, self.device)
+            free_after_out_of_memory(self._drop_gradients, self.device)
             self.micro.halve(step + 1, cause)
         if probe:
             self.gradient_reduction()
@@ -271,20 +272,27 @@ class AmpStep:
         gradients are all-reduced already, so this rank's norm is the global one; it stays on the device.
         Sharded gradients (--shard full) are DTensors: torch's norm of them is the global one, replicated."""
         self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        # The optimizer's parameters: the model's own, or their fp32 masters (bf16-true), which hold the gradients.
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.clip_grad is not None:
             return whole_value(torch.nn.utils.clip_grad_norm_(params, self.clip_grad))
         return whole_value(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     def optimizer_step(self) -> bool:
         """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""
+        self.strategy.gradients_for_update()  # a no-op where the step's caller moved them already
         if not self.scaler.is_enabled():
             self.optimizer.step()
+            self.strategy.update_done()
             return True
         taken = self.steps_taken
         self.scaler.step(self.optimizer)  # host sync (inside GradScaler): were the gradients finite?
         self.scaler.update()  # stays on the device
+        self.strategy.update_done()
         return self.steps_taken > taken
+
+    def _drop_gradients(self) -> None:
+        self.strategy.drop_gradients(self.model, self.optimizer)
 
     def _count_step(self, *_: Any) -> None:
         self.steps_taken += 1

@@ -112,7 +112,7 @@ class Trainer:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.module = model if on_meta_device(model) else model.to(device)  # meta: storage after sharding
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
-        self.strategy = strategy_for(config, device)
+        self.strategy = strategy_for(config, device, precision)
         """The parallel mode (--shard): DDP around self.module, or self.module itself sharded (parallel)."""
         self.model = self.strategy.setup_module(self.module, task.shard_units)
         self.optimizer_impl = optimizer_impl(config, precision)
