@@ -234,6 +234,10 @@ class TrainConfig:
             problems.append(f"--tf32 {self.tf32!r} is not one of {', '.join(TF32_MODES)}")
         if self.amp == "off" and self.dtype != "auto":
             problems.append(f"--dtype {self.dtype} conflicts with --amp off (fp32); drop one of them")
+        if self.dtype == "bf16-true" and self.checkpoint_format == "sharded" and self.shard != "full":
+            problems.append(f"--dtype bf16-true under --shard {self.shard} keeps its fp32 master weights beside the "
+                            "model, where --checkpoint-format sharded does not look; use --checkpoint-format single, "
+                            "or --shard full")
         return problems
 
     def _optimization_problems(self) -> list[str]:

@@ -662,3 +662,26 @@ def model_on_meta() -> Task:
     with torch.device("meta"):
         task.model = nn.Linear(8, 1)
     return task
+
+
+ALL_GATHERS_DIR_VAR = "DDP_AMP_TEST_ALL_GATHERS_DIR"
+
+
+def counted_all_gathers() -> Task:
+    """The mlp task, whose rank writes the bytes of each of FSDP2's all-gathers (its input, this rank's shard) to
+    $DDP_AMP_TEST_ALL_GATHERS_DIR/rank<R>.txt, one line each: through FSDP2's own collective class, which every
+    all-gather of a fully_shard module goes through."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    from ddp_amp.tasks.mlp import build
+
+    path = os.path.join(os.environ[ALL_GATHERS_DIR_VAR], f"rank{os.environ['RANK']}.txt")
+    original = DefaultAllGather.__call__
+
+    def counting(self, output_tensor, input_tensor, *args, **kwargs):
+        with open(path, "a") as f:
+            f.write(f"{input_tensor.numel() * input_tensor.element_size()}\n")
+        return original(self, output_tensor, input_tensor, *args, **kwargs)
+
+    DefaultAllGather.__call__ = counting
+    return build()

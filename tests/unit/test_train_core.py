@@ -483,3 +483,32 @@ def test_the_buffer_broadcast_switch_takes_the_name_this_torchs_ddp_knows():
     known = inspect.signature(DistributedDataParallel.__init__).parameters
     expected = "forward_sync_buffers" if "forward_sync_buffers" in known else "broadcast_buffers"
     assert buffer_sync_option(DistributedDataParallel, True) == {expected: True}
+
+
+def test_bf16_true_keeps_an_update_far_below_a_bf16_ulp_of_the_weight(one_rank_group, tmp_path):
+    """lr x gradient ~1e-6, far below a bf16 ulp of the weights (2^-9 at 0.3): the model's bf16 weights do not
+    move, the fp32 masters do, by what an fp32 run's weights move (within the bf16 gradients' own error), and
+    model.pt's weights (model_state) are the masters. Without masters (the optimizer over the bf16 weights) the
+    update would be lost."""
+    def run(precision):
+        config = TrainConfig(task="inline", steps=4, log_every=4, batch_size=16, seed=5, optimizer="sgd",
+                             schedule="constant", lr=1e-5, momentum=0.0, run_dir=str(tmp_path),
+                             **({"amp": "off"} if precision == "fp32" else {"amp": "on", "dtype": precision}))
+        torch.manual_seed(5)
+        task = helper_tasks.plain_regression()
+        initial = {k: v.clone() for k, v in task.model.state_dict().items()}
+        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision(precision), task, Recorder())
+        trainer.train()
+        held = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+        saved = trainer.model_state()
+        trainer.close()
+        return initial, held, saved
+
+    initial, fp32, _ = run("fp32")
+    _, held, saved = run("bf16-true")
+    assert held["weight"].dtype == torch.bfloat16 and saved["weight"].dtype == torch.float32
+    assert torch.equal(held["weight"], initial["weight"].bfloat16())  # the compute weights could not move
+    moved, expected = saved["weight"] - initial["weight"], fp32["weight"] - initial["weight"]
+    assert expected.abs().min() > 0
+    torch.testing.assert_close(moved, expected, rtol=0.05, atol=0)
+    assert torch.equal(saved["weight"].bfloat16(), held["weight"])

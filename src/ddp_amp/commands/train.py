@@ -140,5 +140,6 @@ def user_script(words: list[str] | None, module: bool, train: dict):
     program = script_from_command_line(words, module)
     if program is not None:
         refuse_loop_options([name for name, value in train.items()
-                             if value != TRAINING_OPTIONS[name][0] and (value or TRAINING_OPTIONS[name][0])], program)
+                             if value != TRAINING_OPTIONS[name][0] and (value or TRAINING_OPTIONS[name][0])], program,
+                            dtype=train.get("dtype"))
     return program

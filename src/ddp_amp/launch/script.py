@@ -16,6 +16,7 @@ from typing import Any
 from ddp_amp.config import LOOP_OPTIONS, Script
 from ddp_amp.errors import UsageError
 from ddp_amp.outputs import LOOP_RECORD_FILE
+from ddp_amp.precision import BF16_TRUE
 
 SCRIPT_TRAINING_OPTIONS = ("stop_timeout", "device")
 """The training options that apply to a script: how long ranks get to leave after a stop signal, and the devices
@@ -85,10 +86,13 @@ def check_module(name: str) -> None:
                          "module that trains (-m package.module)")
 
 
-def refuse_loop_options(changed: list[str], script: Script) -> None:
+def refuse_loop_options(changed: list[str], script: Script, dtype: str | None = None) -> None:
     """`changed`: the training options given, as TrainConfig fields (those that differ from their defaults). A
     script runs its own loop: the options of ddp-amp's loop are refused by name, except those a script that uses
-    ddp_amp.loop takes (config.LOOP_OPTIONS)."""
+    ddp_amp.loop takes (config.LOOP_OPTIONS), and --dtype bf16-true, whose fp32 masters live in ddp-amp's loop."""
+    if dtype == BF16_TRUE:
+        raise UsageError(f"--dtype {BF16_TRUE}: a script's loop keeps its model's weights as it built them; "
+                         "use --dtype bf16 (autocast), or ddp-amp's own loop with --task")
     allowed = SCRIPT_TRAINING_OPTIONS + (LOOP_OPTIONS if uses_loop_module(script) else ())
     given = ["--" + name.replace("_", "-") for name in changed if name not in allowed]
     if not given:

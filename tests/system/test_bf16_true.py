@@ -1,0 +1,61 @@
+"""--dtype bf16-true on 2-rank gloo runs: resumes bit-exactly, passes checkpoints to and from other precisions,
+trains to fp32's loss, and under --shard full all-gathers half the bytes. (The update below a bf16 ulp:
+tests/unit/test_train_core.py; on GPUs: tests/system/test_gpu.py.)"""
+
+import pytest
+
+from conftest import assert_ok, read_summary, run_cli
+from helper_tasks import ALL_GATHERS_DIR_VAR
+
+COMMON = ["spawn", "-n", "2", "--device", "cpu", "--steps", "20", "--log-every", "10"]
+
+
+def test_bf16_true_resumes_bit_exactly_and_its_checkpoints_pass_between_precisions(tmp_path):
+    """A bf16-true run checkpointed at step 10 and resumed from it ends on the whole run's model.pt, byte for
+    byte; the same checkpoint resumes in fp32 (from the fp32 masters it holds), and an fp32 run's checkpoint
+    resumes in bf16-true. The whole runs end within 2% of each other's loss."""
+    runs = {}
+    for name, precision in (("true", ["--dtype", "bf16-true"]), ("fp32", ["--amp", "off"])):
+        assert_ok(run_cli(*COMMON, "--task", "mlp", *precision, "--checkpoint-every", "10",
+                          "--run-dir", str(tmp_path / name), timeout=300))
+        runs[name] = read_summary(tmp_path / name)
+    assert runs["true"]["precision"] == "bf16-true" and runs["fp32"]["precision"] == "fp32"
+    assert runs["true"]["final_loss"] == pytest.approx(runs["fp32"]["final_loss"], rel=0.02)
+    for source, resumed, precision in (("true", "true-again", ["--dtype", "bf16-true"]),
+                                       ("true", "as-fp32", ["--amp", "off"]),
+                                       ("fp32", "as-true", ["--dtype", "bf16-true"])):
+        checkpoint = tmp_path / source / "checkpoints" / "step-10.pt"
+        assert_ok(run_cli(*COMMON, "--task", "mlp", *precision, "--resume", str(checkpoint),
+                          "--run-dir", str(tmp_path / resumed), timeout=300))
+        summary = read_summary(tmp_path / resumed)
+        assert summary["steps"] == 20 and summary["resumed_from_step"] == 10
+    assert (tmp_path / "true-again" / "model.pt").read_bytes() == (tmp_path / "true" / "model.pt").read_bytes()
+    assert read_summary(tmp_path / "as-fp32")["precision"] == "fp32"
+    assert read_summary(tmp_path / "as-true")["precision"] == "bf16-true"
+
+
+def test_the_transformer_in_bf16_true_ends_within_2_percent_of_fp32s_loss(tmp_path):
+    losses = {}
+    for name, precision in (("true", ["--dtype", "bf16-true"]), ("fp32", ["--amp", "off"])):
+        assert_ok(run_cli(*COMMON, "--task", "transformer", *precision, "--run-dir", str(tmp_path / name),
+                          timeout=300))
+        losses[name] = read_summary(tmp_path / name)["final_loss"]
+    assert losses["true"] == pytest.approx(losses["fp32"], rel=0.02)
+
+
+def test_shard_full_in_bf16_true_all_gathers_half_the_bytes(tmp_path, helper_task):
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16): every all-gather moves bf16 shards of the fp32 masters,
+    counted at FSDP2's collective on each rank: the same all-gathers as an fp32 run, each of half its bytes."""
+    counted = {}
+    for name, precision in (("true", ["--dtype", "bf16-true"]), ("fp32", ["--amp", "off"])):
+        gathers = tmp_path / f"gathers-{name}"
+        gathers.mkdir()
+        assert_ok(run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "4", "--shard", "full", "--task",
+                          helper_task("counted_all_gathers"), *precision, "--run-dir", str(tmp_path / name),
+                          env={ALL_GATHERS_DIR_VAR: str(gathers)}, timeout=300))
+        counted[name] = [[int(line) for line in (gathers / f"rank{rank}.txt").read_text().split()] for rank in (0, 1)]
+        assert read_summary(tmp_path / name)["shard"] == "full"
+    for rank in (0, 1):
+        true, fp32 = counted["true"][rank], counted["fp32"][rank]
+        assert len(true) == len(fp32) > 0
+        assert [2 * b for b in true] == fp32
