@@ -209,7 +209,8 @@ def _train(run: RankRun) -> dict[str, Any] | None:
 
 def _probe_summary(probe: dict[str, Any], precision) -> dict[str, Any]:
     """summary.json's amp_auto: the choice, the measured ratio and whether it came from the cache."""
-    keep = ("choice", "bf16_speedup", "fp32_pass_s", "bf16_pass_s", "probe_s", "cached", "why", "key")
+    keep = ("choice", "bf16_speedup", "fp32_pass_s", "bf16_pass_s", "bf16_true_speedup", "bf16_true_pass_s",
+            "probe_s", "cached", "why", "key")
     return {**{k: probe[k] for k in keep if k in probe}, "reason": precision.reason}
 
 

@@ -39,7 +39,7 @@ def _agreement_rank(rank: int, port: int, cache_root: str, planted: tuple[str, s
         task = build_task("mlp")
         shapes = amp_probe.layer_shapes(task.model, amp_probe._first_samples(task, 8))
         key = precision.amp_cache_key(torch.__version__, torch.get_num_threads(), shapes, task="mlp x8")
-        precision.remember_amp_choice(key, {"choice": planted[rank], "bf16_speedup": 1.0})
+        precision.remember_amp_choice(key, {"choice": planted[rank], "bf16_speedup": 1.0, "bf16_true_pass_s": 1.0})
         env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                       master_port=port)
         chosen, found = amp_probe.measured_precision(task, env, torch.device("cpu"), samples=8, spec="mlp")

@@ -21,6 +21,15 @@ def test_bf16_must_be_more_than_five_percent_faster(fp32_s, bf16_s, expected):
     assert amp_probe.decide(fp32_s, bf16_s) == expected
 
 
+@pytest.mark.parametrize(("fp32_s", "bf16_s", "bf16_true_s", "expected"), [
+    (1.0, 1.0, 1.0, "fp32"), (1.04, 1.0, 0.995, "fp32"), (1.2, 1.0, 0.8, "bf16-true"), (1.2, 0.8, 1.0, "bf16"),
+    (1.0, 2.0, 0.9, "bf16-true"), (1.0, 0.9, 2.0, "bf16"), (0.5, 1.0, 0.9, "fp32")])
+def test_the_faster_bf16_mode_wins_only_more_than_five_percent_faster_than_fp32(fp32_s, bf16_s, bf16_true_s,
+                                                                                  expected):
+    """An emulated bf16 (a CPU without bf16 units) is slower in both modes: fp32, never bf16-true."""
+    assert amp_probe.decide(fp32_s, bf16_s, bf16_true_s) == expected
+
+
 def test_the_shapes_are_the_tasks_own_and_probing_changes_nothing(cache_dir):
     """The rows each nn.Linear saw in a forward of a micro-batch of the task's own data; and the whole probe
     (that forward, then the timed forward and backward passes on a copy) leaves the model's weights, buffers,
@@ -63,13 +72,18 @@ def test_a_task_the_probe_cannot_run_keeps_fp32(cache_dir):
     assert answer["choice"] == "fp32" and "could not run" in answer["why"]
 
 
-def test_the_timing_gives_both_precisions():
+def test_the_timing_gives_each_precision():
     from ddp_amp.tasks import build_task
 
     task = build_task("mlp")
     batch = amp_probe._first_samples(task, 8)
     seconds = amp_probe.time_training_passes(task.model, task, batch, torch.device("cpu"), budget_s=0.05)
-    assert set(seconds) == {"fp32", "bf16"} and all(value > 0 for value in seconds.values())
+    assert set(seconds) == {"fp32", "bf16", "bf16-true"} and all(value > 0 for value in seconds.values())
+    weights = {k: v.clone() for k, v in task.model.state_dict().items()}
+    without = amp_probe.time_training_passes(task.model, task, batch, torch.device("cpu"), budget_s=0.05,
+                                             with_bf16_true=False)
+    assert set(without) == {"fp32", "bf16"}
+    assert all(torch.equal(weights[k], v) for k, v in task.model.state_dict().items())  # the run's model untouched
 
 
 def test_the_cache_keeps_answers_per_cpu_torch_threads_and_shapes(cache_dir):

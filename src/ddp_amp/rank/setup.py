@@ -116,7 +116,9 @@ def measured_precision(precision: Precision, config: TrainConfig, task: Task, en
     from ddp_amp.rank.amp_probe import measured_precision as probe
 
     micro = config.micro_batch if config.micro_batch not in (None, "auto") else config.batch_size
-    return probe(task, env, device, samples=int(micro), spec=config.task)
+    # A sharded checkpoint under DDP does not hold bf16-true's masters (config.TrainConfig refuses the pair).
+    masters_kept = config.checkpoint_format != "sharded" or config.shard == "full"
+    return probe(task, env, device, samples=int(micro), spec=config.task, with_bf16_true=masters_kept)
 
 
 def seed_rank_randomness(seed: int) -> None:
