@@ -73,6 +73,36 @@ def test_compiled_variants_are_compared_within_their_precision():
     assert report["precisions"]["bf16+compile"]["compile_s"] == 8.0
 
 
+def test_amp_all_compares_autocast_and_bf16_true_each_with_fp32(tmp_path, capsys):
+    """--amp all: fp32, autocast and bf16-true interleaved; each half precision's speedup over fp32 per
+    interleaved repeat, each in the table's lines."""
+    from rich.console import Console
+
+    from ddp_amp.measure.bench import BenchOptions, Measurement, analyse
+    from ddp_amp.outputs import RunRecord
+    from ddp_amp.results.report import bench_table
+
+    assert [mode for mode, _, _ in BenchOptions(amp="all").variants] == ["off", "on", "true"]
+
+    def measured(label, repeat, step_s, loss):
+        return Measurement(label, repeat, {0: [step_s] * 3, 1: [step_s] * 3}, {0: 100.0, 1: 100.0},
+                           RunRecord({"global_batch_size": 64, "final_loss": loss, "samples_per_s": 1.0}))
+
+    report = analyse([measured("fp32", 0, 0.010, 0.5), measured("bf16", 0, 0.0125, 0.5),
+                      measured("bf16-true", 0, 0.004, 0.505), measured("fp32", 1, 0.012, 0.5),
+                      measured("bf16", 1, 0.012, 0.5), measured("bf16-true", 1, 0.006, 0.505)])
+    assert report["speedup"]["amp"] == "bf16"  # the first half precision, as before
+    assert report["speedups"]["bf16"]["per_repeat"] == pytest.approx([0.8, 1.0])
+    assert report["speedups"]["bf16-true"]["per_repeat"] == pytest.approx([2.5, 2.0])
+    assert report["speedups"]["bf16-true"]["loss_relative_difference"] == pytest.approx(0.01)
+    report["environment"] = {"torch": "2.13.0", "device": "a CPU", "world_size": 2, "backend": "gloo",
+                             "threads_per_rank": 1, "cpu_native_bf16": True}
+    Console(width=200).print(bench_table(report))
+    out = capsys.readouterr().out
+    assert "speedup bf16 over fp32: 0.90x (per repeat 0.80x-1.00x)" in out
+    assert "speedup bf16-true over fp32: 2.20x (per repeat 2.00x-2.50x); final losses differ by 1.00%" in out
+
+
 def test_mfu_is_per_gpu():
     from ddp_amp.measure.gpu_peaks import mfu
 

@@ -14,8 +14,9 @@ from ddp_amp.errors import UsageError
 @with_training_options(task="mlp-wide")
 def bench(
     train: dict,
-    amp: Annotated[Literal["both", "on", "off"],
-                   typer.Option("--amp", help="both (off and on, interleaved), on or off.")] = "both",
+    amp: Annotated[Literal["both", "on", "off", "all"],
+                   typer.Option("--amp", help="both (off and on, interleaved), on, off, or all: fp32, autocast and "
+                                "bf16-true weights, interleaved.")] = "both",
     compile: Annotated[Literal["off", "on", "both"], typer.Option(
         "--compile", help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
     shard: Annotated[str, typer.Option("--shard", help="none, optimizer or full (as spawn's), or several, "

@@ -103,21 +103,23 @@ def analyse(measurements: list[Measurement]) -> dict[str, Any]:
                 "per_repeat": pairs, "min": min(pairs), "max": max(pairs)}
     labels = eager or compiled
     suffix = "" if eager else COMPILED
-    amp = next((p for p in labels if p != "fp32" + suffix), None)
-    if "fp32" + suffix in results and amp:
-        off, on = by_precision["fp32" + suffix], by_precision[amp]
-        pairs = [a.median_step_s / b.median_step_s for a, b in zip(off, on)]
-        report["speedup"] = {
-            "amp": amp,
-            "median": results["fp32" + suffix]["step_s_median"] / results[amp]["step_s_median"],
-            "per_repeat": pairs,
-            "min": min(pairs),
-            "max": max(pairs),
-        }
-        loss_off, loss_on = results["fp32" + suffix]["final_loss"], results[amp]["final_loss"]
-        report["loss_agreement"] = {"fp32" + suffix: loss_off, amp: loss_on,
-                                    "relative_difference": abs(loss_on - loss_off) / max(abs(loss_off), 1e-12)}
+    fp32 = "fp32" + suffix
+    for amp in [p for p in labels if p != fp32] if fp32 in results else []:
+        pairs = [a.median_step_s / b.median_step_s for a, b in zip(by_precision[fp32], by_precision[amp])]
+        loss_off, loss_on = results[fp32]["final_loss"], results[amp]["final_loss"]
+        # "speedup" and "loss_agreement": the first half precision (autocast); "speedups": each one (--amp all).
+        report.setdefault("speedup", {"amp": amp, **_ratios(results, fp32, amp, pairs)})
+        report.setdefault("loss_agreement", {fp32: loss_off, amp: loss_on, "relative_difference": abs(
+            loss_on - loss_off) / max(abs(loss_off), 1e-12)})
+        report.setdefault("speedups", {})[amp] = {
+            **_ratios(results, fp32, amp, pairs),
+            "loss_relative_difference": abs(loss_on - loss_off) / max(abs(loss_off), 1e-12)}
     return report
+
+
+def _ratios(results: dict[str, Any], fp32: str, amp: str, pairs: list[float]) -> dict[str, Any]:
+    return {"median": results[fp32]["step_s_median"] / results[amp]["step_s_median"], "per_repeat": pairs,
+            "min": min(pairs), "max": max(pairs)}
 
 
 SUBNORMAL_NOTE_AT = 1e-3
@@ -245,7 +247,9 @@ def peak_precision(label: str, env: dict[str, Any]) -> str:
     return "tf32" if precision == "fp32" and env.get("tf32_matmul") else precision
 
 
-AMP_CHOICES = ("both", "on", "off")
+AMP_CHOICES = ("both", "on", "off", "all")
+BF16_WEIGHTS = "true"
+"""The variant of `--amp all` that trains with bf16 weights (--dtype bf16-true) beside fp32 and autocast."""
 COMPILE_CHOICES = ("off", "on", "both")
 COMPILED = "+compile"
 LAUNCHERS = ("spawn", "run")
@@ -294,7 +298,7 @@ class BenchOptions:
 
     @property
     def modes(self) -> list[str]:
-        return ["off", "on"] if self.amp == "both" else [self.amp]
+        return {"both": ["off", "on"], "all": ["off", "on", BF16_WEIGHTS]}.get(self.amp, [self.amp])
 
     @property
     def variants(self) -> list[tuple[str, bool, str]]:
@@ -348,6 +352,10 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
                            "log_every": max(1, options.warmup + options.steps), "compile": compiled, "shard": shard}
             if mode == "off":
                 run_options["dtype"] = "auto"
+            elif mode == BF16_WEIGHTS:
+                run_options.update(amp="on", dtype="bf16-true")
+            elif options.amp == "all" and run_options.get("dtype") == "bf16-true":
+                run_options["dtype"] = "bf16"  # all's autocast variant
             sharded = "" if shard == "none" else f"-{shard}"
             run_dir = run_root / f"{mode}{'-compile' if compiled else ''}{sharded}-{repeat}"
             plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher, kind="bench")

@@ -24,12 +24,13 @@ def bench_table(report: dict[str, Any]):
                       *((f"{entry.get('tokens_per_s', 0):.0f}",) if sequence else ()),
                       f"{entry['peak_memory_mb']:.0f}", f"{entry['final_loss']:.4f}")
     lines = []
-    if "speedup" in report:
-        speedup = report["speedup"]
-        agreement = report["loss_agreement"]
-        lines.append(f"speedup {speedup['amp']} over fp32: {speedup['median']:.2f}x "
+    speedups = report.get("speedups") or ({report["speedup"]["amp"]: {  # a report of an earlier version
+        **report["speedup"], "loss_relative_difference": report["loss_agreement"]["relative_difference"]}}
+        if "speedup" in report else {})
+    for amp, speedup in speedups.items():
+        lines.append(f"speedup {amp} over fp32: {speedup['median']:.2f}x "
                      f"(per repeat {speedup['min']:.2f}x-{speedup['max']:.2f}x); final losses differ by "
-                     f"{agreement['relative_difference'] * 100:.2f}%")
+                     f"{speedup['loss_relative_difference'] * 100:.2f}%")
     for precision, gain in report.get("compile_speedup", {}).items():
         compile_s = precisions[precision + "+compile"].get("compile_s")
         lines.append(f"torch.compile speedup for {precision}: {gain['median']:.2f}x per step "
