@@ -36,7 +36,8 @@ batch, widths = int(sys.argv[1]), json.loads(sys.argv[2])
 shapes = []
 for width_in, width_out in zip(widths, widths[1:]):
     shapes += [(batch, width_in, width_out), (batch, width_out, width_in), (width_in, batch, width_out)]
-pairs = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes]
+dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float32
+pairs = [(torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)) for m, k, n in shapes]
 for _ in range(3):
     for a, b in pairs:
         a @ b
@@ -56,9 +57,10 @@ CATEGORIES = {"GEMM": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "
               "all-reduce call": ("c10d::allreduce_", "gloo:all_reduce")}
 
 
-def gemm_rate(batch: int, copies: int, repeats: int = 20) -> float:
-    """GFLOP/s of one one-thread process over the step's matmuls, `copies` processes running at once."""
-    command = [sys.executable, "-c", GEMM_PROCESS, str(batch), json.dumps(list(WIDE)), str(repeats)]
+def gemm_rate(batch: int, copies: int, repeats: int = 20, dtype: str = "float32") -> float:
+    """GFLOP/s of one one-thread process over the step's matmuls in `dtype`, `copies` processes running at
+    once."""
+    command = [sys.executable, "-c", GEMM_PROCESS, str(batch), json.dumps(list(WIDE)), str(repeats), dtype]
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(copies)]
     rates = [json.loads(p.communicate()[0])["gflops"] for p in processes]
     return statistics.median(rates)
