@@ -16,6 +16,7 @@ from ddp_amp.errors import UsageError
 DEVICES = ("auto", "cpu", "cuda")
 AMP_MODES = ("auto", "on", "off")
 DTYPES = ("auto", "bf16", "fp16", "bf16-true")
+TRACKERS = ("mlflow", "wandb")
 SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
 OPTIMIZERS = ("adamw", "sgd")
 TF32_MODES = ("on", "off")
@@ -25,7 +26,8 @@ GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 SHARD_MODES = ("none", "optimizer", "full")
 CHECKPOINT_FORMATS = ("single", "sharded")
 DEFAULT_STEPS = 100
-CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "schedule": SCHEDULES, "optimizer": OPTIMIZERS,
+CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "tracker": TRACKERS, "schedule": SCHEDULES,
+           "optimizer": OPTIMIZERS,
            "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
            "grad_compression": GRAD_COMPRESSIONS, "shard": SHARD_MODES,
            "checkpoint_format": CHECKPOINT_FORMATS}
@@ -192,9 +194,22 @@ class TrainConfig:
     tensorboard: bool = False
     """Global rank 0 writes the logged scalars (loss, LR, throughput, grad norm, loss scale, skipped steps) to
     RUN_DIR/tensorboard with torch.utils.tensorboard (needs the tensorboard package)."""
+    tracker: tuple[str, ...] = ()
+    """Experiment trackers global rank 0 logs to (repeatable): mlflow (where MLFLOW_TRACKING_URI says), wandb
+    (WANDB_MODE=offline for no server; files under WANDB_DIR, else RUN_DIR/wandb). One tracker run per training
+    run: its id is kept in RUN_DIR/trackers.json, and a resume, requeue or restart continues it, each step
+    logged once. A tracker that fails is one warning line; training goes on."""
+    tracker_project: str | None = None
+    """The MLflow experiment and W&B project [default: MLFLOW_EXPERIMENT_NAME or WANDB_PROJECT, else ddp-amp]."""
+    tracker_run_name: str | None = None
+    """The tracker run's name [default: the run directory's name]."""
+    tracker_tag: tuple[str, ...] = ()
+    """A tag of the tracker run (repeatable)."""
 
     def __post_init__(self) -> None:
         self.task_arg = tuple(self.task_arg or ())
+        self.tracker = tuple(self.tracker or ())
+        self.tracker_tag = tuple(self.tracker_tag or ())
         problems = [*self._choice_problems(), *self._optimization_problems(), *self._length_problems(),
                     *self._memory_problems(), *self._run_problems(), *self._shard_problems()]
         if problems:
@@ -234,6 +249,12 @@ class TrainConfig:
             problems.append(f"--tf32 {self.tf32!r} is not one of {', '.join(TF32_MODES)}")
         if self.amp == "off" and self.dtype != "auto":
             problems.append(f"--dtype {self.dtype} conflicts with --amp off (fp32); drop one of them")
+        problems += [f"--tracker {name!r} is not one of {', '.join(TRACKERS)}" for name in self.tracker
+                     if name not in TRACKERS]
+        problems += [f"--tracker-tag {tag!r}: give it as KEY=VALUE" for tag in self.tracker_tag
+                     if "=" not in tag or not tag.split("=", 1)[0]]
+        if (self.tracker_project or self.tracker_run_name or self.tracker_tag) and not self.tracker:
+            problems.append("--tracker-project, --tracker-run-name and --tracker-tag need --tracker mlflow or wandb")
         if self.dtype == "bf16-true" and self.checkpoint_format == "sharded" and self.shard != "full":
             problems.append(f"--dtype bf16-true under --shard {self.shard} keeps its fp32 master weights beside the "
                             "model, where --checkpoint-format sharded does not look; use --checkpoint-format single, "

@@ -27,6 +27,7 @@ DUMP_DIR = "flight_recorder"  # a failed or stalled rank's flight record: DUMP_D
 BEST_MODEL_FILE = "model_best.pt"  # --keep-best: the weights of the best evaluation so far
 LOOP_RECORD_FILE = "loop.json"  # a script using ddp_amp.loop: its loop's account, put in summary.json by the launcher
 PRETRAINED_DIR = "pretrained"  # a model with save_pretrained: its own format, written at the end
+TRACKERS_FILE = "trackers.json"  # --tracker: each tracker's run id, continued by every later attempt
 
 
 def save_weights(run_dir: Path, state_dict: dict[str, Any], name: str = MODEL_FILE) -> Path:

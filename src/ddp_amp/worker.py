@@ -35,6 +35,7 @@ from ddp_amp.rank.evaluation import evaluate_into
 from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
 from ddp_amp.rank.reporter import WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals, wait_for_own_stop_signal
+from ddp_amp.rank.trackers import Trackers, run_params
 from ddp_amp.tasks import Task
 from ddp_amp.train.metrics import memory_now_mb, peak_memory
 from ddp_amp.train.microbatch import is_out_of_memory
@@ -170,6 +171,11 @@ def _built_trainer(run: RankRun) -> Built:
                       time_steps=run.job == "bench", stop_signal=lambda: STOP_REQUEST.signum)
     with _failures_located(trainer):
         resumed = trainer.resume()
+    if config.tracker and run.job == "train" and env.rank == 0:
+        reporter.trackers = Trackers(config.tracker, run.run_dir, config.resume, project=config.tracker_project,
+                                     run_name=config.tracker_run_name, tags=config.tracker_tag, warn=reporter.warn)
+        reporter.trackers.start(run_params(config, world_size=env.world_size, precision=run.precision.name,
+                                           device=setup.device_name(device), torch=torch.__version__))
     reporter.state("running")
     return Built(trainer, checkpoints, task, baseline, amp_probe, initial, resumed)
 
@@ -202,6 +208,9 @@ def _train(run: RankRun) -> dict[str, Any] | None:
         if env.writes_run_dir:
             run.reporter.state("checkpointing")
             write_results(config, summary, result, built.task, rank_times, device)
+        if (sent := run.reporter.finish_trackers(summary)) is not None:  # after model.pt: its files go too
+            summary["trackers"] = sent
+            outputs.write_summary(run.run_dir, summary)
         run.reporter.done(summary, memory)
         _wait_for_own_agent(config, trainer)
         return summary if env.writes_run_dir else None

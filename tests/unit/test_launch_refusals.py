@@ -432,3 +432,24 @@ def test_a_forward_that_reads_fields_from_its_kwargs_gets_them_all_a_hugging_fac
 
     assert model_fields(build_task(f"{USER_TASKS}:reads_kwargs").model) is None  # every field
     assert "text" not in model_fields(build_task(f"{USER_TASKS}:bert_dict_items").model)
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--tracker", "comet"], "ddp-amp: error: --tracker 'comet' is not one of mlflow, wandb"),
+    (["--tracker-project", "p"], "ddp-amp: error: --tracker-project, --tracker-run-name and --tracker-tag need "
+                                 "--tracker mlflow or wandb"),
+    (["--tracker", "mlflow", "--tracker-tag", "novalue"], "ddp-amp: error: --tracker-tag 'novalue': give it as "
+                                                          "KEY=VALUE"),
+    (["--tracker", "mlflow"], "ddp-amp: error: --tracker mlflow needs the mlflow package: pip install "
+                              "'ddp-amp[mlflow]' (or pip install mlflow)"),
+])
+def test_a_tracker_the_run_cannot_use_is_one_line_exit_2_and_launches_nothing(flags, line, tmp_path, capsys,
+                                                                              monkeypatch):
+    """The last: mlflow not installed (its package found nowhere), as after a plain pip install ddp-amp."""
+    import ddp_amp.rank.trackers as trackers
+
+    monkeypatch.setitem(trackers.PACKAGES, "mlflow", "ddp_amp_no_such_package")
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--steps", "2", *flags, "--run-dir",
+                             str(tmp_path / "run")], capsys)
+    assert code == 2 and one_line(err) == line
+    assert not (tmp_path / "run").exists()

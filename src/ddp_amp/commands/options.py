@@ -82,9 +82,10 @@ OUTPUT = "Output"
 def _typer_option(spec: OptionSpec) -> tuple[Any, Any]:
     """(default, annotation) of one training option: its type a Literal of the allowed names where there are
     some (listed by --help, completed by the shell), its help the field's docstring."""
-    if spec.kind is list:  # repeatable: --task-arg A=1 --task-arg B=2
-        return (), Annotated[list[str], typer.Option(spec.flag, metavar="KEY=VALUE", help=spec.help.replace("[", "\\["),
-                                                     rich_help_panel=TRAINING, show_default=False)]
+    if spec.kind is list:  # repeatable: --task-arg A=1 --task-arg B=2, --tracker mlflow --tracker wandb
+        metavar = "|".join(spec.choices) if spec.choices else "KEY=VALUE"  # TrainConfig checks the names
+        return (), Annotated[list[str], typer.Option(spec.flag, metavar=metavar, help=spec.help.replace("[", "\\["),
+                                                      rich_help_panel=TRAINING, show_default=False)]
     kind = Literal[spec.choices] if spec.choices else spec.kind
     if spec.optional:
         kind = kind | None

@@ -255,6 +255,14 @@ def check_tensorboard(config: TrainConfig) -> None:
                          "(or pip install tensorboard)") from None
 
 
+def check_trackers(config: TrainConfig) -> None:
+    from ddp_amp.rank.trackers import tracker_packages_missing
+
+    for name in tracker_packages_missing(config.tracker):
+        raise UsageError(f"--tracker {name} needs the {name} package: pip install 'ddp-amp[{name}]' (or pip install "
+                         f"{name})")
+
+
 def check_ddp_options(config: TrainConfig, device_type: str, precision: Precision) -> None:
     """Combinations that every rank would otherwise fail on, each with a traceback."""
     if config.sync_batchnorm and device_type != "cuda":
@@ -312,6 +320,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     check_ddp_options(config, device_type, precision)
     check_max_memory(config, devices)
     check_tensorboard(config)
+    check_trackers(config)
     # bench --max-batch tries sizes past the data set's length on purpose: its trials are not refused.
     init, left_out = checks_of_task(config, world_size if batch_check else None)
     config, starting_over = _resumed(config, world_size)

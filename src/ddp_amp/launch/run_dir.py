@@ -17,6 +17,7 @@ from ddp_amp.outputs import (
     PRETRAINED_DIR,
     STEP_TIMES_FILE,
     SUMMARY_FILE,
+    TRACKERS_FILE,
 )
 
 
@@ -29,9 +30,9 @@ class PreparedRunDir:
     """--overwrite: where the earlier run's files wait (clear_earlier_run, settle_earlier_run)."""
 
 
-EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE)
-# checkpoint.fileformat, rank.reporter, profiling, the pretrained format
-EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR)
+EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE, TRACKERS_FILE)
+# checkpoint.fileformat, rank.reporter, profiling, the pretrained format, W&B's files (rank.tracker_runs)
+EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR, "wandb")
 
 
 SET_ASIDE_DIR = ".overwritten"

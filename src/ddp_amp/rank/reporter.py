@@ -15,6 +15,7 @@ from ddp_amp.dist import DistEnv
 from ddp_amp.errors import FailureKind
 from ddp_amp.progress.channel import EventSender
 from ddp_amp.progress.events import DoneEvent, ErrorEvent, LogEvent, StateEvent, plain_line
+from ddp_amp.rank.trackers import Trackers
 
 
 class WorkerReporter:
@@ -30,6 +31,8 @@ class WorkerReporter:
         self.scalars: TensorBoardScalars | NoScalars = NoScalars()
         """TensorBoard scalars on global rank 0 with --tensorboard (`write_tensorboard`); a sink that keeps
         nothing elsewhere, so no call site asks which."""
+        self.trackers: Trackers | None = None
+        """--tracker: global rank 0's experiment trackers (rank.trackers), set once the trainer has resumed."""
 
     def write_tensorboard(self) -> None:
         self.scalars = TensorBoardScalars(self.run_dir)
@@ -46,6 +49,8 @@ class WorkerReporter:
         if self.env.writes_run_dir:
             outputs.append_metrics(self.run_dir, record)
         self.scalars.write(record, self.item_name)
+        if self.trackers is not None:
+            self.trackers.log(record, evaluation=True)
         self._send({"type": "eval", **record})
 
     def state(self, status: str, **extra: Any) -> None:
@@ -63,6 +68,8 @@ class WorkerReporter:
         if self.env.writes_run_dir:
             outputs.append_metrics(self.run_dir, {k: v for k, v in record.items() if not k.startswith("rank_")})
         self.scalars.write(record, self.item_name)
+        if self.trackers is not None:
+            self.trackers.log(record)
         self.last_loss = record["rank_loss"]
         event: LogEvent = {"type": "log", "step": record["step"], "total_steps": record["total_steps"],
                  "epoch": record["epoch"], "loss": record["rank_loss"], "global_loss": record["loss"],
@@ -92,6 +99,26 @@ class WorkerReporter:
             event["summary"] = summary
         self._send(event)
 
+    def finish_trackers(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+        """The run's outcome and files to the trackers, and what each got (summary.json's "trackers")."""
+        if self.trackers is None:
+            return None
+        record = outputs.RunRecord(summary)
+        stopped = record.stopped_at_step
+        status, outcome = ("stopped", f"stopped at step {stopped}") if stopped is not None else (
+            ("finished", "finished") if record.finished else ("failed", "diverged"))
+        files = [self.run_dir / name for name in (outputs.MODEL_FILE, outputs.BEST_MODEL_FILE, outputs.PRETRAINED_DIR)
+                 if (self.run_dir / name).exists()]
+        trackers, self.trackers = self.trackers, None
+        return trackers.finish(outcome, status, summary, files)
+
+    def warn(self, line: str) -> None:
+        """One line for the launcher's output (as the rank's own stderr would show there) and the rank's log; safe
+        from any thread (the trackers' thread warns)."""
+        print(line, flush=True)
+        if self.sender is not None:
+            self.sender.send({"rank": self.env.rank, "type": "output", "stream": "stderr", "line": line})
+
     def heartbeat(self, **position: Any) -> None:
         self._send({"type": "heartbeat", **position})
 
@@ -100,6 +127,10 @@ class WorkerReporter:
         event: ErrorEvent = {"type": "error", "rank": self.env.rank, "traceback": text, "kind": kind,
                              "time": time.time()}
         self._send(event)
+        if self.trackers is not None:
+            trackers, self.trackers = self.trackers, None
+            lines = [line for line in text.strip().splitlines() if line.strip()]
+            trackers.finish(f"failed: rank {self.env.rank}: {lines[-1] if lines else kind}", "failed", {}, [])
 
 
 class NoScalars:

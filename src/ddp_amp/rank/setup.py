@@ -215,3 +215,12 @@ def load_initial_weights(task: Task, config: TrainConfig) -> dict[str, Any] | No
     except WeightsError as exc:  # the launcher checked it: the file changed since
         raise RankSetupError(str(exc)) from None
     return {"path": config.init_from, **counts}
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model: what a tracker run records this rank trained on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from ddp_amp.precision import cpu_model
+
+    return cpu_model()
