@@ -41,7 +41,8 @@ class TrackerRun:
         last step it holds."""
         raise NotImplementedError
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log_steps(self, steps: list[tuple[dict[str, float], int]]) -> None:
+        """Each (metrics, step), in order."""
         raise NotImplementedError
 
     def finish(self, outcome: str, status: str, summary: dict[str, Any], files: list[Path]) -> None:
@@ -81,11 +82,13 @@ class MLflowRun(TrackerRun):
             client.log_batch(self.run_id, params=items[start:start + 100])
         return {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": client.tracking_uri}
 
-    def log(self, metrics, step):
+    def log_steps(self, steps):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
+        items = [Metric(key, value, now, step) for metrics, step in steps for key, value in metrics.items()]
+        for start in range(0, len(items), 1000):  # MLflow takes 1000 metrics a batch
+            self.client.log_batch(self.run_id, metrics=items[start:start + 1000])
 
     def finish(self, outcome, status, summary, files):
         client = self.client
@@ -96,7 +99,7 @@ class MLflowRun(TrackerRun):
                 client.log_artifact(self.run_id, str(path))
         client.log_dict(self.run_id, summary, "summary.json")
         if figures := summary_figures(summary):
-            self.log(figures, RunRecord(summary).steps or 0)
+            self.log_steps([(figures, RunRecord(summary).steps or 0)])
         client.set_tag(self.run_id, OUTCOME_TAG, outcome)
         client.set_terminated(self.run_id, status={"finished": "FINISHED", "stopped": "KILLED",
                                                    "failed": "FAILED"}[status])
@@ -124,8 +127,9 @@ class WandbRun(TrackerRun):
         return {**(known or {}), "run_id": run_id, "project": project, "dir": self.directory,
                 "mode": os.environ.get("WANDB_MODE", "online")}
 
-    def log(self, metrics, step):
-        self.run.log(metrics, step=step)
+    def log_steps(self, steps):
+        for metrics, step in steps:
+            self.run.log(metrics, step=step)
 
     def finish(self, outcome, status, summary, files):
         run = self.run
