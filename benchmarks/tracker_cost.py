@@ -54,7 +54,8 @@ def main() -> None:
         server, uri = start_mlflow(Path(tmp))
         modes = {"none": ([], {}), "mlflow": (["--tracker", "mlflow"], {"MLFLOW_TRACKING_URI": uri}),
                  "wandb": (["--tracker", "wandb"], {"WANDB_MODE": "offline"})}
-        figures: dict[str, dict[str, list[float]]] = {mode: {"samples_per_s": [], "wall_s": []} for mode in modes}
+        figures: dict[str, dict[str, list[float]]] = {mode: {"samples_per_s": [], "wall_s": [], "thread_share": [],
+                                                             "machine_cpu_s": []} for mode in modes}
         try:
             for repeat in range(args.repeats):
                 for mode, (flags, env) in modes.items():
@@ -62,6 +63,9 @@ def main() -> None:
                     if mode != "none":
                         sent = summary["trackers"][mode]
                         assert sent["unsent_steps"] == 0 and sent["sent_steps"] > 0, sent
+                        # The trackers' thread's CPU time against the training loop's wall time on rank 0.
+                        figures[mode]["thread_share"].append(sent["thread_cpu_s"] / summary["train_s"])
+                    figures[mode]["machine_cpu_s"].append(summary["machine_cpu_s"])
                     figures[mode]["samples_per_s"].append(summary["samples_per_s"])
                     figures[mode]["wall_s"].append(summary["process_wall_s"])
         finally:
@@ -73,7 +77,11 @@ def main() -> None:
     for mode in ("mlflow", "wandb"):
         speed = [a / b for a, b in zip(figures[mode]["samples_per_s"], figures["none"]["samples_per_s"])]
         wall = [a / b for a, b in zip(figures[mode]["wall_s"], figures["none"]["wall_s"])]
-        print(f"{mode}/none: throughput {spread(speed, '.3f')}, launch wall {spread(wall, '.3f')} (per round)")
+        cpu = [a - b for a, b in zip(figures[mode]["machine_cpu_s"], figures["none"]["machine_cpu_s"])]
+        share = spread(figures[mode]["thread_share"], ".4f")
+        print(f"{mode}/none: throughput {spread(speed, '.3f')}, launch wall {spread(wall, '.3f')} (per round); the "
+              f"trackers' thread's CPU over the loop's wall time on rank 0: {share}; the machine's CPU seconds more "
+              f"per launch: {spread(cpu, '.1f')} (the MLflow server's included)")
 
 
 if __name__ == "__main__":

@@ -119,7 +119,10 @@ def test_a_two_rank_run_logs_its_config_metrics_and_files_to_a_real_mlflow_serve
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"model.pt", "summary.json"}
     summary = read_summary(tmp_path)
     logged = len(read_metrics(tmp_path)) + len(read_metrics(tmp_path, evaluations=True))
-    assert summary["trackers"]["mlflow"] == {"run_id": run.info.run_id, "sent_steps": logged, "unsent_steps": 0}
+    sent = summary["trackers"]["mlflow"]
+    assert {key: sent[key] for key in ("run_id", "sent_steps", "unsent_steps")} == {
+        "run_id": run.info.run_id, "sent_steps": logged, "unsent_steps": 0} and "error" not in sent
+    assert 0 < sent["thread_cpu_s"]
     assert run.data.metrics["summary/final_loss"] == pytest.approx(summary["final_loss"])
 
 
