@@ -78,6 +78,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/resume_memory.py --keep 3 --repeats 3
 	$(BIN)/python benchmarks/gemm_limit.py --repeats 3 --profile
 	$(BIN)/python benchmarks/bf16_true.py --repeats 3
+	$(BIN)/python benchmarks/tracker_cost.py --repeats 5 --steps 3000
 	$(BIN)/python benchmarks/micro_batch_auto.py --repeats 7
 	$(BIN)/python benchmarks/allreduce_latency.py --rounds 3
 	$(BIN)/python benchmarks/flight_recorder_cost.py --repeats 7

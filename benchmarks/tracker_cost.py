@@ -30,7 +30,8 @@ def start_mlflow(root: Path) -> tuple[subprocess.Popen, str]:
     server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
                                "--port", str(port), "--workers", "1", "--backend-store-uri",
                                f"sqlite:///{root / 'runs.db'}", "--default-artifact-root", str(root / "artifacts")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:

@@ -38,7 +38,8 @@ class MlflowServer:
             [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'runs.db'}",
              "--default-artifact-root", str(root / "artifacts")],
-            stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner: the runs alone
         deadline = time.monotonic() + 180
         while not self._healthy():
             assert self.process.poll() is None, (root / "server.log").read_text()[-2000:]
