@@ -235,3 +235,23 @@ def test_wandb_offline_holds_the_history_and_a_resumed_run_keeps_its_id(tmp_path
     losses = [(row["_step"], row["loss"]) for row in rows if "loss" in row]
     assert losses == [(r["step"], r["loss"]) for r in read_metrics(tmp_path)]  # each step once, in order
     assert read_summary(tmp_path)["trackers"]["wandb"]["unsent_steps"] == 0
+
+
+def test_a_script_using_the_loop_module_reports_to_the_tracker(tmp_path, server):
+    """ddp_amp.loop's report() under `--tracker mlflow --log-every 5`: rank 0's reported values at steps 5..20,
+    equal to metrics.jsonl's, in one finished run; what the tracker got in loop.json."""
+    from conftest import TESTS, launch_script
+
+    run = tmp_path / "run"
+    result = launch_script(run, TESTS.parent / "examples" / "origin_loop.py", "--epochs", "20",
+                           options=("--tracker", "mlflow", "--tracker-project", "script", "--log-every", "5"),
+                           env={"MLFLOW_TRACKING_URI": server.uri})
+    assert result.returncode == 0, result.stderr
+    client, tracked = only_run(server, "script")
+    assert tracked.info.status == "FINISHED" and tracked.data.params["tracker"] == "mlflow"
+    logged = [(record["step"], record["loss"]) for record in map(json.loads, (run / "metrics.jsonl").read_text()
+                                                                .splitlines())]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(tracked.info.run_id, "loss")) == logged
+    assert [step for step, _ in logged] == [5, 10, 15, 20]
+    record = json.loads((run / "loop.json").read_text())
+    assert record["trackers"]["mlflow"]["sent_steps"] == 4

@@ -76,13 +76,14 @@ def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON objec
                f"{'yes' if report['cpu_amx_bf16'] else 'no'}")
     for device, choice in report["amp_auto"].items():
         if device == "cpu":
-            typer.echo("--amp auto on cpu: bf16 or fp32, measured by rank 0 at a run's start")
+            typer.echo("--amp auto on cpu: fp32, bf16 or bf16-true, measured by rank 0 at a run's start")
         else:
             typer.echo(f"--amp auto on {device}: {choice['precision']} ({choice['reason']})")
     cache = report["amp_auto_cpu_cache"]
     typer.echo(f"--amp auto's measured answers ({cache['path']}): {len(cache['answers']) or 'none yet'}")
     for key, answer in sorted(cache["answers"].items()):
-        typer.echo(f"  {answer.get('choice')}: bf16 {answer.get('bf16_speedup', float('nan')):.2f}x fp32, "
+        true = (f", bf16-true {answer['bf16_true_speedup']:.2f}x" if "bf16_true_speedup" in answer else "")
+        typer.echo(f"  {answer.get('choice')}: bf16 {answer.get('bf16_speedup', float('nan')):.2f}x fp32{true}, "
                    f"{answer.get('measured_at', '?')}: {key}")
     typer.echo(f"CUDA devices: {len(report['gpus'])}")
     for gpu in report["gpus"]:

@@ -373,6 +373,7 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     config = config.replace(**(extra or {}), run_dir=str(run_dir or default_run_dir()), launch_time=time.time())
     devices = device_facts(config.device, nproc_per_node)
     device_type = "cuda" if devices.visible else "cpu"
+    check_trackers(config)  # a script using ddp_amp.loop takes --tracker (launch.script refuses it elsewhere)
     existed = Path(config.run_dir).exists()
     if (Path(config.run_dir) / METRICS_FILE).exists() and not overwrite and not _a_scripts_run_dir(config.run_dir):
         raise UsageError(f"--run-dir {config.run_dir!r} holds a run of ddp-amp's own loop (metrics.jsonl); pass "

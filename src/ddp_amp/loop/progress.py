@@ -21,6 +21,8 @@ class Progress:
         self.started = time.time()
         self.tensorboard = None
         """--tensorboard: rank 0's SummaryWriter under RUN_DIR/tensorboard, made at the first report."""
+        self.trackers = None
+        """--tracker: rank 0's experiment trackers (rank.trackers), opened at the first report."""
 
     def report(self, step: int, metrics: dict[str, Any]) -> None:
         if step % self.run.settings.log_every:
@@ -32,6 +34,8 @@ class Progress:
             outputs.append_metrics(run.run_dir, {"step": step, **values})
             if run.settings.tensorboard:
                 self._scalars(step, values)
+            if run.settings.tracker:
+                self._track({"step": step, **values})
         if self.sender is not None:
             self.sender.send({"type": "report", "rank": run.rank, "step": step, "metrics": values})
 
@@ -45,6 +49,23 @@ class Progress:
         for name, value in values.items():
             if math.isfinite(value):
                 self.tensorboard.add_scalar(f"report/{name}", value, step)
+
+    def _track(self, record: dict[str, Any]) -> None:
+        """The report's metrics to the trackers: one tracker run per run dir, each step once (rank.trackers)."""
+        if self.trackers is None:
+            from ddp_amp.rank.trackers import Trackers, run_params
+
+            run, settings = self.run, self.run.settings
+            self.trackers = Trackers(settings.tracker, run.run_dir, settings.resume, project=settings.tracker_project,
+                                     run_name=settings.tracker_run_name, tags=settings.tracker_tag, warn=self._warn)
+            self.trackers.start(run_params(settings, world_size=run.world_size, precision=run.precision,
+                                           shard=run.strategy.mode))
+        self.trackers.log(record)
+
+    def _warn(self, line: str) -> None:
+        print(line, flush=True)
+        if self.sender is not None:
+            self.sender.send({"type": "output", "rank": self.run.rank, "stream": "stderr", "line": line})
 
     def finish(self) -> None:
         """loop.json on rank 0: the precision, the parallel mode, the steps, how the loop ended."""
@@ -62,6 +83,11 @@ class Progress:
             checkpoints = run._checkpoints
             if checkpoints.last_path is not None:
                 record["checkpoint"] = str(checkpoints.last_path)
+            if self.trackers is not None:
+                stopped = run.stopped_at is not None
+                record["trackers"] = self.trackers.finish(
+                    f"stopped at step {run.stopped_at}" if stopped else "finished",
+                    "stopped" if stopped else "finished", record, [])
             outputs.write_json(run.run_dir / outputs.LOOP_RECORD_FILE, record)
         if self.tensorboard is not None:
             self.tensorboard.close()

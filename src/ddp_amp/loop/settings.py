@@ -38,6 +38,10 @@ class LoopSettings:
     seed: int = 0
     device: str = "auto"
     tensorboard: bool = False
+    tracker: tuple[str, ...] = ()
+    tracker_project: str | None = None
+    tracker_run_name: str | None = None
+    tracker_tag: tuple[str, ...] = ()
     run_dir: str = DEFAULT_RUN_DIR
     launch_time: float = dataclasses.field(default_factory=time.time)
     under_ddp_amp: bool = False
@@ -59,6 +63,8 @@ class LoopSettings:
             TrainConfig(**{key: values[key] for key in LOOP_OPTIONS if key in values})
         except UsageError as exc:
             raise LoopError(f"setup(): {exc}") from None
+        for name in ("tracker", "tracker_tag"):  # config.json holds them as lists
+            values[name] = tuple(values.get(name) or ())
         return cls(**values)
 
 

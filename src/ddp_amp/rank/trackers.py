@@ -55,7 +55,8 @@ def run_params(config: Any, **facts: Any) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for key, value in dataclasses.asdict(config).items():
         params[key] = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-    params.update({f"task_arg.{arg.split('=', 1)[0]}": arg.split("=", 1)[-1] for arg in config.task_arg})
+    arguments = getattr(config, "task_arg", ())  # a script's loop (loop.settings) has none
+    params.update({f"task_arg.{arg.split('=', 1)[0]}": arg.split("=", 1)[-1] for arg in arguments})
     return {**params, **facts}
 
 
@@ -103,7 +104,7 @@ class Trackers:
         self.tags = {"ddp_amp.run_dir": str(run_dir.resolve()), **dict(tag.split("=", 1) for tag in tags)}
         self.trackers = [_Tracker(name) for name in names]
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self.cpu_s = 0.0
+        self.cpu_s = self.sending_cpu_s = 0.0
         self._opened = threading.Event()
         self._finishing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ddp-amp-trackers", daemon=True)
@@ -136,10 +137,11 @@ class Trackers:
 
     def report(self) -> dict[str, Any]:
         """Per tracker: its run id, the steps it got and did not, its error; and the CPU seconds the trackers'
-        thread took (all trackers together: what they cost rank 0 beside the loop)."""
+        thread took, all trackers together: in all (the library's import, the opening and the end's uploads
+        included), and sending while the loop ran (between the opening and the end: what it cost the loop)."""
         return {t.name: {"run_id": t.kept.get("run_id"), "sent_steps": t.sent_steps,
                          "unsent_steps": t.unsent_steps, "thread_cpu_s": round(self.cpu_s, 3),
-                         **({"error": t.error} if t.error else {})}
+                         "sending_cpu_s": round(self.sending_cpu_s, 3), **({"error": t.error} if t.error else {})}
                 for t in self.trackers}
 
     def _serve(self) -> None:
@@ -156,8 +158,12 @@ class Trackers:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            opening, ending = batch[0] is not None and batch[0][0] == "open", batch[-1] is None
+            started = time.thread_time()
             for tracker in self.trackers:
                 self._send(tracker, [item for item in batch if item is not None])
+            if not (opening or ending):
+                self.sending_cpu_s += time.thread_time() - started
             self._opened.set()
             if batch[-1] is None:
                 return
