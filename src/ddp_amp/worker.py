@@ -35,7 +35,7 @@ from ddp_amp.rank.evaluation import evaluate_into
 from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
 from ddp_amp.rank.reporter import WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals, wait_for_own_stop_signal
-from ddp_amp.rank.trackers import Trackers, run_params
+from ddp_amp.rank.trackers import OPEN_S, Trackers, run_params
 from ddp_amp.tasks import Task
 from ddp_amp.train.metrics import memory_now_mb, peak_memory
 from ddp_amp.train.microbatch import is_out_of_memory
@@ -175,7 +175,8 @@ def _built_trainer(run: RankRun) -> Built:
         reporter.trackers = Trackers(config.tracker, run.run_dir, config.resume, project=config.tracker_project,
                                      run_name=config.tracker_run_name, tags=config.tracker_tag, warn=reporter.warn)
         reporter.trackers.start(run_params(config, world_size=env.world_size, precision=run.precision.name,
-                                           device=setup.device_name(device), torch=torch.__version__))
+                                           device=setup.device_name(device), torch=torch.__version__),
+                                wait_s=min(OPEN_S, config.timeout / 4))  # the others wait in a collective
     reporter.state("running")
     return Built(trainer, checkpoints, task, baseline, amp_probe, initial, resumed)
 

@@ -72,10 +72,12 @@ def test_a_run_measures_reports_and_caches_then_the_next_run_uses_the_cache(tmp_
     assert first.returncode == 0, first.stderr
     summary = read_summary(tmp_path / "first")
     probe = summary["amp_auto"]
-    assert probe["cached"] is False and probe["choice"] in ("fp32", "bf16")
-    assert probe["fp32_pass_s"] > 0 and probe["bf16_pass_s"] > 0
+    assert probe["cached"] is False and probe["choice"] in ("fp32", "bf16", "bf16-true")
+    assert probe["fp32_pass_s"] > 0 and probe["bf16_pass_s"] > 0 and probe["bf16_true_pass_s"] > 0
     assert probe["bf16_speedup"] == pytest.approx(probe["fp32_pass_s"] / probe["bf16_pass_s"])
-    assert summary["precision"] == probe["choice"] == amp_probe.decide(probe["fp32_pass_s"], probe["bf16_pass_s"])
+    assert probe["bf16_true_speedup"] == pytest.approx(probe["fp32_pass_s"] / probe["bf16_true_pass_s"])
+    assert summary["precision"] == probe["choice"] == amp_probe.decide(probe["fp32_pass_s"], probe["bf16_pass_s"],
+                                                                       probe["bf16_true_pass_s"])
     assert f"at {probe['bf16_speedup']:.2f}x fp32's speed" in probe["reason"]
     assert "precision measured at start-up" in first.stderr + first.stdout
     events = [json.loads(line) for line in first.stdout.splitlines() if line.startswith("{")]

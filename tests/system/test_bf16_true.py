@@ -59,3 +59,49 @@ def test_shard_full_in_bf16_true_all_gathers_half_the_bytes(tmp_path, helper_tas
         true, fp32 = counted["true"][rank], counted["fp32"][rank]
         assert len(true) == len(fp32) > 0
         assert [2 * b for b in true] == fp32
+
+
+def _masters_rank(rank: int, port: int, out: str) -> None:
+    """One rank of a 2-rank gloo group: a model initialised differently on each rank (as numpy- or random-seeded
+    initialisation is), set up for bf16-true; writes its masters and its model's bf16 weights."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.parallel.ddp import DDPStrategy
+    from ddp_amp.precision import Precision
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(4, 3)
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        strategy = DDPStrategy(TrainConfig(dtype="bf16-true", amp="on"), torch.device("cpu"), Precision("bf16-true"))
+        strategy.setup_module(model)
+        masters = strategy.masters.state_with_masters(model.state_dict())
+        torch.save({"initial": initial, "masters": masters, "model": model.state_dict()},
+                   os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_ranks_masters_are_rank_0s_weights_after_ddp_wraps_the_model(tmp_path):
+    """DDP hands rank 0's (bf16) weights to every rank when it wraps the model; the fp32 masters, taken before,
+    are made rank 0's too. Without that, ranks whose initialisation differed would step apart for good."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_masters_rank, args=(port, str(tmp_path)), nprocs=2)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert not torch.equal(rank0["initial"]["weight"], rank1["initial"]["weight"])
+    for name in ("weight", "bias"):
+        assert torch.equal(rank1["masters"][name], rank0["initial"][name])
+        assert torch.equal(rank0["masters"][name], rank0["initial"][name])
+        assert torch.equal(rank1["model"][name], rank0["initial"][name].bfloat16())

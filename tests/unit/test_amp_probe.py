@@ -56,7 +56,8 @@ def test_the_shapes_are_the_tasks_own_and_probing_changes_nothing(cache_dir):
     linears = [m for m in task.model.modules() if isinstance(m, torch.nn.Linear)]
     assert sorted(shapes) == sorted({(24, m.in_features, m.out_features) for m in linears})
     answer = amp_probe._rank0_answer(task, torch.device("cpu"), 24, "mlp")
-    assert answer["choice"] in ("fp32", "bf16") and answer["fp32_pass_s"] > 0 and answer["bf16_pass_s"] > 0
+    assert answer["choice"] in ("fp32", "bf16", "bf16-true") and answer["fp32_pass_s"] > 0
+    assert answer["bf16_pass_s"] > 0 and answer["bf16_true_pass_s"] > 0
     assert task.model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in task.model.state_dict().items())
@@ -102,3 +103,26 @@ def test_the_cache_keeps_answers_per_cpu_torch_threads_and_shapes(cache_dir):
     assert precision.cached_amp_choices() == {}  # unreadable: probe again, no error
 
 
+
+
+def test_a_model_that_cannot_compute_with_bf16_weights_is_timed_in_fp32_and_autocast():
+    """Its bf16-true pass raises: the probe drops that mode alone, and still measures bf16 autocast."""
+    from torch.utils.data import TensorDataset
+
+    from ddp_amp.tasks import Task
+
+    class Fp32Weights(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            if self.linear.weight.dtype != torch.float32:
+                raise TypeError("this model keeps fp32 weights")
+            return self.linear(x)
+
+    task = Task(model=Fp32Weights(), dataset=TensorDataset(torch.randn(8, 4), torch.randn(8, 1)),
+                loss_fn=torch.nn.functional.mse_loss)
+    batch = amp_probe._first_samples(task, 8)
+    seconds = amp_probe.time_training_passes(task.model, task, batch, torch.device("cpu"), budget_s=0.05)
+    assert set(seconds) == {"fp32", "bf16"}

@@ -512,3 +512,30 @@ def test_bf16_true_keeps_an_update_far_below_a_bf16_ulp_of_the_weight(one_rank_g
     assert expected.abs().min() > 0
     torch.testing.assert_close(moved, expected, rtol=0.05, atol=0)
     assert torch.equal(saved["weight"].bfloat16(), held["weight"])
+
+
+def test_bf16_true_keeps_frozen_weights_in_fp32_in_what_it_saves(one_rank_group, tmp_path):
+    """A frozen layer computes in bf16 like the rest, but the state that checkpoints and model.pt hold keeps its
+    fp32 values exactly: a frozen backbone is not rounded to bf16 for good."""
+    config = TrainConfig(task="inline", steps=2, log_every=2, batch_size=16, seed=5, optimizer="sgd",
+                         schedule="constant", amp="on", dtype="bf16-true", run_dir=str(tmp_path))
+    torch.manual_seed(5)
+    task = helper_tasks.plain_regression()
+    task.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    task.model[0].requires_grad_(False)
+    frozen = task.model[0].weight.detach().clone()
+    assert not torch.equal(frozen.bfloat16().float(), frozen)  # rounding would show
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("bf16-true"), task, Recorder())
+    trainer.train()
+    saved = trainer.model_state()
+    assert trainer.module[0].weight.dtype == torch.bfloat16
+    assert saved["0.weight"].dtype == torch.float32 and torch.equal(saved["0.weight"], frozen)
+    trainer.close()
+
+
+def test_a_scripts_loop_refuses_bf16_true_as_the_command_line_does():
+    from ddp_amp.loop import _precision
+    from ddp_amp.loop.settings import LoopError, LoopSettings
+
+    with pytest.raises(LoopError, match="dtype='bf16-true' is for ddp-amp's own loop"):
+        _precision(LoopSettings(amp="on", dtype="bf16-true"), torch.device("cpu"))

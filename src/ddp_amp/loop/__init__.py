@@ -321,6 +321,9 @@ def _precision(settings: LoopSettings, device: torch.device) -> Precision:
                                    cuda_bf16=device.type == "cuda" and cuda_devices_have_native_bf16([device.index]))
     except UsageError as exc:  # e.g. --dtype bf16 on GPUs without it
         raise LoopError(f"setup(): {exc}") from None
+    if chosen.bf16_weights:  # the launcher refuses it on the command line; setup(dtype=...) comes here
+        raise LoopError("setup(): dtype='bf16-true' is for ddp-amp's own loop (its fp32 master weights); a script's "
+                        "loop takes dtype='bf16' (autocast)")
     if chosen.warning and int(os.environ.get("RANK", "0")) == 0:
         print(f"ddp-amp loop: warning: {chosen.warning}", flush=True)
     return chosen

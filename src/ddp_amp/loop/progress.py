@@ -59,7 +59,7 @@ class Progress:
             self.trackers = Trackers(settings.tracker, run.run_dir, settings.resume, project=settings.tracker_project,
                                      run_name=settings.tracker_run_name, tags=settings.tracker_tag, warn=self._warn)
             self.trackers.start(run_params(settings, world_size=run.world_size, precision=run.precision,
-                                           shard=run.strategy.mode))
+                                           shard=run.strategy.mode), wait_s=10.0)  # the others go on to a collective
         self.trackers.log(record)
 
     def _warn(self, line: str) -> None:

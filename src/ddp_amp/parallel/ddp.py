@@ -23,7 +23,10 @@ class DDPStrategy(Strategy):
     def setup_module(self, module: nn.Module, units=None) -> nn.Module:
         if self.precision.bf16_weights:
             self.masters = MasterWeights(module)
-        return wrap_ddp(module, self.config, self.device)
+        wrapped = wrap_ddp(module, self.config, self.device)  # rank 0's (bf16) weights on every rank
+        if self.masters:
+            self.masters.agree()
+        return wrapped
 
     def optimized(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         return self.masters.for_optimizer(params) if self.masters else params

@@ -22,16 +22,30 @@ from torch import nn
 
 
 class MasterWeights:
-    """fp32 copies of a module's trainable floating-point parameters, taken before the module is cast to bf16."""
+    """fp32 copies of a module's floating-point parameters, taken before the module is cast to bf16: the trainable
+    ones are what the optimizer updates; the frozen ones are kept so that checkpoints and model.pt hold them as
+    they were (a frozen backbone is not rounded to bf16 for good). The module's floating-point buffers (running
+    statistics) are bf16 from here on, as the model's own."""
 
     def __init__(self, module: nn.Module) -> None:
-        trained = [p for p in module.parameters() if p.requires_grad and p.is_floating_point()]
-        self.master_of: dict[int, nn.Parameter] = {id(p): nn.Parameter(p.detach().clone()) for p in trained}
-        self.pairs = [(p, self.master_of[id(p)]) for p in trained]
+        floating = [p for p in module.parameters() if p.is_floating_point()]
+        self.master_of: dict[int, nn.Parameter] = {
+            id(p): nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in floating}
+        self.pairs = [(p, self.master_of[id(p)]) for p in floating if p.requires_grad]
         # Every name a parameter has (a tied one has several): the keys of state_dict that hold it.
         self.names = {name: self.master_of[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
                       if id(p) in self.master_of}
         module.to(torch.bfloat16)  # parameters and floating-point buffers, in place: the same Parameter objects
+
+    @torch.no_grad()
+    def agree(self) -> None:
+        """Every rank's masters made rank 0's, as DDP made the module's weights when it wrapped it (a model whose
+        initialisation drew from numpy or `random`, seeded per rank, differs between ranks until then)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for work in [dist.broadcast(master, src=0, async_op=True) for master in self.master_of.values()]:
+                work.wait()
 
     def for_optimizer(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """The masters of `params`, in their order: what the optimizer updates (its state keyed by index, as a

@@ -112,10 +112,16 @@ def time_training_passes(model: torch.nn.Module, task: Task, batch: Any, device:
     precisions = {"fp32": Precision("fp32"), "bf16": Precision("bf16")}
     if with_bf16_true:
         precisions[BF16_TRUE] = Precision(BF16_TRUE)
-    times: dict[str, list[float]] = {name: [] for name in precisions}
     with torch.random.fork_rng(devices=[]):  # dropout draws from a stream of its own
-        for precision in precisions.values():
-            one_pass(precision)  # warm-up: oneDNN builds its kernels on first use
+        for name, precision in list(precisions.items()):
+            try:
+                one_pass(precision)  # warm-up: oneDNN builds its kernels on first use
+            except Exception:
+                if name != BF16_TRUE:
+                    raise
+                del precisions[name]  # a model that cannot compute with bf16 weights: fp32 or autocast
+                model.zero_grad(set_to_none=True)
+        times: dict[str, list[float]] = {name: [] for name in precisions}
         deadline = time.perf_counter() + budget_s
         while len(times["fp32"]) < 3 or (time.perf_counter() < deadline and len(times["fp32"]) < 200):
             for name, precision in precisions.items():
@@ -188,7 +194,9 @@ def _rank0_answer(task: Task, device: torch.device, samples: int, spec: str,
              "bf16_speedup": seconds["fp32"] / seconds["bf16"], "fp32_pass_s": seconds["fp32"],
              "bf16_pass_s": seconds["bf16"], "shapes": [list(s) for s in shapes],
              "probe_s": time.perf_counter() - started, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if true_s is not None:
-        entry.update(bf16_true_speedup=seconds["fp32"] / true_s, bf16_true_pass_s=true_s)
+    if with_bf16_true:  # None: the model could not compute with bf16 weights (cached as such)
+        entry["bf16_true_pass_s"] = true_s
+        if true_s is not None:
+            entry["bf16_true_speedup"] = seconds["fp32"] / true_s
     remember_amp_choice(key, entry)
     return {**entry, "cached": False, "key": key}

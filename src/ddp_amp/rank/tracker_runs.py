@@ -92,17 +92,19 @@ class MLflowRun(TrackerRun):
 
     def finish(self, outcome, status, summary, files):
         client = self.client
-        for path in files:
-            if path.is_dir():
-                client.log_artifacts(self.run_id, str(path), artifact_path=path.name)
-            elif path.is_file():
-                client.log_artifact(self.run_id, str(path))
-        client.log_dict(self.run_id, summary, "summary.json")
-        if figures := summary_figures(summary):
-            self.log_steps([(figures, RunRecord(summary).steps or 0)])
         client.set_tag(self.run_id, OUTCOME_TAG, outcome)
-        client.set_terminated(self.run_id, status={"finished": "FINISHED", "stopped": "KILLED",
-                                                   "failed": "FAILED"}[status])
+        try:  # the files may fail (a full artifact store) or outlast the wait: the run is ended all the same
+            if figures := summary_figures(summary):
+                self.log_steps([(figures, RunRecord(summary).steps or 0)])
+            client.log_dict(self.run_id, summary, "summary.json")
+            for path in files:
+                if path.is_dir():
+                    client.log_artifacts(self.run_id, str(path), artifact_path=path.name)
+                elif path.is_file():
+                    client.log_artifact(self.run_id, str(path))
+        finally:
+            client.set_terminated(self.run_id, status={"finished": "FINISHED", "stopped": "KILLED",
+                                                       "failed": "FAILED"}[status])
 
 
 class WandbRun(TrackerRun):

@@ -110,11 +110,12 @@ class Trackers:
         self._thread = threading.Thread(target=self._serve, name="ddp-amp-trackers", daemon=True)
         self._thread.start()
 
-    def start(self, params: dict[str, Any]) -> None:
-        """Open (or continue) each tracker's run and, for a new one, log the run's parameters; waits OPEN_S at
-        most (a tracker still opening then goes on opening beside the loop)."""
+    def start(self, params: dict[str, Any], wait_s: float = OPEN_S) -> None:
+        """Open (or continue) each tracker's run and, for a new one, log the run's parameters; waits `wait_s` at
+        most (a tracker still opening then goes on opening beside the loop). The other ranks wait meanwhile in the
+        first collective: `wait_s` stays well inside the process group's timeout."""
         self._queue.put(("open", params))
-        self._opened.wait(OPEN_S)
+        self._opened.wait(wait_s)
 
     def log(self, record: dict[str, Any], *, evaluation: bool = False) -> None:
         """A log interval's (or an evaluation's) record, as metrics.jsonl holds it, at its step; a step the
@@ -127,7 +128,10 @@ class Trackers:
     def finish(self, outcome: str, status: str, summary: dict[str, Any], files: list[Path]) -> dict[str, Any]:
         """The outcome and the run's files, then wait (FLUSH_S at most) for everything queued; what each tracker
         got, for summary.json."""
-        self._queue.put(("finish", (outcome, status, summary, files)))
+        import copy
+
+        # A copy: the caller goes on with its summary while the thread may still be sending this one.
+        self._queue.put(("finish", (outcome, status, copy.deepcopy(summary), files)))
         self._queue.put(None)
         self._finishing.set()
         self._thread.join(FLUSH_S)
@@ -195,6 +199,18 @@ class Trackers:
             self._warn(tracker, tracker.error)
         if tracker.error is not None:
             tracker.unsent_steps += len(steps)
+            self._end_anyway(tracker, items)
+
+    @staticmethod
+    def _end_anyway(tracker: _Tracker, items: list[tuple[str, Any]]) -> None:
+        """A tracker that failed during the run is still told how the run ended, once, quietly (an outage may
+        have passed): its run is not left running for ever."""
+        for kind, work in items:
+            if kind == "finish" and tracker.run is not None:
+                try:
+                    tracker.run.finish(*work)
+                except Exception:  # noqa: BLE001 - warned of already
+                    pass
 
     def _open(self, tracker: _Tracker, params: dict[str, Any]) -> None:
         tracker.run = MLflowRun() if tracker.name == "mlflow" else WandbRun(self.run_dir)
