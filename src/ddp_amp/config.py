@@ -27,9 +27,8 @@ SHARD_MODES = ("none", "optimizer", "full")
 CHECKPOINT_FORMATS = ("single", "sharded")
 DEFAULT_STEPS = 100
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "tracker": TRACKERS, "schedule": SCHEDULES,
-           "optimizer": OPTIMIZERS,
-           "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES, "optimizer_impl": OPTIMIZER_IMPLS,
-           "grad_compression": GRAD_COMPRESSIONS, "shard": SHARD_MODES,
+           "optimizer": OPTIMIZERS, "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES,
+           "optimizer_impl": OPTIMIZER_IMPLS, "grad_compression": GRAD_COMPRESSIONS, "shard": SHARD_MODES,
            "checkpoint_format": CHECKPOINT_FORMATS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
 JobKind = Literal["train", "bench", "max-batch", "doctor"]

@@ -105,6 +105,20 @@ def assert_history_is_metrics_jsonl(client, run_id: str, run_dir: Path, evaluate
         assert held == expected, key
 
 
+def stopped_by_sigterm_after_step_10(run_dir: Path, flags: list[str], env: dict[str, str]) -> None:
+    """A slow 2-rank run with `flags`, SIGTERM to its launcher once the step-10 checkpoint exists: exit 143."""
+    command = [sys.executable, "-m", "ddp_amp", "spawn", *ARGS, *flags, "--run-dir", str(run_dir)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **SLOW, **env})
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "step-10.pt").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.1)
+    process.terminate()
+    _, stderr = process.communicate(timeout=90)
+    assert process.returncode == 143, stderr
+
+
 def test_a_two_rank_run_logs_its_config_metrics_and_files_to_a_real_mlflow_server(tmp_path, server):
     result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", "mlp", "--steps", str(STEPS), "--log-every",
                      "5", "--eval-every", "20", "--tracker", "mlflow", "--tracker-project", "plain", "--tracker-tag",
@@ -129,17 +143,8 @@ def test_a_two_rank_run_logs_its_config_metrics_and_files_to_a_real_mlflow_serve
 
 
 def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_each_step_once(tmp_path, server):
-    command = [sys.executable, "-m", "ddp_amp", "spawn", *ARGS, "--tracker", "mlflow", "--tracker-project",
-               "stopped", "--run-dir", str(tmp_path)]
-    env = {**os.environ, **SLOW, "MLFLOW_TRACKING_URI": server.uri}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "checkpoints" / "step-10.pt").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.1)
-    process.terminate()
-    _, stderr = process.communicate(timeout=90)
-    assert process.returncode == 143, stderr
+    stopped_by_sigterm_after_step_10(tmp_path, ["--tracker", "mlflow", "--tracker-project", "stopped"],
+                                     {"MLFLOW_TRACKING_URI": server.uri})
     stopped_at = read_summary(tmp_path)["stopped_at_step"]
     client, run = only_run(server, "stopped")
     assert run.info.status == "KILLED" and run.data.tags["ddp_amp.outcome"] == f"stopped at step {stopped_at}"
@@ -218,16 +223,7 @@ def wandb_history(run_dir: Path) -> tuple[set[str], list[dict]]:
 
 def test_wandb_offline_holds_the_history_and_a_resumed_run_keeps_its_id(tmp_path):
     pytest.importorskip("wandb")
-    env = {**os.environ, **SLOW, "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "ddp_amp", "spawn", *ARGS, "--tracker", "wandb", "--run-dir", str(tmp_path)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "checkpoints" / "step-10.pt").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.1)
-    process.terminate()
-    _, stderr = process.communicate(timeout=90)
-    assert process.returncode == 143, stderr
+    stopped_by_sigterm_after_step_10(tmp_path, ["--tracker", "wandb"], {"WANDB_MODE": "offline"})
     first_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"]
     assert_ok(run_cli("spawn", *ARGS, "--tracker", "wandb", "--resume", "auto", "--run-dir", str(tmp_path),
                       env={"WANDB_MODE": "offline"}))
