@@ -137,6 +137,17 @@ def load_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "model.pt", weights_only=True)
 
 
+def ddp_amps_run_dir(run_dir: Path, files: dict[str, bytes] | None = None) -> Path:
+    """A run dir as an earlier launch of ddp-amp leaves it: its config.json (by which ddp-amp knows a run dir of
+    its own: launch.run_dir.files_not_ddp_amps) and `files`, each NAME: bytes."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({"launch_time": 1.0, "run_dir": str(run_dir)}))
+    for name, data in (files or {}).items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data)
+    return run_dir
+
+
 def last_line(text: str) -> str:
     """The last line a command wrote (where ddp-amp puts its one-line verdict)."""
     return text.strip().splitlines()[-1]

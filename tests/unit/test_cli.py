@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import run_main
+from conftest import ddp_amps_run_dir, run_main
 
 BAD_INPUTS = [
     (["--gpus", "0"], "--gpus"),
@@ -85,12 +85,13 @@ def test_run_dir_that_is_a_file_is_refused_and_kept(capsys, tmp_path):
 
 
 def test_finished_run_is_not_overwritten_without_flag(capsys, tmp_path):
-    (tmp_path / "model.pt").write_bytes(b"weights")
+    ddp_amps_run_dir(tmp_path, {"model.pt": b"weights"})
+    config = (tmp_path / "config.json").read_bytes()
     code, _, err = run_main(["spawn", "--device", "cpu", "--run-dir", str(tmp_path)], capsys)
     assert code == 2
     assert "--overwrite" in err
     assert (tmp_path / "model.pt").read_bytes() == b"weights"
-    assert not (tmp_path / "config.json").exists()
+    assert (tmp_path / "config.json").read_bytes() == config
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"]])

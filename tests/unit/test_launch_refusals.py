@@ -11,7 +11,7 @@ import torch
 
 from ddp_amp.config import TrainConfig
 
-from conftest import HELPER_TASKS, USER_TASKS, run_main
+from conftest import HELPER_TASKS, USER_TASKS, ddp_amps_run_dir, run_main
 from helper_tasks import Planted
 
 FP32_SGD = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
@@ -218,8 +218,8 @@ def test_resume_auto_without_a_checkpoint_starts_from_the_beginning_and_says_so(
     launched = []
     monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 5}\n')  # an attempt stopped before its first checkpoint
+    # an attempt stopped before its first checkpoint
+    ddp_amps_run_dir(run_dir, {"metrics.jsonl": b'{"step": 5}\n'})
     code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--steps", "2", "--resume", "auto", "--run-dir",
                              str(run_dir)], capsys)
     assert code == 0, err
@@ -247,10 +247,8 @@ def test_validation_options_the_task_cannot_serve_are_refused_before_anything_is
                                                                                            tmp_path, capsys):
     """Refused before launch, once, and under --overwrite nothing of the earlier run is deleted."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    earlier = {"model.pt": b"earlier weights", "metrics.jsonl": b'{"step": 1}\n'}
-    for name, data in earlier.items():
-        (run_dir / name).write_bytes(data)
+    ddp_amps_run_dir(run_dir, {"model.pt": b"earlier weights", "metrics.jsonl": b'{"step": 1}\n'})
+    earlier = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--task", task, *flags, "--steps", "10",
                              "--overwrite", "--run-dir", str(run_dir)], capsys)
     assert code == 2
@@ -278,10 +276,8 @@ def test_every_built_in_task_has_a_validation_set_for_eval_every_and_keep_best(t
 
 def test_a_dry_run_with_overwrite_takes_nothing_of_the_earlier_run_away(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
     earlier = {"model.pt": b"earlier weights", "metrics.jsonl": b'{"step": 1}\n'}
-    for name, data in earlier.items():
-        (run_dir / name).write_bytes(data)
+    ddp_amps_run_dir(run_dir, earlier)
     code, out, err = run_main(["run", "-n", "2", "--device", "cpu", "--overwrite", "--dry-run", "--run-dir",
                                str(run_dir)], capsys)
     assert code == 0 and "torch.distributed.run" in out, err

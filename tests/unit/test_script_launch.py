@@ -32,8 +32,8 @@ def test_options_of_the_built_in_loop_with_a_script_are_named_and_refused(comman
     assert code == 2 and out == ""
     assert one_line(err) == ("ddp-amp: error: --optimizer, --lr, --async-checkpoint: options of ddp-amp's own "
                              "training loop, which a script does not run; drop them (a script takes its own "
-                             "arguments after its name; of the training options only --stop-timeout and --device "
-                             "apply to it)")
+                             "arguments after its name; of the training options only --stop-timeout, --device and "
+                             "--resume auto apply to it)")
     assert not run_dir.exists()
 
 
@@ -70,8 +70,8 @@ def _write(path, text):
 
 @pytest.mark.parametrize("args, line", [
     (["-m", "no_such_module_here"], "-m no_such_module_here: no module of that name (from {cwd})"),
-    (["-m", "no_such_package.train"], "-m no_such_package.train: cannot be found (ModuleNotFoundError: No module "
-                                      "named 'no_such_package')"),
+    (["-m", "no_such_package.train"], "-m no_such_package.train: no module of that name (from {cwd})"),
+    (["-m", "trainpkg.nosuch"], "-m trainpkg.nosuch: trainpkg has no module nosuch"),
     (["-m"], "-m needs a module to run: ddp-amp run -n 2 -m package.module [args]"),
     (["-m", "trainpkg"], "-m trainpkg: a package without a __main__ module, which python -m cannot run; give the "
                          "module that trains (-m package.module)"),

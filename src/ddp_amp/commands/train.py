@@ -141,5 +141,5 @@ def user_script(words: list[str] | None, module: bool, train: dict):
     if program is not None:
         refuse_loop_options([name for name, value in train.items()
                              if value != TRAINING_OPTIONS[name][0] and (value or TRAINING_OPTIONS[name][0])], program,
-                            dtype=train.get("dtype"))
+                            dtype=train.get("dtype"), resume=train.get("resume"))
     return program

@@ -21,8 +21,7 @@ from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
 from ddp_amp.launch.devices import DeviceFacts, device_facts
-from ddp_amp.launch.run_dir import EARLIER_RUN_DIRS, EARLIER_RUN_FILES, prepare_run_dir, running_job
-from ddp_amp.outputs import METRICS_FILE
+from ddp_amp.launch.run_dir import EARLIER_RUN_DIRS, EARLIER_RUN_FILES, prepare_run_dir, running_job, running_job_id
 from ddp_amp.precision import Precision, resolve_precision
 from ddp_amp.process import StopSignal
 
@@ -352,35 +351,44 @@ def _write_config(path: Path, content: bytes) -> None:
         raise UsageError(f"--run-dir {str(path.parent)!r} is not writable: {exc.strerror}") from None
 
 
-def _a_scripts_run_dir(run_dir: str) -> bool:
-    """The run directory of an earlier script launch (its config.json names the script): the metrics.jsonl there
-    are the script's own (ddp_amp.loop's report()), which a resume continues."""
-    try:
-        return "script" in json.loads((Path(run_dir) / CONFIG_FILE).read_text())
-    except (OSError, ValueError, TypeError):
-        return False
+def _same_job_requeued(config: TrainConfig) -> bool:
+    """A requeued attempt of the multinode job whose config.json is in the run dir (Slurm's SLURM_RESTART_COUNT,
+    the same rendezvous id): it continues that job's run dir as --resume auto would."""
+    return bool(config.job_id) and running_job_id(Path(config.run_dir)) == config.job_id and \
+        int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+
+
+def check_script_resume(resume: str | None) -> None:
+    """--resume PATH of a loop script: a checkpoint that is there, refused before any rank starts (the loop's
+    restore() checks what it holds)."""
+    if resume is None or resume == "auto":
+        return
+    path = Path(resume)
+    if not (path.is_file() or (path / ".metadata").is_file()):
+        raise UsageError(f"--resume {resume}: no such checkpoint" + (" (a directory without DCP's .metadata)"
+                                                                    if path.is_dir() else ""))
 
 
 def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",
                      overwrite: bool = False, run_dir: str | None = None, extra: dict | None = None,
                      lock_run_dir: bool = True) -> LaunchPlan:
     """Prepare a launch of the user's `script` (launch.script.Script, checked already): the run directory for its
-    ranks' logs and the record, and config.json (the launch's options and the script). A script's run dir can be
-    launched into again (a requeued or repeated job: its logs and record are replaced); one that holds a finished
-    run of ddp-amp's loop (model.pt) needs --overwrite, as for any launch."""
+    ranks' logs and the record, and config.json (the launch's options and the script). The run dir follows the
+    rules of every launch (launch.run_dir): an earlier run in it needs --resume or --overwrite."""
     if nproc_per_node < 1:
         raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
     config = config.replace(**(extra or {}), run_dir=str(run_dir or default_run_dir()), launch_time=time.time())
     devices = device_facts(config.device, nproc_per_node)
     device_type = "cuda" if devices.visible else "cpu"
     check_trackers(config)  # a script using ddp_amp.loop takes --tracker (launch.script refuses it elsewhere)
+    if overwrite and config.resume is not None:
+        raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
+    check_script_resume(config.resume)
     existed = Path(config.run_dir).exists()
-    if (Path(config.run_dir) / METRICS_FILE).exists() and not overwrite and not _a_scripts_run_dir(config.run_dir):
-        raise UsageError(f"--run-dir {config.run_dir!r} holds a run of ddp-amp's own loop (metrics.jsonl); pass "
-                         "--overwrite to start over in it, or choose another directory")
-    # resuming: a script's earlier record (summary.json) is replaced, not refused as an unfinished run's.
+    # The same rules as for ddp-amp's own loop: an earlier run there (of a task, a script or a loop script) is
+    # continued with --resume (the script resumes itself; its record is replaced) or started over with --overwrite.
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
-                               resuming=True)
+                               resuming=config.resume is not None or _same_job_requeued(config))
     path = prepared.path
     changed = changed_on_disk(path, created=not existed or str(path) != config.run_dir, cleared=overwrite)
     config = config.replace(run_dir=str(path))

@@ -9,9 +9,12 @@ from pathlib import Path
 
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
-from ddp_amp.files import DirectoryInUse, DirectoryLock, remove_partial_writes
+from ddp_amp.files import LOCK_FILE, DirectoryInUse, DirectoryLock, remove_partial_writes
 from ddp_amp.outputs import (
     BEST_MODEL_FILE,
+    DOCTOR_FILE,
+    DUMP_DIR,
+    LOOP_RECORD_FILE,
     METRICS_FILE,
     MODEL_FILE,
     PRETRAINED_DIR,
@@ -30,9 +33,15 @@ class PreparedRunDir:
     """--overwrite: where the earlier run's files wait (clear_earlier_run, settle_earlier_run)."""
 
 
-EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE, TRACKERS_FILE)
-# checkpoint.fileformat, rank.reporter, profiling, the pretrained format, W&B's files (rank.tracker_runs)
-EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR, "wandb")
+EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE, TRACKERS_FILE,
+                     LOOP_RECORD_FILE, DOCTOR_FILE)
+# checkpoint.fileformat, rank.reporter, profiling, the pretrained format, W&B's files (rank.tracker_runs), the
+# ranks' output (progress.output), their flight records (rank.flight_recorder)
+EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR, "wandb", "logs", DUMP_DIR)
+
+TRAINING_OUTPUT = (METRICS_FILE, MODEL_FILE, LOOP_RECORD_FILE)
+"""What only a launch that trained writes (besides a checkpoint): metrics.jsonl (a logged step), model.pt,
+ddp_amp.loop's loop.json (written at finish())."""
 
 
 SET_ASIDE_DIR = ".overwritten"
@@ -40,14 +49,21 @@ SET_ASIDE_DIR = ".overwritten"
 failed before training (then they are put back): no refusal ever costs the earlier run."""
 
 
+FAILED_LAUNCH_DIR = ".failed-launch"
+"""--overwrite, a launch that did not train: its own files (its summary.json, its ranks' logs) wait here, beside
+the earlier run put back, until the next launch into the directory."""
+
+
 def clear_earlier_run(path: Path) -> Path | None:
     """--overwrite: everything an earlier run left is out of the way before this one writes anything: its
     checkpoints above all (a longer run's higher steps would outrank this run's in pruning and in --resume auto).
     Moved, not deleted, to RUN_DIR/.overwritten (one rename each); the directory, or None if there was nothing."""
     aside = path / SET_ASIDE_DIR
+    import shutil
+
+    shutil.rmtree(path / FAILED_LAUNCH_DIR, ignore_errors=True)  # an earlier failed launch's record: superseded
     if aside.exists():  # a launch killed before it settled: its earlier run is put back unless it trained
-        settle_earlier_run(path, aside, trained=has_checkpoint(path) or any(
-            (path / name).exists() for name in (METRICS_FILE, MODEL_FILE)))
+        settle_earlier_run(path, aside, trained=wrote_training_output(path))
     moved = False
     for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml"):
         if (path / name).exists():
@@ -59,7 +75,8 @@ def clear_earlier_run(path: Path) -> Path | None:
 
 def settle_earlier_run(path: Path, aside: Path | None, *, trained: bool) -> bool:
     """After an --overwrite launch: the earlier run's files deleted once the new run has trained, or put back
-    when it failed before its first step (its record of the failure set aside in turn); whether they came back."""
+    when it failed before its first step (its record of the failure set aside in turn, in FAILED_LAUNCH_DIR);
+    whether they came back."""
     import shutil
 
     if aside is None or not aside.exists():
@@ -67,7 +84,7 @@ def settle_earlier_run(path: Path, aside: Path | None, *, trained: bool) -> bool
     if trained:
         shutil.rmtree(aside, ignore_errors=True)
         return False
-    failed = path / ".failed-launch"
+    failed = path / FAILED_LAUNCH_DIR
     shutil.rmtree(failed, ignore_errors=True)
     for item in list(aside.iterdir()):
         if (path / item.name).exists():
@@ -75,8 +92,13 @@ def settle_earlier_run(path: Path, aside: Path | None, *, trained: bool) -> bool
             (path / item.name).rename(failed / item.name)
         item.rename(path / item.name)
     aside.rmdir()
-    shutil.rmtree(failed, ignore_errors=True)
     return True
+
+
+def wrote_training_output(path: Path) -> bool:
+    """Whether the run dir holds what only training writes: a checkpoint, metrics.jsonl, model.pt, loop.json.
+    After an --overwrite set the earlier run's aside, whatever of these is there is this launch's."""
+    return has_checkpoint(path) or any((path / name).exists() for name in TRAINING_OUTPUT)
 
 
 def has_checkpoint(path: Path) -> bool:
@@ -85,13 +107,60 @@ def has_checkpoint(path: Path) -> bool:
                for found in (path / "checkpoints").glob("step-*"))
 
 
+def earlier_run(path: Path) -> list[str]:
+    """What of an earlier launch's work the run dir holds (its record, metrics, checkpoints, loop.json): a launch
+    into it without --resume or --overwrite is refused, whatever either launch ran (a task, a script, a loop)."""
+    found = [name for name in (METRICS_FILE, SUMMARY_FILE, LOOP_RECORD_FILE) if (path / name).exists()]
+    return found + ["checkpoints/"] if has_checkpoint(path) else found
+
+
+WRITTEN_NAMES = (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml", LOCK_FILE)
+"""Every name a launch writes at the top of its run dir."""
+
+
+def files_not_ddp_amps(path: Path) -> list[str]:
+    """The names a launch would write (WRITTEN_NAMES) that the directory holds although it is not a run dir of
+    ddp-amp's: a user's project folder given as --run-dir, a script's own config.json. ddp-amp never replaces
+    them, not even under --overwrite. A run dir is known by its config.json (a launch writes it first): ddp-amp's
+    names the run's launch_time and run_dir."""
+    if not path.is_dir() or is_ddp_amp_config(path / CONFIG_FILE) or is_ddp_amp_config(
+            path / SET_ASIDE_DIR / CONFIG_FILE):
+        return []
+    found = []
+    for name in WRITTEN_NAMES:
+        item = path / name
+        if name == LOCK_FILE and item.is_file() and (item.stat().st_size == 0 or item.read_bytes().strip().isdigit()):
+            continue  # a lock of ddp-amp's (empty, or its holder's pid) left by a launch killed before config.json
+        if item.exists() or item.is_symlink():
+            found.append(name + ("/" if item.is_dir() else ""))
+    return found
+
+
+def is_ddp_amp_config(path: Path) -> bool:
+    try:
+        written = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(written, dict) and {"launch_time", "run_dir"} <= written.keys()
+
+
 def running_job(path: Path) -> str | None:
     """The job id of the elastic multinode job whose config.json is in `path`, if any."""
+    written = _config_of(path)
+    return written.get("job_id") if written.get("elastic") else None
+
+
+def running_job_id(path: Path) -> str | None:
+    """The job id of the multinode job (elastic or not) whose config.json is in `path`, if any."""
+    return _config_of(path).get("job_id")
+
+
+def _config_of(path: Path) -> dict:
     try:
         written = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError):
-        return None
-    return written.get("job_id") if isinstance(written, dict) and written.get("elastic") else None
+        return {}
+    return written if isinstance(written, dict) else {}
 
 
 def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False,
@@ -123,6 +192,9 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
         raise UsageError(f"{flag} is an existing file, not a directory")
     if joining is not None and path.is_dir() and running_job(path) == joining:
         return PreparedRunDir(path, None)
+    if foreign := files_not_ddp_amps(path):
+        raise UsageError(f"{flag} holds {', '.join(foreign)}, which ddp-amp did not write (no config.json of "
+                         "ddp-amp's beside them) and would replace; choose another directory")
     if (path / MODEL_FILE).exists() and not overwrite:
         raise UsageError(f"{flag} already holds a finished run (model.pt); choose another or pass --overwrite")
     try:
@@ -138,11 +210,11 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                              "or choose another directory") from None
         except OSError as exc:
             raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
-    if not overwrite and not resuming and any((path / name).exists() for name in (METRICS_FILE, SUMMARY_FILE)):
+    if not overwrite and not resuming and (earlier := earlier_run(path)):
         if held:
             held.release()
-        raise UsageError(f"{flag} holds an unfinished earlier run (metrics, no model.pt); pass --overwrite to "
-                         "start over in it, or choose another directory")
+        raise UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
+                         "over in it with --overwrite, or choose another directory")
     return PreparedRunDir(path, held, _tidy(path, flag, overwrite=overwrite, resuming=resuming))
 
 
@@ -154,8 +226,9 @@ def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | N
             remove_partial_writes(path / "checkpoints")
         if overwrite:
             return clear_earlier_run(path)
-        if resuming:
-            (path / SUMMARY_FILE).unlink(missing_ok=True)  # the stopped attempt's; this run writes its own
+        if resuming:  # the stopped attempt's record and a loop script's account: this run writes its own
+            for name in (SUMMARY_FILE, LOOP_RECORD_FILE):
+                (path / name).unlink(missing_ok=True)
     except OSError as exc:
         raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
     return None

@@ -8,7 +8,6 @@ Each rank runs it through ddp_amp.rank.script, with torchrun's environment contr
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,10 @@ ddp-amp's own loop (its model, optimizer, schedule, precision, checkpoints), whi
 with a script they are refused, never silently ignored."""
 
 
+INTERPRETERS = ("python", "python3", "torchrun", "python3.11", "python3.12", "python3.13")
+"""Words a user may type before the script out of habit (`torchrun ... python train.py` is a common mistake too)."""
+
+
 def script_from_command_line(words: list[str] | None, module: bool) -> Script | None:
     """SCRIPT [ARGS...] as typer collected them (every word after the first positional one, verbatim), or None
     when the command trains a task. Checked here, before anything starts: one line per problem, exit 2."""
@@ -38,72 +41,145 @@ def script_from_command_line(words: list[str] | None, module: bool) -> Script | 
         check_module(target)
         return Script(target, args, module=True, cwd=cwd)
     path = Path(target)
+    if not path.exists() and Path(target).name in INTERPRETERS:
+        raise UsageError(f"script {target!r}: ddp-amp runs the script with Python itself, as torchrun does; drop "
+                         f"{target!r} (ddp-amp run -n 2 train.py, or -m package.module)")
     check_script_file(path)
     return Script(target, args, path=str(path.resolve()), cwd=cwd)
 
 
-def check_script_file(path: Path) -> None:
-    """A file that exists, is readable and compiles (a syntax error is named file:line, as Python would)."""
+def check_script_file(path: Path, what: str = "script") -> None:
+    """A regular file that exists, is readable and compiles (a syntax error is named file:line, as Python would).
+    Not a FIFO or a device: reading one would wait for a writer that may never come."""
+    import stat
+
     if not path.exists():
-        raise UsageError(f"script {str(path)!r} does not exist")
+        raise UsageError(f"{what} {str(path)!r} does not exist")
     if path.is_dir():
-        raise UsageError(f"script {str(path)!r} is a directory; give the training script's file (or -m "
+        raise UsageError(f"{what} {str(path)!r} is a directory; give the training script's file (or -m "
                          "package.module)")
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise UsageError(f"{what} {str(path)!r} is not a regular file (a pipe or a device); give the training "
+                         "script's file")
     try:
         source = path.read_bytes()
     except OSError as exc:
-        raise UsageError(f"script {str(path)!r} cannot be read: {exc.strerror}") from None
+        raise UsageError(f"{what} {str(path)!r} cannot be read: {exc.strerror}") from None
+    if b"\0" in source:
+        raise UsageError(f"{what} {str(path)!r} is not Python source: it holds NUL bytes (a binary file?)")
     try:
         compile(source, str(path), "exec", dont_inherit=True)
     except SyntaxError as exc:
-        raise UsageError(f"script {exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}") from None
-    except ValueError as exc:  # source with a NUL byte
-        raise UsageError(f"script {str(path)!r} is not Python source: {exc}") from None
+        raise UsageError(f"{what} {exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}") from None
+    except ValueError as exc:
+        raise UsageError(f"{what} {str(path)!r} is not Python source: {exc}") from None
 
 
 def check_module(name: str) -> None:
-    """-m NAME: a module Python can find from this directory, as `python -m NAME` would (its parent packages
-    are imported to look, as Python does)."""
+    """-m NAME: a module Python can find from this directory, as `python -m NAME` would, whose source (and that
+    of the packages above it, which python -m runs first) compiles. Found without importing anything: a
+    package's __init__ is the user's code, which runs in the ranks, never in the launcher."""
+    if name.endswith(".py") and Path(name).is_file():
+        dotted = name.removesuffix(".py").replace("/", ".")
+        raise UsageError(f"-m {name}: -m takes a module's dotted name, {name} is a file; run the file without -m "
+                         f"(ddp-amp run -n 2 {name}) or give its module (-m {dotted})")
+    try:
+        chain = module_chain(name)
+    except ModuleNotFound as missing:
+        raise UsageError(f"-m {name}: {missing}") from None
+    spec = chain[-1]
+    if spec.submodule_search_locations is not None:
+        raise UsageError(f"-m {name}: a package without a __main__ module, which python -m cannot run; give the "
+                         "module that trains (-m package.module)")
+    for found in chain:
+        if found.origin and found.origin.endswith(".py"):
+            check_script_file(Path(found.origin), what=f"-m {name}:")
+
+
+class ModuleNotFound(Exception):
+    """What of a dotted name cannot be found (module_chain)."""
+
+
+def module_chain(name: str) -> list:
+    """The specs python -m NAME would import, the top package first and the module it runs last (a package's
+    __main__), found as importlib finds them (sys.meta_path's finders: plain files, zips, editable installs)
+    but without executing any: a parent package's __init__ is not imported to look inside it, its
+    submodule_search_locations are. The working directory comes first, as python -m puts it on sys.path."""
     import sys
 
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise ModuleNotFound("not a module name (dotted Python identifiers, as python -m takes)")
     added = os.getcwd() not in sys.path
-    if added:  # python -m puts the working directory first on the path
+    if added:
         sys.path.insert(0, os.getcwd())
     try:
-        spec = importlib.util.find_spec(name)
-        # A package runs as its __main__ submodule, as python -m runs it.
-        main = (importlib.util.find_spec(f"{name}.__main__")
-                if spec is not None and spec.submodule_search_locations is not None else None)
-    except (ImportError, ValueError) as exc:
-        raise UsageError(f"-m {name}: cannot be found ({type(exc).__name__}: {exc})") from None
+        chain, locations = [], None
+        for index, part in enumerate(parts):
+            fullname = ".".join(parts[:index + 1])
+            if locations is None and index > 0:
+                raise ModuleNotFound(f"{'.'.join(parts[:index])} is a module, not a package")
+            spec = _find_spec(fullname, locations)
+            if spec is None:
+                raise ModuleNotFound("no module of that name (from " + os.getcwd() + ")" if index == 0 else
+                                     f"{'.'.join(parts[:index])} has no module {part}")
+            chain.append(spec)
+            locations = spec.submodule_search_locations
+        if locations is not None:  # a package runs as its __main__ submodule, as python -m runs it
+            main = _find_spec(f"{name}.__main__", locations)
+            if main is not None:
+                chain.append(main)
+        return chain
     finally:
         if added:
             sys.path.remove(os.getcwd())
-    if spec is None:
-        raise UsageError(f"-m {name}: no module of that name (from {os.getcwd()})")
-    if spec.submodule_search_locations is not None and main is None:
-        raise UsageError(f"-m {name}: a package without a __main__ module, which python -m cannot run; give the "
-                         "module that trains (-m package.module)")
 
 
-def refuse_loop_options(changed: list[str], script: Script, dtype: str | None = None) -> None:
+def _find_spec(fullname: str, path):
+    """importlib's search for one name, without the import of its parent that importlib.util.find_spec does."""
+    import sys
+
+    if (module := sys.modules.get(fullname)) is not None and getattr(module, "__spec__", None) is not None:
+        return module.__spec__
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(fullname, path)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+def refuse_loop_options(changed: list[str], script: Script, dtype: str | None = None,
+                        resume: str | None = None) -> None:
     """`changed`: the training options given, as TrainConfig fields (those that differ from their defaults). A
     script runs its own loop: the options of ddp-amp's loop are refused by name, except those a script that uses
-    ddp_amp.loop takes (config.LOOP_OPTIONS), and --dtype bf16-true, whose fp32 masters live in ddp-amp's loop."""
+    ddp_amp.loop takes (config.LOOP_OPTIONS), and --dtype bf16-true, whose fp32 masters live in ddp-amp's loop.
+    `--resume auto` is every script's: it continues the run dir of an earlier launch (a plain script resumes
+    from its own checkpoints; --resume PATH is ddp_amp.loop's)."""
+    loop = uses_loop_module(script)
     if dtype == BF16_TRUE:
         raise UsageError(f"--dtype {BF16_TRUE}: a script's loop keeps its model's weights as it built them; "
-                         "use --dtype bf16 (autocast), or ddp-amp's own loop with --task")
-    allowed = SCRIPT_TRAINING_OPTIONS + (LOOP_OPTIONS if uses_loop_module(script) else ())
+                         + ("use --dtype bf16 (autocast), or ddp-amp's own loop with --task" if loop else
+                            "use ddp-amp's own loop with --task"))
+    allowed = SCRIPT_TRAINING_OPTIONS + (LOOP_OPTIONS if loop else ()) + (("resume",) if resume == "auto" else ())
     given = ["--" + name.replace("_", "-") for name in changed if name not in allowed]
     if not given:
         return
+    takes = ("--stop-timeout and ddp_amp.loop's settings (" + ", ".join(
+        "--" + name.replace("_", "-") for name in LOOP_OPTIONS) + ")") if loop else \
+        "--stop-timeout, --device and --resume auto"
     loop_ones = [flag for flag in given if flag[2:].replace("-", "_") in LOOP_OPTIONS]
     hint = (f"; {', '.join(loop_ones)} would apply to a script that uses ddp_amp.loop, and "
             f"{script.target} does not import it") if loop_ones else ""
     raise UsageError(f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of ddp-amp's own "
                      f"training loop, which a script does not run; drop {'it' if len(given) == 1 else 'them'} "
-                     "(a script takes its own arguments after its name; of the training options only "
-                     f"--stop-timeout and --device apply to it){hint}")
+                     f"(a script takes its own arguments after its name; of the training options only {takes} apply "
+                     f"to it){hint}")
 
 
 def uses_loop_module(script: Script) -> bool:
@@ -113,11 +189,11 @@ def uses_loop_module(script: Script) -> bool:
     import ast
 
     path = script.path
-    if script.module:
-        spec = importlib.util.find_spec(script.target)
-        if spec is not None and spec.submodule_search_locations is not None:
-            spec = importlib.util.find_spec(f"{script.target}.__main__")
-        path = spec.origin if spec is not None else None
+    if script.module:  # the module python -m runs (a package's __main__), found without importing
+        try:
+            path = module_chain(script.target)[-1].origin
+        except ModuleNotFound:
+            path = None
     try:
         tree = ast.parse(Path(path).read_bytes())
     except (OSError, SyntaxError, ValueError, TypeError):

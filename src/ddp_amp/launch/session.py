@@ -160,12 +160,11 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
 def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None:
     """--overwrite: the earlier run's files, set aside at the preflight, deleted now that this run has trained
     (logged a step, or kept a checkpoint or model.pt), or put back after a launch that failed before."""
-    from ddp_amp.launch.run_dir import has_checkpoint, settle_earlier_run
-    from ddp_amp.outputs import METRICS_FILE, MODEL_FILE
+    from ddp_amp.launch.run_dir import FAILED_LAUNCH_DIR, settle_earlier_run, wrote_training_output
 
     run_dir = Path(plan.config.run_dir)
     if trained is None:
-        trained = has_checkpoint(run_dir) or any((run_dir / name).exists() for name in (METRICS_FILE, MODEL_FILE))
+        trained = wrote_training_output(run_dir)
     try:
         restored = settle_earlier_run(run_dir, plan.set_aside, trained=trained)
     except OSError as exc:  # said, never raised: it runs after the launch, whose own outcome must come through
@@ -173,8 +172,9 @@ def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None
             f"{'deleted' if trained else 'put back'} ({exc}); they are in {plan.set_aside}")
         return
     if restored:
-        say(f"ddp-amp: --overwrite: this launch ended before its first step, so the earlier run's files in "
-            f"{run_dir} are back as they were")
+        kept = run_dir / FAILED_LAUNCH_DIR
+        say(f"ddp-amp: --overwrite: this launch ended before it trained, so the earlier run's files in {run_dir} are "
+            "back as they were" + (f"; this launch's record and logs are in {kept}" if kept.exists() else ""))
 
 
 def _run_and_judge(launch: Launch, display, announce: bool) -> None:
@@ -220,6 +220,7 @@ def run_script_launch(launch: Launch, display) -> None:
     summary.json (launch.script.script_record), which `ddp-amp show` lists."""
     import time
 
+    from ddp_amp.launch.run_dir import wrote_training_output
     from ddp_amp.launch.script import script_record
     from ddp_amp.outputs import write_summary
     from ddp_amp.progress.session import ProgressSession
@@ -233,17 +234,34 @@ def run_script_launch(launch: Launch, display) -> None:
         f"output in {run_dir / 'logs'})")
     started = time.time()
     failure = _start_ranks(launch, ProgressSession(display, run_dir, capture_output=True))
-    if failure is not None and failure.exit_code > 128:
-        failure = RunFailed(f"{failure}: passed on to every rank (each rank's output in {run_dir / 'logs'})",
-                            exit_code=failure.exit_code)
     model = display.model
-    settle_overwritten(plan, trained=True)  # what a script does is its own: the earlier run is not put back
-    write_summary(run_dir, script_record(script, run_dir, launch=launch, model=model, started=started, failure=failure))
+    record = script_record(script, run_dir, launch=launch, model=model, started=started, failure=failure)
+    if failure is not None and failure.exit_code > 128:
+        failure = RunFailed(_script_stop_line(record, run_dir, str(failure)), exit_code=failure.exit_code)
+    write_summary(run_dir, record)
+    # A script that finished, or that wrote what training writes (metrics, a checkpoint, model.pt, loop.json),
+    # trained: under --overwrite the earlier run is gone. One that failed or was stopped before it wrote any gets
+    # the earlier run back, and this launch's record (summary.json, logs) is set aside (run_dir.FAILED_LAUNCH_DIR).
+    settle_overwritten(plan, trained=failure is None or wrote_training_output(run_dir))
     if failure is not None:
         raise failure
     restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""
     say(f"ddp-amp: the script finished on every rank{restarts} in {time.time() - started:.1f}s; summary "
         f"{run_dir / 'summary.json'}")
+
+
+def _script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
+    """The verdict of a script stopped by a signal: for a ddp_amp.loop script that stopped at an agreed step,
+    what the built-in loop's says (the step, the checkpoint, how to continue); else the signal passed on."""
+    loop = record.get("loop") or {}
+    step, checkpoint = loop.get("stopped_at_step"), loop.get("checkpoint")
+    if step is None:
+        return f"{signalled}: passed on to every rank (each rank's output in {run_dir / 'logs'})"
+    name = loop.get("stopped_by") or signalled.removeprefix("stopped by ")
+    if checkpoint:
+        return (f"stopped by {name} at step {step}; checkpoint {checkpoint} (continue with --resume auto --run-dir "
+                f"{run_dir})")
+    return f"stopped by {name} at step {step}; no checkpoint kept"
 
 
 def _announce(launch: Launch) -> None:
