@@ -51,6 +51,17 @@ def fail_on_rank1() -> Task:
     return _regression_with(on_call)
 
 
+def fail_on_rank1_at_first_step() -> Task:
+    """Rank 1 raises in its first step: the run fails before it trained (nothing logged, nothing kept)."""
+
+    def on_call(call, loss):
+        if os.environ.get("RANK") == "1":
+            raise ValueError("injected failure at step 1")
+        return loss
+
+    return _regression_with(on_call)
+
+
 def killed_once() -> Task:
     """Rank 1 is SIGKILLed at its third step of the first attempt; a torchrun restart then runs clean."""
 

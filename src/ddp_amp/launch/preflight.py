@@ -59,7 +59,10 @@ class LaunchPlan:
     run_dir_lock: object = None
     """The run directory's lock, held as long as this plan (the launch) lives."""
     set_aside: Path | None = None
-    """--overwrite: the earlier run's files, set aside until this launch has trained (launch.run_dir)."""
+    """--overwrite: the earlier run's files, set aside until this launch has trained (launch.run_dir); --resume:
+    the stopped attempt's record."""
+    output_before: tuple = ()
+    """What training had written in the run dir at the preflight (launch.run_dir.training_output)."""
     init: dict | None = None
     """--init-from: what of the file fits the model (loaded, missing, unexpected tensors)."""
     fields_left_out: tuple[str, ...] = ()
@@ -341,6 +344,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
         _write_config(config_path, (config.to_json() + "\n").encode())
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
                       run_dir_lock=prepared.lock, init=init, set_aside=prepared.set_aside,
+                      output_before=prepared.output_before,
                       fields_left_out=left_out, changed_on_disk=changed)
 
 
@@ -397,4 +401,5 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     with stops_say(changed):
         _write_config(config_path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return LaunchPlan(config=config, device_type=device_type, precision=None, config_path=config_path,
-                      run_dir_lock=prepared.lock, set_aside=prepared.set_aside, changed_on_disk=changed)
+                      run_dir_lock=prepared.lock, set_aside=prepared.set_aside, changed_on_disk=changed,
+                      output_before=prepared.output_before)

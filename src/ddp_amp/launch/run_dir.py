@@ -30,7 +30,11 @@ class PreparedRunDir:
     lock: DirectoryLock | None
     """Held by the launcher for the whole launch: a second launch into the same directory is refused."""
     set_aside: Path | None = None
-    """--overwrite: where the earlier run's files wait (clear_earlier_run, settle_earlier_run)."""
+    """--overwrite: where the earlier run's files wait (clear_earlier_run, settle_earlier_run); --resume: where
+    the stopped attempt's record waits (its summary.json, a loop script's loop.json)."""
+    output_before: tuple = ()
+    """training_output(path) once the earlier run's files were set aside: what this launch trained is the
+    difference (trained_since)."""
 
 
 EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE, TRACKERS_FILE,
@@ -54,7 +58,7 @@ FAILED_LAUNCH_DIR = ".failed-launch"
 the earlier run put back, until the next launch into the directory."""
 
 
-def clear_earlier_run(path: Path) -> Path | None:
+def clear_earlier_run(path: Path, names: tuple[str, ...] | None = None) -> Path | None:
     """--overwrite: everything an earlier run left is out of the way before this one writes anything: its
     checkpoints above all (a longer run's higher steps would outrank this run's in pruning and in --resume auto).
     Moved, not deleted, to RUN_DIR/.overwritten (one rename each); the directory, or None if there was nothing."""
@@ -65,7 +69,7 @@ def clear_earlier_run(path: Path) -> Path | None:
     if aside.exists():  # a launch killed before it settled: its earlier run is put back unless it trained
         settle_earlier_run(path, aside, trained=wrote_training_output(path))
     moved = False
-    for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml"):
+    for name in names or (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml"):
         if (path / name).exists():
             aside.mkdir(exist_ok=True)
             (path / name).rename(aside / name)
@@ -93,6 +97,27 @@ def settle_earlier_run(path: Path, aside: Path | None, *, trained: bool) -> bool
         item.rename(path / item.name)
     aside.rmdir()
     return True
+
+
+def training_output(path: Path) -> tuple:
+    """What training has written in the run dir (TRAINING_OUTPUT's sizes and times, the checkpoints' names): a
+    launch trained when this changed while it ran (trained_since)."""
+    def stamp(item: Path):
+        try:
+            found = item.stat()
+        except OSError:
+            return None
+        return found.st_size, found.st_mtime_ns
+
+    checkpoints = sorted(found.name for found in (path / "checkpoints").glob("step-*")
+                         if found.suffix == ".pt" or (found / ".metadata").is_file())
+    return (*(stamp(path / name) for name in TRAINING_OUTPUT), tuple(checkpoints))
+
+
+def trained_since(path: Path, before: tuple) -> bool:
+    """Whether the launch whose run dir held `before` (training_output at its preflight) has trained: a step
+    logged, a checkpoint kept, model.pt or loop.json written since."""
+    return training_output(path) != before
 
 
 def wrote_training_output(path: Path) -> bool:
@@ -197,6 +222,9 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                          "ddp-amp's beside them) and would replace; choose another directory")
     if (path / MODEL_FILE).exists() and not overwrite:
         raise UsageError(f"{flag} already holds a finished run (model.pt); choose another or pass --overwrite")
+    if not overwrite and not resuming and (earlier := earlier_run(path)):  # before the lock: a refusal writes nothing
+        raise UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
+                         "over in it with --overwrite, or choose another directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -210,12 +238,8 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                              "or choose another directory") from None
         except OSError as exc:
             raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
-    if not overwrite and not resuming and (earlier := earlier_run(path)):
-        if held:
-            held.release()
-        raise UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
-                         "over in it with --overwrite, or choose another directory")
-    return PreparedRunDir(path, held, _tidy(path, flag, overwrite=overwrite, resuming=resuming))
+    aside = _tidy(path, flag, overwrite=overwrite, resuming=resuming)
+    return PreparedRunDir(path, held, aside, training_output(path))
 
 
 def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | None:
@@ -227,8 +251,7 @@ def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | N
         if overwrite:
             return clear_earlier_run(path)
         if resuming:  # the stopped attempt's record and a loop script's account: this run writes its own
-            for name in (SUMMARY_FILE, LOOP_RECORD_FILE):
-                (path / name).unlink(missing_ok=True)
+            return clear_earlier_run(path, names=(SUMMARY_FILE, LOOP_RECORD_FILE))
     except OSError as exc:
         raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
     return None

@@ -159,21 +159,22 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
 
 def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None:
     """--overwrite: the earlier run's files, set aside at the preflight, deleted now that this run has trained
-    (logged a step, or kept a checkpoint or model.pt), or put back after a launch that failed before."""
-    from ddp_amp.launch.run_dir import FAILED_LAUNCH_DIR, settle_earlier_run, wrote_training_output
+    (logged a step, or kept a checkpoint or model.pt), or put back after a launch that failed before; --resume:
+    the stopped attempt's record, the same way."""
+    from ddp_amp.launch.run_dir import FAILED_LAUNCH_DIR, settle_earlier_run, trained_since
 
     run_dir = Path(plan.config.run_dir)
     if trained is None:
-        trained = wrote_training_output(run_dir)
+        trained = trained_since(run_dir, plan.output_before)
     try:
         restored = settle_earlier_run(run_dir, plan.set_aside, trained=trained)
     except OSError as exc:  # said, never raised: it runs after the launch, whose own outcome must come through
-        say(f"ddp-amp: warning: --overwrite: the earlier run's files could not be "
+        say(f"ddp-amp: warning: the earlier run's files could not be "
             f"{'deleted' if trained else 'put back'} ({exc}); they are in {plan.set_aside}")
         return
     if restored:
         kept = run_dir / FAILED_LAUNCH_DIR
-        say(f"ddp-amp: --overwrite: this launch ended before it trained, so the earlier run's files in {run_dir} are "
+        say(f"ddp-amp: this launch ended before it trained, so the earlier run's files in {run_dir} are "
             "back as they were" + (f"; this launch's record and logs are in {kept}" if kept.exists() else ""))
 
 
@@ -220,7 +221,7 @@ def run_script_launch(launch: Launch, display) -> None:
     summary.json (launch.script.script_record), which `ddp-amp show` lists."""
     import time
 
-    from ddp_amp.launch.run_dir import wrote_training_output
+    from ddp_amp.launch.run_dir import trained_since
     from ddp_amp.launch.script import script_record
     from ddp_amp.outputs import write_summary
     from ddp_amp.progress.session import ProgressSession
@@ -242,7 +243,7 @@ def run_script_launch(launch: Launch, display) -> None:
     # A script that finished, or that wrote what training writes (metrics, a checkpoint, model.pt, loop.json),
     # trained: under --overwrite the earlier run is gone. One that failed or was stopped before it wrote any gets
     # the earlier run back, and this launch's record (summary.json, logs) is set aside (run_dir.FAILED_LAUNCH_DIR).
-    settle_overwritten(plan, trained=failure is None or wrote_training_output(run_dir))
+    settle_overwritten(plan, trained=failure is None or trained_since(run_dir, plan.output_before))
     if failure is not None:
         raise failure
     restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""
