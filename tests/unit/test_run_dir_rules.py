@@ -159,3 +159,23 @@ def test_a_plain_scripts_bf16_true_refusal_suggests_nothing_it_would_refuse(tmp_
     code, _, err = run_main(["spawn", "-n", "2", "--dtype", "bf16-true", "--run-dir", str(tmp_path / "run"),
                              str(CHECKS_SCRIPT)], capsys)
     assert code == 2 and "--dtype bf16 " not in err and "ddp-amp's own loop with --task" in err, err
+
+
+def test_outside_ddp_amp_a_loop_continues_an_earlier_run_only_when_asked(tmp_path, monkeypatch):
+    """Under plain torchrun or python the loop applies the launcher's rule itself: setup() into a run dir with an
+    earlier run's metrics refuses in one line unless resume is given or torchrun's agent restarted the ranks."""
+    from ddp_amp import loop
+
+    for name in ("DDP_AMP_RUN_DIR", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    run_dir = earlier_run("loop", tmp_path / "run")
+    with pytest.raises(loop.LoopError) as refused:
+        loop.setup(run_dir=str(run_dir))
+    assert str(refused.value) == (f"setup(): {run_dir} holds an earlier run (metrics.jsonl, summary.json, loop.json); "
+                                  "continue it with setup(resume='auto'), or give another run_dir (setup(run_dir=...))")
+    from ddp_amp.loop import _check_run_dir
+    from ddp_amp.loop.settings import LoopSettings
+
+    _check_run_dir(LoopSettings.resolve({"run_dir": str(run_dir), "resume": "auto"}))  # asked: no refusal
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _check_run_dir(LoopSettings.resolve({"run_dir": str(run_dir)}))  # a restart continues

@@ -59,7 +59,23 @@ def setup(**defaults: Any) -> Loop:
     into a stop request that should_stop() agrees on. `defaults`: the script's own settings, which the ddp-amp
     command line overrides."""
     settings = LoopSettings.resolve(defaults)
+    _check_run_dir(settings)
     return Loop(settings)
+
+
+def _check_run_dir(settings: LoopSettings) -> None:
+    """Outside ddp-amp (plain torchrun, python), the rule ddp-amp's launcher applies before it starts a loop
+    script: a run dir that holds an earlier run is continued only when asked (resume, or a restart by torchrun's
+    agent or Slurm), never started over from step 0 beside the earlier metrics and checkpoints."""
+    from ddp_amp.launch.run_dir import earlier_run
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
+        int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+    if settings.under_ddp_amp or settings.resume is not None or restarted:
+        return
+    if earlier := earlier_run(Path(settings.run_dir)):
+        raise LoopError(f"setup(): {settings.run_dir} holds an earlier run ({', '.join(earlier)}); continue it with "
+                        "setup(resume='auto'), or give another run_dir (setup(run_dir=...))")
 
 
 class Loop:
