@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
+from conftest import HELPER_TASKS, assert_ok, ddp_amps_run_dir, last_line, read_metrics, read_summary, run_cli
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow
@@ -100,9 +100,8 @@ def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):
     earlier = {"model.pt": b"w", "metrics.jsonl": b"{}\\n", "summary.json": b"{}", "model_best.pt": b"b",
                "step_times.json": b"[]", "checkpoints/step-90.pt": b"c", "checkpoints/step-90.json": b"{}",
                "tensorboard/events.out": b"e", "profile/rank0.json.gz": b"p", "pretrained/config.json": b"{}"}
-    for name, data in earlier.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_bytes(data)
+    ddp_amps_run_dir(tmp_path, earlier)
+    earlier["config.json"] = (tmp_path / "config.json").read_bytes()
     prepared = prepare_run_dir(tmp_path, overwrite=True)
     prepared.lock.release()
     aside = prepared.set_aside
@@ -124,7 +123,7 @@ def test_overwrite_removes_every_file_and_folder_an_earlier_run_left(tmp_path):
 def test_a_refusal_from_the_ranks_under_overwrite_leaves_the_earlier_run_as_it_was(tmp_path):
     """The ranks refuse a task whose model is on the meta device (found only when they build it; the launcher
     refuses an empty data set itself, before anything is touched): the launch fails, and the earlier run
-    --overwrite was to replace is back, byte for byte, the new attempt's files gone."""
+    --overwrite was to replace is back, byte for byte, the new attempt's files set aside in .failed-launch."""
     run_dir = tmp_path / "run"
     assert_ok(run_cli("spawn", "-n", "2", "--device", "cpu", "--task", "linear", "--steps", "4", "--checkpoint-every",
                       "2", "--run-dir", str(run_dir)))
@@ -136,8 +135,9 @@ def test_a_refusal_from_the_ranks_under_overwrite_leaves_the_earlier_run_as_it_w
     assert result.returncode == 2 and "meta device" in last_line(result.stderr), result.stderr
     assert "the earlier run's files in" in result.stderr and "are back as they were" in result.stderr
     now = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
-           if p.is_file() and "logs" not in p.parts and p.name != ".lock"}
+           if p.is_file() and "logs" not in p.parts and p.name != ".lock" and ".failed-launch" not in p.parts}
     assert now == earlier
+    assert (run_dir / ".failed-launch" / "config.json").read_bytes() != earlier["config.json"]  # the new attempt's
 
 
 @pytest.mark.slow
