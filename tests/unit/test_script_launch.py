@@ -245,3 +245,24 @@ def test_the_loop_options_are_taken_for_a_script_that_imports_ddp_amp_loop_and_r
     assert code == 2 and one_line(err).endswith(
         f"--amp would apply to a script that uses ddp_amp.loop, and {plain} does not import it")
     assert not (tmp_path / "run2").exists()
+
+
+@pytest.mark.parametrize("layout", ["main-imports-loop", "init-imports-loop"])
+def test_a_packages_loop_options_follow_the_module_python_m_runs(layout, tmp_path, capsys, monkeypatch):
+    """-m pkg runs pkg/__main__.py: when that file imports ddp_amp.loop the loop's options are taken (--amp on
+    lands in config.json); when only pkg/__init__.py does, they are refused, naming the package."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: None)
+    (tmp_path / "pkg").mkdir()
+    importing, plain = "from ddp_amp import loop\n", "print('training')\n"
+    (tmp_path / "pkg" / "__main__.py").write_text(importing if layout == "main-imports-loop" else plain)
+    (tmp_path / "pkg" / "__init__.py").write_text(plain if layout == "main-imports-loop" else importing)
+    run_dir = tmp_path / "run"
+    code, _, err = run_main(["spawn", "-n", "2", "--amp", "on", "--run-dir", str(run_dir), "-m", "pkg"], capsys)
+    if layout == "main-imports-loop":
+        assert code == 0, err
+        assert json.loads((run_dir / "config.json").read_text())["amp"] == "on"
+    else:
+        assert code == 2 and not run_dir.exists()
+        assert one_line(err).endswith("; --amp would apply to a script that uses ddp_amp.loop, and pkg does not "
+                                      "import it")
