@@ -252,6 +252,9 @@ class TrainConfig:
                      if name not in TRACKERS]
         problems += [f"--tracker-tag {tag!r}: give it as KEY=VALUE" for tag in self.tracker_tag
                      if "=" not in tag or not tag.split("=", 1)[0]]
+        tag_keys = [tag.split("=")[0] for tag in self.tracker_tag]
+        for flag, given in (("--tracker", self.tracker), ("--tracker-tag", tag_keys)):  # as --task-arg refuses them
+            problems += [f"{flag} {v} is given twice; give it once" for v in sorted(set(given)) if given.count(v) > 1]
         if (self.tracker_project or self.tracker_run_name or self.tracker_tag) and not self.tracker:
             problems.append("--tracker-project, --tracker-run-name and --tracker-tag need --tracker mlflow or wandb")
         if self.dtype == "bf16-true" and self.checkpoint_format == "sharded" and self.shard != "full":
