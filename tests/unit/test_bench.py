@@ -22,6 +22,7 @@ BAD_INPUTS = [
     (["--shard", "none,zero3"], "--shard"),
     (["--shard", "full,full"], "--shard"),
     (["--max-batch", "--shard", "none,optimizer"], "--shard"),
+    (["--amp", "off", "--dtype", "bf16-true"], "--dtype bf16-true conflicts with --amp off"),
 ]
 
 
@@ -34,6 +35,19 @@ def test_bad_input_is_one_line_exit_2(args, flag, capsys, tmp_path):
     assert exit_info.value.code == 2
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in err
     assert not (tmp_path / "bench").exists()
+
+
+def test_a_used_run_dir_is_refused_before_anything_runs(capsys, tmp_path):
+    """bench takes no --overwrite: a directory that holds anything is refused (not "pass --overwrite")."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "mine.txt").write_text("keep")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--device", "cpu", "--run-dir", str(tmp_path / "bench")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"ddp-amp: error: --run-dir {str(tmp_path / 'bench')!r} is not "
+                                               "empty; bench writes its runs into a new or empty directory: choose "
+                                               "another")
+    assert [p.name for p in (tmp_path / "bench").iterdir()] == ["mine.txt"]
 
 
 @pytest.mark.parametrize("command", [["bench", "--device", "cpu"], ["show", "."]])

@@ -43,6 +43,8 @@ def bench(
                            shards=tuple(mode.strip() for mode in shard.split(",")))
     if train["epochs"] is not None:
         raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
+    if amp == "off" and train["dtype"] != "auto":
+        raise UsageError(f"--dtype {train['dtype']} conflicts with --amp off (fp32 alone); drop one of them")
     check_json_path(json_path)
     check_plot_path(plot)
     if max_batch and compile != "off":
@@ -82,6 +84,9 @@ def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, ma
     root = Path(run_dir) if run_dir else RUNS_ROOT / f"bench-{default_run_dir().name}"
     if root.exists() and not root.is_dir():
         raise UsageError(f"--run-dir {str(root)!r} is an existing file, not a directory")
+    if root.is_dir() and any(root.iterdir()):  # bench writes a directory of runs of its own: never into a used one
+        raise UsageError(f"--run-dir {str(root)!r} is not empty; bench writes its runs into a new or empty "
+                         "directory: choose another")
     status = lambda line: typer.echo(line, err=True)  # noqa: E731
     if not max_batch:
         from ddp_amp.measure.bench import run_bench
