@@ -11,11 +11,13 @@ import torch
 from ddp_amp.train.schedule import closed_form_lr
 
 from conftest import (
+    CHECKS_SCRIPT,
     SGD_FP32,
     assert_ok,
     assert_weights_close,
     last_line,
     launch,
+    launch_script,
     load_weights,
     read_metrics,
     read_summary,
@@ -317,3 +319,16 @@ def test_a_loss_that_stays_nan_stops_the_run_by_default(tmp_path, helper_task):
     assert result.returncode == 1, result.stderr
     assert last_line(result.stderr).startswith("ddp-amp: error: training diverged at step 23 on rank 1: the loss "
                                                "was inf/NaN for 20 consecutive steps"), result.stderr
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_a_tmpdir_too_long_for_a_unix_socket_still_launches(command, tmp_path):
+    """The fork server's socket lives under TMPDIR: one whose path passes the 107 bytes of a Unix socket's
+    address made every launch fail with multiprocessing's 'AF_UNIX path too long' traceback."""
+    long_tmp = tmp_path / ("t" * (110 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    assert len(str(long_tmp)) > 107
+    result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--steps", "2", command=command,
+                           env={"TMPDIR": str(long_tmp)})
+    assert result.returncode == 0, result.stderr
+    assert read_summary(tmp_path / "run")["outcome"] == "finished"

@@ -41,6 +41,7 @@ def start_forkserver() -> None:
     _started = True
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # inherited by the fork server: whom it must die with
     multiprocessing.set_forkserver_preload(PRELOAD)
+    _short_socket_directory()
     # The resource tracker starts first, inside ensure_running: both inherit the blocked stop signals. A rank,
     # forked from the fork server, holds them blocked too until its own handlers are set (ddp_amp.rank.signals):
     # a stop in its first milliseconds waits for the handler instead of being dropped.
@@ -50,6 +51,30 @@ def start_forkserver() -> None:
         multiprocessing.resource_tracker.ensure_running()
     with stop_signals_blocked():
         multiprocessing.forkserver.ensure_running()
+
+
+SOCKET_PATH_MAX = 107
+"""The longest path a Unix socket's address takes on Linux (sun_path holds 108 bytes with its NUL)."""
+
+
+def _short_socket_directory() -> None:
+    """multiprocessing puts the fork server's socket in a pymp-XXXXXXXX directory under TMPDIR, which with a
+    long TMPDIR makes the socket's path longer than a Unix socket allows (OSError: AF_UNIX path too long,
+    raised from deep in multiprocessing). Its directory is made once per process: where TMPDIR is too long,
+    make it under /tmp (or the current directory) instead; everything else keeps using TMPDIR."""
+    import tempfile
+    from multiprocessing import util
+
+    longest = os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx")
+    if len(os.fsencode(longest)) <= SOCKET_PATH_MAX:
+        return
+    saved = tempfile.tempdir
+    try:
+        tempfile.tempdir = next((place for place in ("/tmp", "/var/tmp", os.getcwd())
+                                 if os.access(place, os.W_OK) and len(place) < 40), None)
+        util.get_temp_dir()  # made now, in the short place; multiprocessing keeps it for this process
+    finally:
+        tempfile.tempdir = saved
 
 
 def call_warm(function: Callable[..., Any], *args: Any) -> Any:
