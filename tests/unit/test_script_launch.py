@@ -178,6 +178,24 @@ def test_a_scripts_lines_are_shown_by_rank_its_stderr_on_stderr(monkeypatch):
     assert stderr.getvalue() == "[rank 0] UserWarning: x\n"
 
 
+def test_around_a_script_ddp_amps_own_lines_leave_the_scripts_stdout_to_it(monkeypatch):
+    """Piped, a script's stdout holds what the script printed and nothing else: the ranks' states and a failing
+    rank's traceback, ddp-amp's own lines, go to stderr (for ddp-amp's loop, stdout is the progress itself)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    display = PlainDisplay()
+    display.model.script = True
+    display.handle({"type": "state", "rank": 0, "status": "starting", "world_size": 2, "pid": 1})
+    display.handle({"type": "output", "rank": 0, "stream": "stdout", "line": "epoch 0"})
+    display.handle({"type": "error", "rank": 0, "traceback": "Traceback...\nValueError: no", "kind": "error",
+                    "time": 1.0})
+    display.close()
+    assert stdout.getvalue() == "[rank 0] epoch 0\n"
+    assert stderr.getvalue().splitlines() == ["[rank 0] starting (world size 2)", "[rank 0] failed:",
+                                              "Traceback...", "ValueError: no"]
+
+
 def test_the_live_view_of_a_script_has_a_row_per_rank_with_its_last_line():
     from rich.console import Console
 

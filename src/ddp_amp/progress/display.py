@@ -74,22 +74,32 @@ class PlainDisplay:
         if line:
             # A script's stderr lines go to stderr, as under torchrun: its stdout can still be piped alone. They
             # are flushed once per batch of lines (flush), the other events at once.
-            stream = sys.stderr if event.get("stream") == "stderr" and self.stream is sys.stdout else self.stream
+            if event["type"] == "output":
+                stream = sys.stderr if event.get("stream") == "stderr" and self.stream is sys.stdout else self.stream
+            else:
+                stream = self._own_stream
             print(line, file=stream, flush=event["type"] != "output")
+
+    @property
+    def _own_stream(self) -> TextIO:
+        """Where ddp-amp's own lines go: stdout carries the progress of ddp-amp's loop, but a script's stdout is
+        the script's alone (piped, it holds only what the script printed), so around a script they go to
+        stderr."""
+        return sys.stderr if self.model.script and self.stream is sys.stdout else self.stream
 
     def flush(self) -> None:
         self.stream.flush(), sys.stderr.flush()
 
     def close(self) -> None:
         for rank, text in self.model.failure_reports():
-            print(f"[rank {rank}] failed:\n{text}", file=self.stream, flush=True)
+            print(f"[rank {rank}] failed:\n{text}", file=self._own_stream, flush=True)
         if self.final_summary and self.model.ranks and self.model.summary:
             for rank, steps, sps, memory, loss, status in summary_rows(self.model):
                 print(f"[rank {rank}] {status}: {steps} steps, {sps} samples/s, peak memory {memory} MB, "
-                      f"final loss {loss}", file=self.stream)
+                      f"final loss {loss}", file=self._own_stream)
             for line in summary_footer(self.model):
-                print(line, file=self.stream)
-            self.stream.flush()
+                print(line, file=self._own_stream)
+            self._own_stream.flush()
 
 
 class JsonDisplay:
