@@ -17,11 +17,21 @@ class UsageError(Exception):
 class RunFailed(Exception):
     """A launched run failed (a rank raised or died). The message names the rank and its error."""
 
-    def __init__(self, message: str, exit_code: int = 1, details: str = "") -> None:
+    def __init__(self, message: str, exit_code: int = 1, details: str = "", *, rank: int | None = None,
+                 note: str = "") -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.details = details
         """What the failing rank printed (its traceback), shown before the one-line message."""
+        self.rank = rank
+        """The rank the launcher named (from the processes' exits), where the message names one."""
+        self.note = note
+        """What the message says after the rank and its failure (where the agent's log is)."""
+
+    def retold(self, rank: int, what: str) -> RunFailed:
+        """The same failure, naming `rank` and `what` it did: the rank whose error reached the progress display
+        first, where the launcher named another (the rank whose process ended first)."""
+        return RunFailed(f"rank {rank} {what}{self.note}", self.exit_code, rank=rank, note=self.note)
 
     def as_usage_error(self) -> RunFailed:
         """A rank failed for a flag that does not fit what only a rank can see (its error event's kind is

@@ -5,6 +5,7 @@
     --env-to DIR         write DIR/rank<R>.json: the environment, sys.argv, sys.path[0], cwd, __name__,
                          the start method of its own processes
     --fail-rank R        raise ValueError("rank R fails on purpose") on that rank at --fail-step
+    --then-fail-rank R   raise RuntimeError on that rank 50 ms after --fail-rank raised (both ranks fail)
     --hang-rank R        sleep for an hour on that rank at --fail-step instead of entering the all-reduce
     --signals-to DIR     on SIGTERM (or SIGUSR1), write DIR/rank<R>.<SIGNAL> and exit 128 + its number
     --slow-save-rank R   with --signals-to: that rank first ignores further stop signals and takes --save-s
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.0)
     parser.add_argument("--env-to")
     parser.add_argument("--fail-rank", type=int)
+    parser.add_argument("--then-fail-rank", type=int)
     parser.add_argument("--hang-rank", type=int)
     parser.add_argument("--kill-once-rank", type=int)
     parser.add_argument("--fail-step", type=int, default=2)
@@ -64,6 +66,9 @@ def main() -> None:
         if step == args.fail_step:
             if rank == args.fail_rank:
                 raise ValueError(f"rank {rank} fails on purpose")
+            if rank == args.then_fail_rank:
+                time.sleep(0.05)
+                raise RuntimeError(f"rank {rank} fails after the other")
             if rank == args.hang_rank:
                 time.sleep(3600)
             if rank == args.kill_once_rank and restart == 0:

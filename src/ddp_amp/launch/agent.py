@@ -27,7 +27,9 @@ from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.torchrun import ElasticJob
 from ddp_amp.process import StopSignal, signal_processes
 
-AGENT_LOGGERS = "torch.distributed.elastic"
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+"""The agent's loggers, and torch.multiprocessing's, which the agent starts the ranks with (its "Terminating
+process ... via signal SIGTERM" when a rank failed): their records go to the agent's log, not the terminal."""
 FAILURE_LINGER_S = 1.0
 
 
@@ -209,12 +211,12 @@ def _raise_failure(error: BaseException | None, log_path: Path) -> None:
 
     if error is None:
         return
-    details = _tail(log_path)
-    if isinstance(error, ChildFailedError):
+    if isinstance(error, ChildFailedError):  # the rank and why: its traceback was shown, the log is named
         rank, what = root_failure(error.failures)
-        raise RunFailed(f"rank {rank} {what} (the agent's log: {log_path})", details=details)
+        note = f" (the agent's log: {log_path})"
+        raise RunFailed(f"rank {rank} {what}{note}", rank=rank, note=note)
     raise RunFailed(f"the elastic agent failed: {type(error).__name__}: {_first_line(error)} "
-                    f"(its log: {log_path})", details=details)
+                    f"(its log: {log_path})", details=_tail(log_path))
 
 
 @contextlib.contextmanager
@@ -276,7 +278,8 @@ def root_failure(failures: dict) -> tuple[int, str]:
     """(global rank, what happened) of the failure that caused the others.
 
     A rank killed by a signal without raising (no error file: SIGKILL, the OOM killer) is the cause: the others
-    raised "connection closed" because it vanished. Otherwise the earliest traceback."""
+    raised "connection closed" because it vanished. Otherwise the earliest traceback. (The agent knows the rank
+    whose process ended first: launch.session retells it by the ranks' own error events.)"""
     killed = [(rank, f) for rank, f in failures.items() if f.exitcode < 0 and not os.path.isfile(f.error_file)]
     if killed:
         rank, failure = min(killed)
@@ -322,20 +325,23 @@ def _agent_log(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    parent = logging.getLogger(AGENT_LOGGERS)
+    parents = [logging.getLogger(name) for name in AGENT_LOGGERS]
     # torch gives each of its elastic loggers its own level (WARNING unless LOGLEVEL says otherwise).
-    loggers = [parent] + [logger for name, logger in logging.root.manager.loggerDict.items()
-                          if isinstance(logger, logging.Logger) and name.startswith(AGENT_LOGGERS + ".")]
+    loggers = parents + [logger for name, logger in logging.root.manager.loggerDict.items()
+                         if isinstance(logger, logging.Logger) and name.startswith(tuple(f"{parent.name}."
+                                                                                          for parent in parents))]
     levels = [(logger, logger.level) for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.INFO)
-    parent.addHandler(handler)
-    parent.propagate = False
+    for parent in parents:
+        parent.addHandler(handler)
+        parent.propagate = False
     try:
         yield
     finally:
-        parent.removeHandler(handler)
-        parent.propagate = True
+        for parent in parents:
+            parent.removeHandler(handler)
+            parent.propagate = True
         for logger, level in levels:
             logger.setLevel(level)
         handler.close()

@@ -208,11 +208,27 @@ def _start_ranks(launch: Launch, session) -> RunFailed | None:
             exc.details = ""  # the display has shown the failing rank's traceback already
         if exc.exit_code > 128:
             return exc
+        exc = first_failure_named(exc, session)
         if session.failed_for_usage():
             exc = exc.as_usage_error()
         # One node's records only under multinode (the others are on their hosts): no "left no record" there.
         return explained_failure(exc, session, config, None if config.job_id else launch.nproc)
     return None
+
+
+def first_failure_named(exc: RunFailed, session) -> RunFailed:
+    """The launchers name the rank whose process ended first; of two ranks that raised, the first to raise but
+    the slower to exit (its flight record written) was named second, with its peer's error ("rank 0 ... (after
+    rank 1 failed)" on screen, rank 0 in the verdict). The ranks' error events, all read now that the session is
+    closed, say which raised first."""
+    from ddp_amp.errors import exception_line, failure_line, is_peer_symptom
+
+    first = session.first_failure()
+    if exc.rank is None or first is None or first[0] == exc.rank or is_peer_symptom(first[1]):
+        return exc
+    if exc.rank not in {state.rank for state in session.display.model.failures()}:
+        return exc  # the named rank exited or was killed without raising: that is the cause the others saw
+    return exc.retold(first[0], f"failed: {failure_line(exception_line(first[1]))}")
 
 
 def run_script_launch(launch: Launch, display) -> None:

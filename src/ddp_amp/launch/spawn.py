@@ -139,9 +139,10 @@ def _failure(context: RankProcesses, exc: RankFailed, run_dir: Path) -> RunFaile
     if isinstance(exc, RankRaised):
         rank, traceback_text = _first_failure(context, exc)
         line = exception_line(traceback_text) if traceback_text else "unknown error"
-        return RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text)
+        return RunFailed(f"rank {rank} failed: {failure_line(line)}", details=traceback_text, rank=rank)
     why = _abort_message(run_dir, exc.error_index) if exc.signal_name == "SIGABRT" else None
-    return RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}" + (f": {why}" if why else ""))
+    return RunFailed(f"rank {exc.error_index} exited with {_describe_exit(exc)}" + (f": {why}" if why else ""),
+                     rank=exc.error_index)
 
 
 def _start_with_store(store: StoreKeeper, config: TrainConfig, nproc: int, extra_env: dict[str, str],

@@ -35,6 +35,11 @@ class ProgressSession:
     def failure_shown(self) -> bool:
         return bool(self.display.model.failures())
 
+    def first_failure(self) -> tuple[int, str] | None:
+        """(rank, traceback) of the failure that reached the display first (its error event's time), if any."""
+        failures = self.display.model.failures()
+        return (failures[0].rank, failures[0].traceback) if failures else None
+
     def failed_for_usage(self) -> bool:
         """A rank failed for a flag that does not fit what only a rank can see (its error event's kind)."""
         return any(state.failure_kind == "usage" for state in self.display.model.failures())
