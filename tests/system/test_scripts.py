@@ -206,12 +206,16 @@ def test_a_sigkilled_launcher_leaves_nothing_running(command, tmp_path):
 
 def test_run_restarts_a_script_whose_rank_was_killed_and_it_sees_the_count(tmp_path):
     """run --max-restarts 1: rank 1 SIGKILLs itself in the first attempt; the script runs again, its ranks read
-    TORCHELASTIC_RESTART_COUNT=1, and the run finishes."""
+    TORCHELASTIC_RESTART_COUNT=1, and the run finishes; the restart's cause is named."""
     result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--kill-once-rank", "1", command="run",
                            options=("--max-restarts", "1", "--log-format", "plain"))
     assert result.returncode == 0, result.stderr
     assert "[rank 1] rank 1 step 4 sum 10 restart 1" in result.stdout
-    assert read_summary(tmp_path / "run")["restarts"] == 1
+    summary = read_summary(tmp_path / "run")
+    assert summary["restarts"] == 1
+    # which rank ended the attempt, and how: on screen and in the record, not only in logs/agent.log
+    assert "ddp-amp: restart 1: rank 1 died with SIGKILL" in result.stderr.splitlines(), result.stderr
+    assert summary["restart_causes"] == [{"restart": 1, "rank": 1, "cause": "died with SIGKILL"}]
 
 
 def test_a_hang_in_the_scripts_all_reduce_is_named_by_diagnose(tmp_path):

@@ -216,6 +216,39 @@ def _start_ranks(launch: Launch, session) -> RunFailed | None:
     return None
 
 
+def script_restart_causes(launch: Launch, model) -> list[dict[str, Any]]:
+    """Each restart torchrun's agent made of a script's ranks: which rank ended the attempt and how (its exit
+    code or signal, from the agent's log; an exception's line, from the display), and the step it was last seen
+    in (a ddp_amp.loop script's reports)."""
+    from ddp_amp.launch import torchrun
+
+    if not model.restarts or launch.job is None:
+        return []
+    log = launch.agent_log.read_text(errors="replace") if launch.agent_log.exists() else ""
+    logged = torchrun.restart_causes(log)
+    from ddp_amp.errors import is_peer_symptom
+
+    # A rank's own exception, never a peer's symptom of it (a killed rank's "Connection reset by peer").
+    raised: dict[int, tuple[int, str]] = {}
+    for attempt, rank, line in model.recovered:  # each attempt's first failure first
+        if not is_peer_symptom(line):
+            raised.setdefault(attempt, (rank, line))
+    causes = []
+    for attempt in range(model.restarts):
+        if attempt in raised:
+            rank, what = raised[attempt][0], f"failed: {raised[attempt][1]}"
+        elif attempt < len(logged):
+            local_rank, what = logged[attempt]
+            rank = model.ranks_before_restart.get(local_rank, local_rank)
+        else:
+            continue
+        cause = {"restart": attempt + 1, "rank": rank, "cause": what}
+        if attempt == model.restarts - 1 and model.steps_before_restart.get(rank, 0) > 1:  # a loop script's step
+            cause["last_seen_step"] = model.steps_before_restart[rank]
+        causes.append(cause)
+    return causes
+
+
 def first_failure_named(exc: RunFailed, session) -> RunFailed:
     """The launchers name the rank whose process ended first; of two ranks that raised, the first to raise but
     the slower to exit (its flight record written) was named second, with its peer's error ("rank 0 ... (after
@@ -253,6 +286,11 @@ def run_script_launch(launch: Launch, display) -> None:
     failure = _start_ranks(launch, ProgressSession(display, run_dir, capture_output=True))
     model = display.model
     record = script_record(script, run_dir, launch=launch, model=model, started=started, failure=failure)
+    if causes := script_restart_causes(launch, model):
+        record["restart_causes"] = causes
+        for cause in causes:
+            seen = f" (last seen in step {cause['last_seen_step']})" if cause.get("last_seen_step") else ""
+            say(f"ddp-amp: restart {cause['restart']}: rank {cause['rank']} {cause['cause']}{seen}")
     if failure is not None and failure.exit_code > 128:
         failure = RunFailed(_script_stop_line(record, run_dir, str(failure)), exit_code=failure.exit_code)
     write_summary(run_dir, record)
