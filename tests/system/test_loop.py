@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import TASKS, TESTS, launch_script, read_summary
+from conftest import TASKS, TESTS, last_line, launch_script, read_summary
 
 pytestmark = pytest.mark.slow
 EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
@@ -65,8 +65,15 @@ def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterr
     saved = torch.load(run / "checkpoints" / f"step-{step}.pt", weights_only=True)
     assert saved["step"] == step and len(saved["rng"]) == 2  # every rank's random state
     assert not (run / "model.pt").exists()
+    # the stop line says what the built-in loop's says: the step, the checkpoint, how to continue
+    assert last_line(stopped.stderr) == (f"ddp-amp: error: stopped by SIGTERM at step {step}; checkpoint "
+                                         f"{loop['checkpoint']} (continue with --resume auto --run-dir {run})")
+    relaunched = launch_script(run, EXAMPLE, "--steps", STEPS)  # --resume auto forgotten: refused, nothing changed
+    assert relaunched.returncode == 2 and "holds an earlier run" in last_line(relaunched.stderr)
+    assert (run / "checkpoints" / f"step-{step}.pt").is_file() and read_summary(run)["loop"] == loop
     resumed = launch_script(run, EXAMPLE, "--steps", STEPS, options=("--resume", "auto"))
     assert resumed.returncode == 0, resumed.stderr
+    assert read_summary(run)["loop"]["resumed_from_step"] == step
     assert weights_equal(torch.load(run / "model.pt", weights_only=True), uninterrupted)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == int(STEPS)

@@ -179,8 +179,8 @@ def test_a_scripts_lines_are_shown_by_rank_its_stderr_on_stderr(monkeypatch):
 
 
 def test_around_a_script_ddp_amps_own_lines_leave_the_scripts_stdout_to_it(monkeypatch):
-    """Piped, a script's stdout holds what the script printed and nothing else: the ranks' states and a failing
-    rank's traceback, ddp-amp's own lines, go to stderr (for ddp-amp's loop, stdout is the progress itself)."""
+    """Piped, a script's stdout holds what the script printed and its report() lines: the ranks' states and a
+    failing rank's traceback, ddp-amp's own lines, go to stderr (for ddp-amp's loop, stdout is the progress)."""
     stdout, stderr = io.StringIO(), io.StringIO()
     monkeypatch.setattr(sys, "stdout", stdout)
     monkeypatch.setattr(sys, "stderr", stderr)
@@ -188,10 +188,12 @@ def test_around_a_script_ddp_amps_own_lines_leave_the_scripts_stdout_to_it(monke
     display.model.script = True
     display.handle({"type": "state", "rank": 0, "status": "starting", "world_size": 2, "pid": 1})
     display.handle({"type": "output", "rank": 0, "stream": "stdout", "line": "epoch 0"})
+    display.handle({"type": "report", "rank": 0, "step": 3, "metrics": {"loss": 0.5}})  # the script's report()
     display.handle({"type": "error", "rank": 0, "traceback": "Traceback...\nValueError: no", "kind": "error",
                     "time": 1.0})
     display.close()
-    assert stdout.getvalue() == "[rank 0] epoch 0\n"
+    assert stdout.getvalue().splitlines()[0] == "[rank 0] epoch 0"
+    assert stdout.getvalue().splitlines()[1].startswith("[rank 0] step 3 loss 0.5")
     assert stderr.getvalue().splitlines() == ["[rank 0] starting (world size 2)", "[rank 0] failed:",
                                               "Traceback...", "ValueError: no"]
 

@@ -5,6 +5,7 @@ run's record (the launcher puts it in summary.json)."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -83,6 +84,13 @@ class Progress:
             checkpoints = run._checkpoints
             if checkpoints.last_path is not None:
                 record["checkpoint"] = str(checkpoints.last_path)
+            if checkpoints.resumed_from is not None:
+                record.update(resumed_from=str(checkpoints.resumed_from),
+                              resumed_from_step=checkpoints.resumed_from_step)
+            for key, variable in (("restarts", "TORCHELASTIC_RESTART_COUNT"),
+                                  ("slurm_restart_count", "SLURM_RESTART_COUNT")):
+                if int(os.environ.get(variable, "0") or 0):  # this attempt's: how many came before it
+                    record[key] = int(os.environ[variable])
             if self.trackers is not None:
                 stopped = run.stopped_at is not None
                 record["trackers"] = self.trackers.finish(

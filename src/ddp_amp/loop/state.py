@@ -26,6 +26,9 @@ class Checkpoints:
         self.registered: dict[str, Any] = {}
         self.last_step: int | None = None
         self.last_path: Path | None = None
+        self.resumed_from: Path | None = None
+        """The checkpoint restore() continued from, and its step (loop.json)."""
+        self.resumed_from_step: int | None = None
 
     def restore(self, state: dict[str, Any]) -> int:
         for name, value in state.items():
@@ -42,6 +45,7 @@ class Checkpoints:
         if self.run.rank == 0:
             cut_metrics(self.run.run_dir, step)  # the steps after it are reported again
         self.last_step = step
+        self.resumed_from, self.resumed_from_step = path, step
         if self.run.rank == 0:
             print(f"ddp-amp loop: resumed from {path} (step {step})", flush=True)
         return step

@@ -76,6 +76,8 @@ class PlainDisplay:
             # are flushed once per batch of lines (flush), the other events at once.
             if event["type"] == "output":
                 stream = sys.stderr if event.get("stream") == "stderr" and self.stream is sys.stdout else self.stream
+            elif event["type"] == "report":  # a loop script's own progress (its report() calls): the script's
+                stream = self.stream
             else:
                 stream = self._own_stream
             print(line, file=stream, flush=event["type"] != "output")
@@ -83,8 +85,8 @@ class PlainDisplay:
     @property
     def _own_stream(self) -> TextIO:
         """Where ddp-amp's own lines go: stdout carries the progress of ddp-amp's loop, but a script's stdout is
-        the script's alone (piped, it holds only what the script printed), so around a script they go to
-        stderr."""
+        the script's alone (piped, it holds what the script printed and its report() lines), so around a script
+        the ranks' states and failures go to stderr."""
         return sys.stderr if self.model.script and self.stream is sys.stdout else self.stream
 
     def flush(self) -> None:
