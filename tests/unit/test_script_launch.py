@@ -158,6 +158,20 @@ def test_a_ranks_streams_reach_its_log_byte_for_byte_and_the_display_line_by_lin
     assert [line for line in lines if line[1] == "stderr"] == [(1, "stderr", "warning: x")]
 
 
+def test_a_rank_that_prints_nothing_still_has_its_log(tmp_path, monkeypatch):
+    """Every rank's log exists once its streams connected: an empty logs/rank1.log, not a missing one."""
+    server, events = _serve(tmp_path)
+    with server:
+        for key, value in server.environment().items():
+            monkeypatch.setenv(key, value)
+        streams = [connect_stream(rank, name) for rank in (0, 1) for name in ("stdout", "stderr")]
+        streams[0].sendall(b"rank 0 speaks\n")
+        for stream in streams:
+            stream.close()
+    assert (tmp_path / "logs" / "rank0.log").read_bytes() == b"rank 0 speaks\n"
+    assert (tmp_path / "logs" / "rank1.log").read_bytes() == b""
+
+
 def test_a_connection_without_the_launchs_token_is_not_read(tmp_path):
     server, events = _serve(tmp_path)
     with server:

@@ -81,6 +81,7 @@ class OutputServer:
         if len(parts) != 3 or parts[0] != self.token or not parts[1].isdigit() or parts[2] not in STREAMS:
             return  # not one of this launch's ranks
         rank, stream = int(parts[1]), parts[2]
+        self._log(rank, b"")  # every rank that started has its log, even one that printed nothing
         connection.settimeout(None)  # a rank may stay silent for hours; EOF comes when it exits
         pending = b""
         while True:
