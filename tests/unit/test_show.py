@@ -58,3 +58,28 @@ def test_a_loop_scripts_run_shows_its_precision_steps_and_loss_of_its_reported_m
              if line.count("│") == 3}
     assert cells["precision"] == "bf16" and cells["steps"] == "27" and cells["final loss"] == "0.0333 (loss_d)"
     assert cells["runs"] == "own_loop.py --steps 30" and cells["loss curve"]
+
+
+def test_plain_script_runs_differ_only_in_what_a_script_takes_and_a_failure_says_why(tmp_path):
+    """Two plain-script runs whose config.json hold other defaults of ddp-amp's loop (--amp, --log-every: a
+    script does not run that loop): only the script and --stop-timeout are listed as differing; the failed
+    run's line says why it failed, the stopped loop script's at which step."""
+    import json
+
+    base = {"amp": "auto", "log_every": 10, "stop_timeout": 60.0, "device": "auto"}
+    runs = {
+        "ok": ({**base, "script": {"target": "train.py", "args": []}}, {"outcome": "finished", "world_size": 2}),
+        "bad": ({**base, "amp": "on", "log_every": 5, "stop_timeout": 9.0, "script": {"target": "train.py",
+                 "args": ["--lr", "1"]}}, {"outcome": "failed", "world_size": 2,
+                                           "failure": "rank 1 failed: ValueError: no"}),
+    }
+    for name, (config, summary) in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    result = show(tmp_path / "ok", tmp_path / "bad")
+    assert result.returncode == 0, result.stderr
+    assert "bad failed: rank 1 failed: ValueError: no" in result.stdout.splitlines()
+    options = [line.split("│")[1].strip() for line in result.stdout.split("options that differ")[1].splitlines()
+               if line.count("│") == 4]
+    assert options == ["--script", "--stop-timeout"], result.stdout

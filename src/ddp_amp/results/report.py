@@ -263,7 +263,7 @@ def runs_table(runs: list, width: int | None = None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from ddp_amp.results.runs import config_differences
+    from ddp_amp.results.runs import config_differences, why_not_finished
 
     headers, rows = _run_rows(runs)
     table = Table(title="ddp-amp runs", title_justify="left")
@@ -279,6 +279,9 @@ def runs_table(runs: list, width: int | None = None) -> Any:
         for position, header in enumerate(headers[1:], start=1):
             table.add_row(header, *(row[position] for row in rows))
     parts = [table]
+    for run in runs:  # why a run did not finish, in the words its launch ended with
+        if why := why_not_finished(run):
+            parts.append(Text(f"{run.name} {run.state}: {why}"))
     if len(runs) > 1:
         differences = config_differences(runs)
         if differences:

@@ -92,12 +92,39 @@ NOT_RECORDED = "(not recorded)"
 """The value of an option that a run's config lacks: it was made by a version without that option."""
 
 
+SCRIPT_OPTIONS = {"script", "stop_timeout", "device"}
+"""What a plain script's run is launched with: the other options of config.json are ddp-amp's loop's defaults,
+which it does not run (a difference there says nothing about the runs)."""
+
+
 def config_differences(runs: list[Run]) -> dict[str, list[Any]]:
-    """The options whose values are not the same in every run (run_dir and the like excepted), in order."""
+    """The options whose values are not the same in every run (run_dir and the like excepted), in order. Between
+    script runs only the options a script takes (those of ddp_amp.loop where one of them used it)."""
     keys = sorted({key for run in runs for key in run.config} - IGNORED_DIFFERENCES)
+    if all("script" in run.config for run in runs):
+        from ddp_amp.config import LOOP_OPTIONS
+
+        taken = SCRIPT_OPTIONS | (set(LOOP_OPTIONS) if any(run.loop for run in runs) else set())
+        keys = [key for key in keys if key in taken]
     values = {key: [run.work if key == "script" and key in run.config else run.config.get(key, NOT_RECORDED)
                     for run in runs] for key in keys}
     return {key: row for key, row in values.items() if len({json.dumps(value) for value in row}) > 1}
+
+
+def why_not_finished(run: Run) -> str | None:
+    """The one line that says why a run did not finish (a failure, a stop), as its launch ended on it."""
+    record = run.summary
+    if run.state == "finished" or not record:
+        return None
+    if record.outcome is not None:  # a script's, as its launcher saw it; a loop script's stop at its step
+        loop = run.loop
+        if loop.get("stopped_at_step") is not None:
+            return f"stopped by {loop.get('stopped_by')} at step {loop['stopped_at_step']}"
+        return record.raw.get("failure") or (f"stopped by {record.raw['stopped_by']}"
+                                             if record.raw.get("stopped_by") else None)
+    if record.stopped_at_step is not None:
+        return f"stopped by {record.stopped_by} at step {record.stopped_at_step}"
+    return record.failure(run.path)
 
 
 def curve(run: Run, key: str) -> list[tuple[int, float]]:
