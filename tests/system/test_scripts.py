@@ -149,6 +149,36 @@ def _start(command: str, run_dir, *script_args: str, mark: str, options: list[st
                             env={**os.environ, MARK_VAR: mark})
 
 
+def test_a_rank_that_holds_the_others_back_is_marked_stalled_and_named_when_stopped(tmp_path):
+    """Rank 1 sleeps where rank 0 enters its third all-reduce (the script's own timeout 60 s away): the live
+    view marks rank 1 stalled, at its line of the script, once no collective moved for the stall threshold (at
+    least 10 s); SIGTERM then ends the run with a line that names it, and the flight records say how long rank 0
+    has waited (written while it waits, not once 2 s after it entered)."""
+    mark = uuid.uuid4().hex
+    process = _start("spawn", tmp_path / "run", "--steps", "10", "--hang-rank", "1", "--timeout", "60", mark=mark)
+    try:
+        seen = []
+        for line in process.stderr:  # ends with the process: a stall never marked fails below
+            seen.append(line)
+            if line.startswith("[rank 1] stalled: "):
+                break
+        assert seen and seen[-1].startswith("[rank 1] stalled: no collective moved for 1"), "".join(seen)
+        assert "it is at script_checks.py:" in seen[-1] and "after collective #2" in seen[-1], seen[-1]
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert last_line(err).startswith("ddp-amp: error: stopped by SIGTERM: passed on to every rank")
+    assert "; rank 1 had stalled at script_checks.py:" in last_line(err), err
+    diagnosis = subprocess.run([sys.executable, "-m", "ddp_amp", "diagnose", str(tmp_path / "run")],
+                               capture_output=True, text=True, timeout=60)
+    waited = int(diagnosis.stdout.split("rank 0 waited in it for ")[1].split(" s")[0])
+    assert waited >= 10 - 2, diagnosis.stdout  # the stall came after 10 s or more; a record every 2 s
+    assert run_processes(mark) == []
+
+
 def _wait_for_steps(run_dir, deadline_s: float = 120) -> None:
     """Until both ranks have printed a step (their logs say so)."""
     deadline = time.monotonic() + deadline_s

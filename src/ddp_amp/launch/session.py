@@ -292,7 +292,8 @@ def run_script_launch(launch: Launch, display) -> None:
             seen = f" (last seen in step {cause['last_seen_step']})" if cause.get("last_seen_step") else ""
             say(f"ddp-amp: restart {cause['restart']}: rank {cause['rank']} {cause['cause']}{seen}")
     if failure is not None and failure.exit_code > 128:
-        failure = RunFailed(_script_stop_line(record, run_dir, str(failure)), exit_code=failure.exit_code)
+        stalled = "".join(f"; rank {state.rank} had stalled at {state.position[3]}" for state in model.stalled())
+        failure = RunFailed(_script_stop_line(record, run_dir, str(failure)) + stalled, exit_code=failure.exit_code)
     write_summary(run_dir, record)
     # A script that finished, or that wrote what training writes (metrics, a checkpoint, model.pt, loop.json),
     # trained: under --overwrite the earlier run is gone. One that failed or was stopped before it wrote any gets
@@ -380,7 +381,13 @@ def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: 
     if parting is not None and parting.mismatch:
         return RunFailed(f"{parting.line} ({exc}; flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose "
                          f"{run_dir})", exit_code=exc.exit_code, details=exc.details)
-    if (stalled := session.stalled()) and exc.exit_code == 1:
+    script = session.display.model.script
+    if (stalled := session.stalled()) and exc.exit_code == 1 and script and parting is None:
+        first = stalled[0]
+        return RunFailed(f"rank {', '.join(str(state.rank) for state in stalled)} stalled at {first.position[3]}; "
+                         f"the other ranks gave up waiting for it ({exc})", exit_code=exc.exit_code,
+                         details=exc.details)
+    if stalled and exc.exit_code == 1 and not script:
         first = stalled[0]
         ranks = ", ".join(str(state.rank) for state in stalled)
         return RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "

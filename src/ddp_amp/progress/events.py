@@ -25,7 +25,7 @@ Every event has "type" and "rank"; the rest depends on the type:
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 
 class StateEvent(TypedDict, total=False):
@@ -92,6 +92,8 @@ class HeartbeatEvent(TypedDict, total=False):
     phase_index: int
     phase: str
     stall_after_s: float
+    script: bool
+    """A script's rank (rank.script): step is its last collective's number, micro whether it completed."""
 
 
 class StalledEvent(TypedDict):
@@ -100,6 +102,8 @@ class StalledEvent(TypedDict):
     step: int
     phase: str
     silent_s: float
+    script: NotRequired[bool]
+    """A script's rank: step is its last collective's number, phase where its code is."""
 
 
 class PrecisionEvent(TypedDict):
@@ -172,6 +176,9 @@ def plain_line(event: dict[str, Any]) -> str | None:
         return f"[rank {rank}] {event['line']}"
     if kind == "precision":
         return f"ddp-amp: --amp auto chose {event['precision']}: {event['reason']}"
+    if kind == "stalled" and event.get("script"):
+        return (f"[rank {rank}] stalled: no collective moved for {event['silent_s']:.0f}s; it is at "
+                f"{event['phase']}, the other ranks wait for it in a later one")
     if kind == "stalled":
         return (f"[rank {rank}] stalled: no progress for {event['silent_s']:.0f}s in step {event['step']} "
                 f"({event['phase']}); the other ranks are waiting for it")

@@ -154,6 +154,14 @@ class ProgressModel:
         if not beating or any(now - s.moved_at < (s.stall_after_s or float("inf")) for s in beating):
             return []
         behind = min(s.position[:3] for s in beating)
+        if self.script:
+            # A script's position is its collectives (rank.script): all ranks at the same one is a pause between
+            # collectives, not a hang; one behind, with the others waiting in a collective it has not entered, is.
+            if behind == max(s.position[:3] for s in beating):
+                return []
+            return [{"type": "stalled", "rank": s.rank, "step": s.position[0], "phase": s.position[3],
+                     "silent_s": round(now - s.moved_at, 1), "script": True}
+                    for s in beating if s.position[:3] == behind and s.status != "stalled"]
         return [{"type": "stalled", "rank": s.rank, "step": s.position[0] + 1, "phase": s.position[3],
                  "silent_s": round(now - s.moved_at, 1)}
                 for s in beating if s.position[:3] == behind and s.status != "stalled"]

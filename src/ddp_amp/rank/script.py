@@ -35,6 +35,13 @@ from ddp_amp.rank import flight_recorder
 
 RUN_DIR_VAR = "DDP_AMP_RUN_DIR"
 """The run directory, for a script that wants to write its files there (the loop module does)."""
+HEARTBEAT_S = 1.0
+"""How often a script's rank tells the launcher where its collectives are (the launcher's stall marking)."""
+STALL_MIN_S = 10.0
+STALL_PAUSES = 5.0
+"""A script's rank is marked stalled when no rank's collectives moved for STALL_PAUSES times the longest pause
+seen between them, and at least STALL_MIN_S, while it is behind the others (they wait in a collective it has not
+entered): a script whose collectives come minutes apart is not marked for pausing between them."""
 RECORD_EVERY_S = 2.0
 """How often the flight recorder is written while the script runs (only when it has changed): a rank stuck in
 user code or killed by the launcher still leaves what it last entered."""
@@ -61,7 +68,7 @@ def run_script(script: Script, run_dir: Path) -> int:
           "world_size": int(os.environ.get("WORLD_SIZE", "1"))})
     flight_recorder.enable()
     flight_recorder.forget(run_dir, rank)
-    recorder = _Recorder(run_dir, rank)
+    recorder = _Recorder(run_dir, rank, send)
     _threads_as_a_fresh_interpreter()
     _default_signal_actions()
     _keep_destroyed_groups()
@@ -229,20 +236,52 @@ def _raised_at(exc: BaseException) -> str | None:
 
 
 class _Recorder:
-    """Writes this rank's flight record every RECORD_EVERY_S while it changes, from a daemon thread (a rank
-    blocked in a collective or in the script's own code cannot), and once more when the script fails."""
+    """From a daemon thread (a rank blocked in a collective or in the script's own code cannot): this rank's
+    heartbeat every HEARTBEAT_S, where its collectives are (the launcher marks a rank that holds the others
+    back as stalled, as it does for ddp-amp's loop), and its flight record every RECORD_EVERY_S while it changes
+    or while the rank waits in a collective (so that the record says how long it waited); once more when the
+    script fails."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.run_dir, self.rank = run_dir, rank
+    def __init__(self, run_dir: Path, rank: int, send=lambda event: None) -> None:
+        self.run_dir, self.rank, self.send = run_dir, rank, send
         self._stopped = threading.Event()
         self._last: tuple | None = None
         self._lock = threading.Lock()
         self._main = threading.main_thread().ident
+        self._moved: tuple | None = None
+        self._moved_at = time.monotonic()
+        self._longest_still = 0.0
         threading.Thread(target=self._loop, name="ddp-amp-flight-recorder", daemon=True).start()
 
     def _loop(self) -> None:
-        while not self._stopped.wait(RECORD_EVERY_S):
-            self.write("the last record written while the script ran", only_if_changed=True)
+        ticks = 0
+        while not self._stopped.wait(HEARTBEAT_S):
+            ticks += 1
+            waiting = self._beat()
+            if ticks % round(RECORD_EVERY_S / HEARTBEAT_S) == 0:
+                self.write("the last record written while the script ran", only_if_changed=not waiting)
+
+    def _beat(self) -> bool:
+        """One heartbeat: (the last collective's number, whether it completed) is where this rank is; the stall
+        threshold grows with the longest pause between collectives seen so far. Whether it waits in one."""
+        entries = flight_recorder.entries()
+        if not entries:
+            return False
+        last = entries[-1]
+        # gloo's entries stay "scheduled"; "retired" says the work finished (nccl's say "completed" too)
+        sequence = int(last.get("collective_seq_id") or 0)
+        completed = last.get("state") == "completed" or bool(last.get("retired"))
+        now = time.monotonic()
+        if (sequence, completed) != self._moved:
+            self._longest_still = max(self._longest_still, now - self._moved_at)
+            self._moved, self._moved_at = (sequence, completed), now
+        operation = str(last.get("profiling_name") or "?").split(":")[-1]  # "gloo:all_reduce"
+        where = (f"collective #{sequence} ({operation})" if not completed
+                 else f"{self._where() or 'its code'}, after collective #{sequence}")
+        self.send({"type": "heartbeat", "step": sequence, "micro": int(completed), "phase_index": 0,
+                   "phase": where, "stall_after_s": max(STALL_MIN_S, STALL_PAUSES * self._longest_still),
+                   "script": True})
+        return not completed
 
     def write(self, reason: str, only_if_changed: bool = False, where: str | None = None) -> None:
         with self._lock:
@@ -250,7 +289,7 @@ class _Recorder:
             if not entries:
                 return  # no collective yet (or the recorder is off)
             last = entries[-1]
-            marker = (len(entries), last.get("collective_seq_id"), last.get("state"))
+            marker = (len(entries), last.get("collective_seq_id"), last.get("state"), last.get("retired"))
             if only_if_changed and marker == self._last:
                 return
             self._last = marker
