@@ -241,3 +241,15 @@ def cut_metrics(run_dir: Path, step: int) -> None:
             if line.strip() and json.loads(line).get("step", 0) <= step]
     atomic_write(path, "".join(kept).encode())
 
+
+def has_checkpoint(path: Path) -> bool:
+    """A checkpoint in the run dir: a step-<N>.pt, or a sharded step-<N>/ that DCP finished (its .metadata)."""
+    return any(found.suffix == ".pt" or (found / ".metadata").is_file()
+               for found in (path / "checkpoints").glob("step-*"))  # checkpoint.fileformat.CHECKPOINT_DIR
+
+
+def earlier_run(path: Path) -> list[str]:
+    """What of an earlier launch's work the run dir holds (its record, metrics, checkpoints, loop.json): a launch
+    into it without --resume or --overwrite is refused, whatever either launch ran (a task, a script, a loop)."""
+    found = [name for name in (METRICS_FILE, SUMMARY_FILE, LOOP_RECORD_FILE) if (path / name).exists()]
+    return found + ["checkpoints/"] if has_checkpoint(path) else found

@@ -76,7 +76,8 @@ def test_a_second_launch_into_a_busy_run_dir_is_refused(tmp_path, long_run):
     assert first.wait_until_gone() == []
     old_lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     again = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "5", "--run-dir", str(tmp_path))
-    assert again.returncode == 2 and "--overwrite" in again.stderr and "unfinished" in again.stderr
+    assert again.returncode == 2 and "holds an earlier run (metrics.jsonl); continue it with --resume auto, start " \
+        "over in it with --overwrite" in again.stderr
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == old_lines  # refused: nothing touched
     fresh = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "5", "--log-every", "1", "--overwrite",
                     "--run-dir", str(tmp_path))

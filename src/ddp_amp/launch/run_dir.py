@@ -21,6 +21,8 @@ from ddp_amp.outputs import (
     STEP_TIMES_FILE,
     SUMMARY_FILE,
     TRACKERS_FILE,
+    earlier_run,
+    has_checkpoint,
 )
 
 
@@ -126,34 +128,24 @@ def wrote_training_output(path: Path) -> bool:
     return has_checkpoint(path) or any((path / name).exists() for name in TRAINING_OUTPUT)
 
 
-def has_checkpoint(path: Path) -> bool:
-    """A checkpoint in the run dir: a step-<N>.pt, or a sharded step-<N>/ that DCP finished (its .metadata)."""
-    return any(found.suffix == ".pt" or (found / ".metadata").is_file()
-               for found in (path / "checkpoints").glob("step-*"))
-
-
-def earlier_run(path: Path) -> list[str]:
-    """What of an earlier launch's work the run dir holds (its record, metrics, checkpoints, loop.json): a launch
-    into it without --resume or --overwrite is refused, whatever either launch ran (a task, a script, a loop)."""
-    found = [name for name in (METRICS_FILE, SUMMARY_FILE, LOOP_RECORD_FILE) if (path / name).exists()]
-    return found + ["checkpoints/"] if has_checkpoint(path) else found
-
-
 WRITTEN_NAMES = (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml", LOCK_FILE)
 """Every name a launch writes at the top of its run dir."""
 
 
-def files_not_ddp_amps(path: Path) -> list[str]:
+def files_not_ddp_amps(path: Path, resuming: bool = False) -> list[str]:
     """The names a launch would write (WRITTEN_NAMES) that the directory holds although it is not a run dir of
     ddp-amp's: a user's project folder given as --run-dir, a script's own config.json. ddp-amp never replaces
     them, not even under --overwrite. A run dir is known by its config.json (a launch writes it first): ddp-amp's
-    names the run's launch_time and run_dir."""
+    names the run's launch_time and run_dir. Under --resume, checkpoints/ is what the user asked to continue from
+    (checkpoints copied into a new directory): --resume checks them, and they are kept."""
     if not path.is_dir() or is_ddp_amp_config(path / CONFIG_FILE) or is_ddp_amp_config(
             path / SET_ASIDE_DIR / CONFIG_FILE):
         return []
     found = []
     for name in WRITTEN_NAMES:
         item = path / name
+        if resuming and name == "checkpoints":
+            continue
         if name == LOCK_FILE and item.is_file() and (item.stat().st_size == 0 or item.read_bytes().strip().isdigit()):
             continue  # a lock of ddp-amp's (empty, or its holder's pid) left by a launch killed before config.json
         if item.exists() or item.is_symlink():
@@ -217,19 +209,16 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
         raise UsageError(f"{flag} is an existing file, not a directory")
     if joining is not None and path.is_dir() and running_job(path) == joining:
         return PreparedRunDir(path, None)
-    if foreign := files_not_ddp_amps(path):
+    if foreign := files_not_ddp_amps(path, resuming):
         raise UsageError(f"{flag} holds {', '.join(foreign)}, which ddp-amp did not write (no config.json of "
                          "ddp-amp's beside them) and would replace; choose another directory")
     if (path / MODEL_FILE).exists() and not overwrite:
         raise UsageError(f"{flag} already holds a finished run (model.pt); choose another or pass --overwrite")
-    if not overwrite and not resuming and (earlier := earlier_run(path)):  # before the lock: a refusal writes nothing
-        raise UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
-                         "over in it with --overwrite, or choose another directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"{flag} cannot be created: {exc.strerror}") from None
-    held = None
+    held, locked_before = None, (path / LOCK_FILE).exists()
     if lock:
         try:
             held = DirectoryLock(path)
@@ -238,6 +227,13 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                              "or choose another directory") from None
         except OSError as exc:
             raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
+    if not overwrite and not resuming and (earlier := earlier_run(path)):  # after the lock: "in use" comes first
+        if held:
+            held.release()
+            if not locked_before:  # a refusal leaves nothing behind
+                (path / LOCK_FILE).unlink(missing_ok=True)
+        raise UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
+                         "over in it with --overwrite, or choose another directory")
     aside = _tidy(path, flag, overwrite=overwrite, resuming=resuming)
     return PreparedRunDir(path, held, aside, training_output(path))
 

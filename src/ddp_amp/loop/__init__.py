@@ -67,7 +67,7 @@ def _check_run_dir(settings: LoopSettings) -> None:
     """Outside ddp-amp (plain torchrun, python), the rule ddp-amp's launcher applies before it starts a loop
     script: a run dir that holds an earlier run is continued only when asked (resume, or a restart by torchrun's
     agent or Slurm), never started over from step 0 beside the earlier metrics and checkpoints."""
-    from ddp_amp.launch.run_dir import earlier_run
+    from ddp_amp.outputs import earlier_run
 
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
         int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
