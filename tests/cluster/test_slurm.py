@@ -312,6 +312,8 @@ def test_a_loop_script_preempted_by_slurm_resumes_after_its_requeue_to_the_unint
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", output
     resumed = re.findall(r"ddp-amp loop: resumed from \S+step-(\d+)\.pt \(step (\d+)\)", output)
     assert resumed and 20 <= int(resumed[0][1]) < int(steps), output
+    loop = read_summary(tmp_path / "run")["loop"]  # the requeued attempt's account says so too
+    assert loop["slurm_restart_count"] == 1 and loop["resumed_from_step"] == int(resumed[0][1]), loop
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     expected = torch.load(tmp_path / "reference" / "model.pt", weights_only=True)
     assert all(torch.equal(weights[m][k], expected[m][k]) for m in expected for k in expected[m])

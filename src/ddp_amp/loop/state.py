@@ -90,6 +90,9 @@ class Checkpoints:
         """Every registered name from the checkpoint, checked first: nothing is loaded when a name is missing or
         a model's weights do not fit."""
         held = saved["trainer"]
+        if int(saved.get("world_size", self.run.world_size)) != self.run.world_size:  # an elastic restart's
+            raise LoopError(f"--resume {path}: written by {saved['world_size']} ranks and this run has "
+                            f"{self.run.world_size}: the loop continues on the world size that saved it")
         missing = sorted(set(self.registered) - set(held))
         if missing or saved.get("config", {}).get("loop") is not True:
             what = f"no {', '.join(missing)} in it" if missing else "it is not a checkpoint of ddp_amp.loop"
