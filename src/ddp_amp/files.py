@@ -24,7 +24,10 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, then rename it over `path` (atomic on POSIX): a crash or a
     concurrent reader never sees a half-written file. The file gets the mode a plain open() would give it
     (0666 less the umask: 0644 under 022), not mkstemp's 0600, so others sharing the directory can read it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~_umask())
@@ -32,6 +35,10 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # one error naming the file it was for (a full disk: which write found it full), not
+        # the flush's and then the close's, chained
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

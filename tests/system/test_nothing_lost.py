@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHECKS_SCRIPT, HELPER_TASKS, TASKS, launch, launch_script
+from conftest import CHECKS_SCRIPT, HELPER_TASKS, TASKS, launch, launch_script, read_summary
 
 pytestmark = pytest.mark.slow
 LOOP_SCRIPT = TASKS / "loop_fails.py"
@@ -117,3 +117,32 @@ def test_overwrite_takes_the_earlier_run_only_from_a_launch_that_trained(kind, o
         assert f"the earlier run's files in {run_dir} are back as they were" in result.stderr, result.stderr
         assert {name: after.get(name) for name in before} == before
         assert (run_dir / ".failed-launch" / "config.json").is_file()  # this launch's own files, set aside
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs: root only")
+def test_a_full_disk_is_one_line_naming_the_file_and_the_checkpoint_that_resumes(tmp_path):
+    """A loop script whose run dir fills up mid-run (a 400 KiB tmpfs): the launcher ends on one line naming the
+    file that did not fit and the newest complete checkpoint, no chained traceback of ddp-amp's own writes (the
+    flight record, the logs, summary.json) and no launcher traceback; that checkpoint, moved to a disk with room,
+    resumes to the end."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(small)], check=True)
+    try:
+        result = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain",
+                                 "--checkpoint-every", "5", "--keep", "50", "--run-dir", str(small / "run"),
+                                 str(TASKS.parent.parent / "examples" / "own_loop.py"), "--steps", "300"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1, result.stderr
+        verdict = result.stderr.strip().splitlines()[-1]
+        assert "No space left on device: '" in verdict and "; the newest complete checkpoint is " in verdict, verdict
+        assert "During handling of the above exception" not in result.stderr, result.stderr
+        assert "ddp_amp/cli.py" not in result.stderr and "flight_recorder" not in result.stderr, result.stderr
+        kept = Path(verdict.split("the newest complete checkpoint is ")[1].split(" (continue")[0])
+        shutil.copytree(small / "run", tmp_path / "roomy")
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    resumed = launch_script(tmp_path / "roomy", TASKS.parent.parent / "examples" / "own_loop.py", "--steps", "300",
+                            options=("--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert read_summary(tmp_path / "roomy")["loop"]["resumed_from_step"] == int(kept.stem.split("-")[1])

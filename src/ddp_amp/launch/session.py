@@ -291,10 +291,17 @@ def run_script_launch(launch: Launch, display) -> None:
         for cause in causes:
             seen = f" (last seen in step {cause['last_seen_step']})" if cause.get("last_seen_step") else ""
             say(f"ddp-amp: restart {cause['restart']}: rank {cause['rank']} {cause['cause']}{seen}")
+    if failure is not None and failure.exit_code <= 128 and (kept := _newest_checkpoint(run_dir)):
+        # a loop script's checkpoints: where its work is, whatever failed (a full disk: the one before the write)
+        failure = RunFailed(f"{failure}; the newest complete checkpoint is {kept} (continue with --resume auto "
+                            f"--run-dir {run_dir})", exit_code=failure.exit_code, details=failure.details)
     if failure is not None and failure.exit_code > 128:
         stalled = "".join(f"; rank {state.rank} had stalled at {state.position[3]}" for state in model.stalled())
         failure = RunFailed(_script_stop_line(record, run_dir, str(failure)) + stalled, exit_code=failure.exit_code)
-    write_summary(run_dir, record)
+    try:
+        write_summary(run_dir, record)
+    except OSError as exc:  # a full disk, as a rank may have found: the verdict below still comes through
+        say(f"ddp-amp: warning: {run_dir / 'summary.json'} could not be written: {exc.strerror}")
     # A script that finished, or that wrote what training writes (metrics, a checkpoint, model.pt, loop.json),
     # trained: under --overwrite the earlier run is gone. One that failed or was stopped before it wrote any gets
     # the earlier run back, and this launch's record (summary.json, logs) is set aside (run_dir.FAILED_LAUNCH_DIR).
@@ -304,6 +311,14 @@ def run_script_launch(launch: Launch, display) -> None:
     restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""
     say(f"ddp-amp: the script finished on every rank{restarts} in {time.time() - started:.1f}s; summary "
         f"{run_dir / 'summary.json'}")
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint --resume auto would take first (ddp_amp.loop's), or None."""
+    from ddp_amp.checkpoint.fileformat import checkpoints
+
+    found = checkpoints(run_dir)
+    return found[0] if found else None
 
 
 def _script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:

@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ class OutputServer:
         self.log_dir = log_dir
         self._on_line = on_line
         self._logs: dict[int, Any] = {}
+        self._unwritable = False
+        """A log write failed (a full disk): said once."""
         self._open: set[socket.socket] = set()
         self._last: list[tuple[threading.Thread, socket.socket]] = []
         self._lock = threading.Lock()
@@ -122,10 +125,16 @@ class OutputServer:
 
     def _log(self, rank: int, data: bytes) -> None:
         with self._lock:
-            log = self._logs.get(rank)
-            if log is None:
-                log = self._logs[rank] = open(self.log_dir / f"rank{rank}.log", "ab", buffering=0)  # noqa: SIM115
-            log.write(data)
+            try:
+                log = self._logs.get(rank)
+                if log is None:
+                    log = self._logs[rank] = open(self.log_dir / f"rank{rank}.log", "ab", buffering=0)  # noqa: SIM115
+                log.write(data)
+            except OSError as exc:  # a full disk: the lines are still shown; said once, never raised
+                if not self._unwritable:
+                    self._unwritable = True
+                    print(f"ddp-amp: warning: {self.log_dir / f'rank{rank}.log'} could not be written: {exc.strerror} "
+                          "(the ranks' output is still shown)", file=sys.stderr, flush=True)
 
     def append(self, rank: int, text: str) -> None:
         """Text the rank did not write itself (its traceback, reported as an event) added to its log."""

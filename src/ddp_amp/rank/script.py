@@ -293,8 +293,11 @@ class _Recorder:
             if only_if_changed and marker == self._last:
                 return
             self._last = marker
-            flight_recorder.dump(self.run_dir, self.rank, reason, None, recorded=entries,
-                                 where=where or self._where())
+            try:
+                flight_recorder.dump(self.run_dir, self.rank, reason, None, recorded=entries,
+                                     where=where or self._where())
+            except OSError:  # a full disk: the record is a help, never the rank's failure (nor a second one)
+                pass
 
     def _where(self) -> str | None:
         """The script's own line the main thread is at (or under)."""
