@@ -318,3 +318,34 @@ def test_a_loop_script_preempted_by_slurm_resumes_after_its_requeue_to_the_unint
     expected = torch.load(tmp_path / "reference" / "model.pt", weights_only=True)
     assert all(torch.equal(weights[m][k], expected[m][k]) for m in expected for k in expected[m])
     assert run_processes("loop-preempted") == []
+
+
+def test_a_loop_script_in_a_one_node_job_from_run_is_requeued_and_resumes(slurm, tmp_path):
+    """`run -n 2 --emit-slurm job.sbatch SCRIPT`: a one-node job of the same run. Preempted with `scancel
+    --signal=USR1` once it has trained 20 steps, its ranks stop at one step and save, the job requeues itself,
+    and the second attempt continues the run dir (--resume auto, added on the requeue): the weights are bit for
+    bit those of the same script run uninterrupted by `ddp-amp spawn -n 2`."""
+    steps = "300"
+    reference = launch_script(tmp_path / "reference", LOOP_EXAMPLE, "--steps", steps)
+    assert reference.returncode == 0, reference.stderr
+    script = tmp_path / "job.sbatch"
+    emitted = subprocess.run(
+        [sys.executable, "-m", "ddp_amp", "run", "-n", "2", "--device", "cpu", "--log-format", "plain",
+         "--run-dir", str(tmp_path / "run"), "--emit-slurm", str(script), str(LOOP_EXAMPLE), "--steps", steps],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert emitted.returncode == 0, emitted.stderr
+    job = slurm.sbatch(script, env=job_env(tmp_path, "run-preempted", hold=False))
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 20 reported
+        assert time.monotonic() < deadline, job_output(tmp_path)
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
+    state = slurm.wait_done(job)
+    output = job_output(tmp_path)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", output
+    loop = read_summary(tmp_path / "run")["loop"]
+    assert loop["slurm_restart_count"] == 1 and 20 <= loop["resumed_from_step"] < int(steps), loop
+    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    expected = torch.load(tmp_path / "reference" / "model.pt", weights_only=True)
+    assert all(torch.equal(weights[m][k], expected[m][k]) for m in expected for k in expected[m])
+    assert run_processes("run-preempted") == []

@@ -5,6 +5,7 @@ launcher's capture of a script's output (progress.output) with real sockets."""
 import io
 import json
 import socket
+import subprocess
 import sys
 import time
 
@@ -93,10 +94,30 @@ def test_emit_slurm_with_a_script_runs_it_last_from_the_launch_directory(tmp_pat
     assert code == 0, err
     text = (tmp_path / "job.sh").read_text()
     assert f"#SBATCH --chdir={tmp_path}" in text
-    assert f'set -- --nproc-per-node 1 --rdzv-timeout 600 --monitor-interval 0.1 --log-format auto --run-dir ' \
-           f'"$RUN_DIR" {CHECKS_SCRIPT} --steps 9\n' in text
-    assert "--resume auto" not in text  # a script resumes itself, or not
+    assert 'set -- --nproc-per-node 1 --rdzv-timeout 600 --monitor-interval 0.1 --log-format auto --run-dir ' \
+           '"$RUN_DIR"\n' in text
+    assert f'set -- "$@" {CHECKS_SCRIPT} --steps 9\n' in text  # the script and its words last
+    # a requeued attempt continues its run dir (the script resumes itself), before the script's name
+    assert text.index('set -- "$@" --resume auto') < text.index(f'set -- "$@" {CHECKS_SCRIPT}')
+    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ "$own_start" = 0 ]; then' in text
     assert "both must be there on the nodes" in err
+
+
+def test_run_emits_a_one_node_slurm_job_of_the_same_run(tmp_path, capsys, monkeypatch):
+    """Single-node Slurm jobs are common: `run --emit-slurm` writes one that runs `ddp-amp run` with the same
+    options on one node (no rendezvous endpoint), requeued on preemption as multinode's job is."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(["run", "-n", "2", "--device", "cpu", "--max-restarts", "1", "--emit-slurm",
+                               "job.sh", "--run-dir", "runs/a", str(CHECKS_SCRIPT), "--steps", "9"], capsys)
+    assert code == 0, err
+    text = (tmp_path / "job.sh").read_text()
+    assert "#SBATCH --nodes=1\n" in text and "#SBATCH --requeue\n" in text
+    assert 'set -- --nproc-per-node 2 --device cpu --monitor-interval 0.1 --log-format auto --max-restarts 1 ' \
+           '--run-dir "$RUN_DIR"\n' in text
+    assert 'srun --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} ddp-amp run ' \
+           '"$@"\n' in text
+    assert "multinode" not in text and "--rdzv" not in text and "DDP_AMP_ENDPOINT" not in text
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
 
 
 def test_emit_k8s_with_a_script_ends_every_pods_command_with_it(tmp_path, capsys):

@@ -140,6 +140,11 @@ ScriptWords = Annotated[list[str] | None, typer.Argument(
     help="Your own training script and its arguments, run on every rank as torchrun runs it (instead of "
     "ddp-amp's training loop); everything after SCRIPT is passed to it unchanged.")]
 Module = Annotated[bool, typer.Option("-m", "--module", help="SCRIPT is a module, run as python -m does.")]
+RequeueSignal = Annotated[str, typer.Option(
+    "--requeue-signal", help="With --emit-slurm: the signal Slurm sends before the time limit (USR1, USR2 or "
+    "TERM); the job stops at one step, checkpoints and requeues itself.")]
+EmitOneNodeSlurm = Annotated[Path | None, typer.Option(
+    "--emit-slurm", help="Write an sbatch script running this on one node of an allocation, and exit.")]
 Launcher = Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="spawn or run (torchrun), on one "
                                                            "node.")]
 
@@ -234,9 +239,7 @@ NODE_OPTIONS: dict[str, tuple[Any, Any]] = {
     "is_host": (None, IsHost),
     "local_addr": (None, LocalAddr),
     "ifname": (None, Ifname),
-    "requeue_signal": ("USR1", Annotated[str, typer.Option(
-        "--requeue-signal", help="With --emit-slurm: the signal Slurm sends before the time limit (USR1, USR2 or "
-        "TERM); the job stops at one step, checkpoints and requeues itself.")]),
+    "requeue_signal": ("USR1", RequeueSignal),
     "emit_slurm": (None, Annotated[Path | None, typer.Option(
         "--emit-slurm", help="Write an sbatch script running this on every node of an allocation, and exit.")]),
 }

@@ -11,10 +11,12 @@ import typer
 from ddp_amp.commands.options import (
     TRAINING_OPTIONS,
     DryRun,
+    EmitOneNodeSlurm,
     MaxRestarts,
     Module,
     MonitorInterval,
     NprocPerNode,
+    RequeueSignal,
     ScriptWords,
     config_toml,
     training_args,
@@ -56,6 +58,8 @@ def run(
     max_restarts: MaxRestarts = 0,
     monitor_interval: MonitorInterval = 0.1,
     dry_run: DryRun = False,
+    emit_slurm: EmitOneNodeSlurm = None,
+    requeue_signal: RequeueSignal = "USR1",
     module: Module = False,
     script: ScriptWords = None,
 ) -> None:
@@ -64,6 +68,13 @@ def run(
     from ddp_amp.launch.session import standalone_launch
 
     program = user_script(script, module, train)
+    if emit_slurm is not None:
+        from ddp_amp.launch.slurm import emit_one_node_sbatch
+
+        emit_one_node_sbatch(emit_slurm, train, training_args(train), output, nproc_per_node=nproc_per_node,
+                             max_restarts=max_restarts, monitor_interval=monitor_interval,
+                             requeue_signal=requeue_signal, script=program)
+        return
     show(standalone_launch(train, output, nproc_per_node, max_restarts=max_restarts, monitor_interval=monitor_interval,
                            dry_run=dry_run, script=program), output, resolved)
 

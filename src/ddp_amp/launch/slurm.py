@@ -34,9 +34,21 @@ fi
 """
 
 
+# A script's requeued attempt continues its run directory (--resume auto: a ddp_amp.loop script restores its
+# newest checkpoint, a plain script resumes itself or starts over), unless the job was emitted with its own
+# --resume or --overwrite. Before the script's name: every word after it is the script's.
+_SCRIPT_RESUME = """own_start=0
+for arg in "$@"; do case "$arg" in --resume|--resume=*|--overwrite) own_start=1 ;; esac; done
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ "$own_start" = 0 ]; then
+  set -- "$@" --resume auto
+fi
+"""
+
+
 def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_per_node: int | None,
-                 run_dir: str | None, requeue_signal: str = "USR1", script=None) -> str:
-    """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation.
+                 run_dir: str | None, requeue_signal: str = "USR1", script=None, command: str = "multinode") -> str:
+    """An sbatch script running the same `ddp-amp multinode` once on every node of the allocation (`command`
+    "run": `ddp-amp run` on the one node of a one-node job, its rendezvous on loopback).
 
     Preemption: Slurm sends `requeue_signal` to every process of the job step before the time limit
     (--signal, without B:), or `scancel --signal` does; ddp-amp stops every rank at one step, checkpoints and
@@ -71,14 +83,17 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
     head = "\n".join(header)
     if script is not None:
         program = [*(["-m", script.target] if script.module else [script.path]), *script.args]
-        setup = f"set -- {args} --run-dir \"$RUN_DIR\" {shlex.join(program)}\nhas_checkpoint() {{ true; }}\n"
+        setup = (f"set -- {args} --run-dir \"$RUN_DIR\"\n{_SCRIPT_RESUME}set -- \"$@\" {shlex.join(program)}\n"
+                 "has_checkpoint() { true; }\n")
     else:
         setup = f"set -- {args} --run-dir \"$RUN_DIR\"\n{_RESUME}"
-    return f"""#!/bin/bash
-{head}
-set -uo pipefail
-RUN_DIR={directory}
-{setup}# The first node of the allocation hosts the c10d rendezvous store.
+    if command == "run":
+        launch = """# One ddp-amp on the job's one node, its ranks meeting on loopback. srun does not inherit
+# --cpus-per-task from the allocation (Slurm 22.05+): it is passed on.
+srun --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} ddp-amp run "$@"
+"""
+    else:
+        launch = f"""# The first node of the allocation hosts the c10d rendezvous store.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export DDP_AMP_ENDPOINT="$head_node:{port}"
 # One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes. srun
@@ -86,7 +101,12 @@ export DDP_AMP_ENDPOINT="$head_node:{port}"
 srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}} \\
     bash -c 'exec ddp-amp multinode --endpoint "$DDP_AMP_ENDPOINT" \\
     --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-id "ddp-amp-$SLURM_JOB_ID" "$@"' ddp-amp "$@"
-status=$?
+"""
+    return f"""#!/bin/bash
+{head}
+set -uo pipefail
+RUN_DIR={directory}
+{setup}{launch}status=$?
 # Stopped by the requeue signal, the work checkpointed: continue in a new allocation. Anything else (done,
 # failed, cancelled, or stopped with nothing kept) ends the job as it is.
 if [ "$status" -eq {stop_code} ] && has_checkpoint; then
@@ -99,7 +119,7 @@ exit "$status"
 def sbatch_script(shared_args: list[str], *, port: int, nodes: Nnodes, nproc_per_node: str, device: str,
                   run_dir: str | None, log_format: str, rdzv_timeout: float, rdzv_last_call: int,
                   monitor_interval: float, max_restarts: int, ifname: str | None, requeue_signal: str,
-                  script=None) -> str:
+                  script=None, command: str = "multinode") -> str:
     """--emit-slurm's text for this multinode command: `shared_args` (the training options that differ from their
     defaults) and the launch options every node shares; per-node values (--local-addr, --is-host, --node-rank) are
     found on each node. Its options checked first (UsageError)."""
@@ -107,21 +127,24 @@ def sbatch_script(shared_args: list[str], *, port: int, nodes: Nnodes, nproc_per
         raise UsageError(f"--requeue-signal must be one of {', '.join(REQUEUE_SIGNALS)}, got {requeue_signal!r}")
     if nproc_per_node not in ("gpu", "cpu", "auto"):
         parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
-    args = ["--nproc-per-node", nproc_per_node, *shared_args, "--rdzv-timeout", f"{rdzv_timeout:g}",
-            *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max else []),
-            "--monitor-interval", f"{monitor_interval:g}", "--log-format", log_format]
+    rendezvous = [] if command == "run" else [
+        "--rdzv-timeout", f"{rdzv_timeout:g}", *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max
+                                                 else [])]
+    args = ["--nproc-per-node", nproc_per_node, *shared_args, *rendezvous, "--monitor-interval",
+            f"{monitor_interval:g}", "--log-format", log_format]
     if max_restarts:
         args += ["--max-restarts", str(max_restarts)]
     if ifname:
         args += ["--ifname", ifname]
     gpus = int(nproc_per_node) if nproc_per_node.isdigit() and device != "cpu" else None
     return slurm_script(args, port, nodes=nodes, gpus_per_node=gpus, run_dir=run_dir, requeue_signal=requeue_signal,
-                        script=script)
+                        script=script, command=command)
 
 
 def emit_sbatch(path, shared_args: list[str], *, port: int, nodes: Nnodes, device: str, run_dir: str | None,
                 log_format: str, script=None, **launch_options) -> None:
-    """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation."""
+    """--emit-slurm: the sbatch script that runs this multinode command on every node of an allocation (or, with
+    command="run", this run command on the one node of a job)."""
     from ddp_amp.files import write_new_file
 
     text = sbatch_script(shared_args, port=port, nodes=nodes, device=device, run_dir=run_dir, log_format=log_format,
@@ -132,3 +155,18 @@ def emit_sbatch(path, shared_args: list[str], *, port: int, nodes: Nnodes, devic
         where_from = script.path if not script.module else f"module {script.target} from {script.cwd}"
         print(f"ddp-amp: every node runs {where_from} in {script.cwd}: both must be there on the nodes (a shared "
               "file system)", file=sys.stderr)
+
+
+def emit_one_node_sbatch(path, train: dict, shared_args: list[str], output: dict, *, nproc_per_node: str,
+                         max_restarts: int, monitor_interval: float, requeue_signal: str, script=None) -> None:
+    """`run --emit-slurm`: a one-node job running this run command (`shared_args`: its training options that
+    differ from their defaults), requeued on preemption as multinode's is."""
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.launch.torchrun import check_restart_options
+
+    check_restart_options(max_restarts, monitor_interval)
+    TrainConfig(**train)  # the options checked as for a launch
+    emit_sbatch(path, shared_args, port=0, nodes=Nnodes(1, 1), device=train["device"],
+                run_dir=output["run_dir"], log_format=output["log_format"], script=script,
+                nproc_per_node=nproc_per_node, rdzv_timeout=0, rdzv_last_call=0, monitor_interval=monitor_interval,
+                max_restarts=max_restarts, ifname=None, requeue_signal=requeue_signal, command="run")
