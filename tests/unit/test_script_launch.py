@@ -321,3 +321,14 @@ def test_a_packages_loop_options_follow_the_module_python_m_runs(layout, tmp_pat
         assert code == 2 and not run_dir.exists()
         assert one_line(err).endswith("; --amp would apply to a script that uses ddp_amp.loop, and pkg does not "
                                       "import it")
+
+
+def test_loop_options_from_a_config_file_are_refused_naming_the_file(tmp_path, capsys):
+    """--config FILE's options of ddp-amp's loop, given with a plain script: the refusal says they came from the
+    file (and not those given on the command line, which win over it)."""
+    config = tmp_path / "train.toml"
+    config.write_text('lr = 0.1\noptimizer = "sgd"\n')
+    code, _, err = run_main(["spawn", "-n", "2", "--config", str(config), "--lr", "0.2", "--run-dir",
+                             str(tmp_path / "run"), str(CHECKS_SCRIPT)], capsys)
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert one_line(err).endswith(f"apply to it) (--optimizer from --config {str(config)!r})"), err

@@ -297,10 +297,34 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
             raise UsageError(f"--config {str(path)!r}: {key} = {value!r} is not a valid --{key.replace('_', '-')}")\
                 from None
     ctx.default_map = {**(ctx.default_map or {}), **values}
+    ctx.meta[CONFIG_FILE_META] = path
     return path
 
 
+CONFIG_FILE_META = "ddp_amp.config_file"
+"""ctx.meta's key for the --config file the options came from (with_config_file names it in a refusal)."""
+
+
+def _naming_the_config_file(exc: UsageError, ctx: typer.Context) -> UsageError:
+    """A refusal of options that came from the --config file (not the command line) says so: the user looks for
+    them in the file, not in the command they typed."""
+    import re
+
+    path = ctx.meta.get(CONFIG_FILE_META)
+    if path is None:
+        return exc
+    message = str(exc)
+    from_file = [f"--{name.replace('_', '-')}" for name in ctx.params
+                 if getattr(ctx.get_parameter_source(name), "name", None) == "DEFAULT_MAP"
+                 and name in (ctx.default_map or {})]
+    named = [flag for flag in from_file if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", message)]
+    if not named:
+        return exc
+    return UsageError(f"{message} ({', '.join(named)} from --config {str(path)!r})")
+
+
 CONFIG_FILE_OPTIONS = [
+    inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
     inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         Path | None, typer.Option("--config", is_eager=True, callback=_load_config_file, rich_help_panel=OUTPUT,
                                   help="Options from a TOML file (keys: option names with underscores); flags "
@@ -320,11 +344,15 @@ def with_config_file(command):
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         kwargs.pop("config")
+        ctx = kwargs.pop("ctx")
         resolved = {name: value for name, value in kwargs.items() if name not in NOT_IN_CONFIG}
         if kwargs.pop("print_config"):
             typer.echo(config_toml(resolved), nl=False)
             return None
-        return command(**kwargs, resolved=resolved)
+        try:
+            return command(**kwargs, resolved=resolved)
+        except UsageError as exc:
+            raise _naming_the_config_file(exc, ctx) from None
 
     wrapper.__signature__ = signature.replace(parameters=[*own, *CONFIG_FILE_OPTIONS])
     wrapper.__annotations__ = {**{p.name: p.annotation for p in own},

@@ -87,21 +87,7 @@ def slurm_script(multinode_args: list[str], port: int, *, nodes: Nnodes, gpus_pe
                  "has_checkpoint() { true; }\n")
     else:
         setup = f"set -- {args} --run-dir \"$RUN_DIR\"\n{_RESUME}"
-    if command == "run":
-        launch = """# One ddp-amp on the job's one node, its ranks meeting on loopback. srun does not inherit
-# --cpus-per-task from the allocation (Slurm 22.05+): it is passed on.
-srun --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} ddp-amp run "$@"
-"""
-    else:
-        launch = f"""# The first node of the allocation hosts the c10d rendezvous store.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export DDP_AMP_ENDPOINT="$head_node:{port}"
-# One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes. srun
-# does not inherit --cpus-per-task from the allocation (Slurm 22.05+): it is passed on.
-srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}} \\
-    bash -c 'exec ddp-amp multinode --endpoint "$DDP_AMP_ENDPOINT" \\
-    --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-id "ddp-amp-$SLURM_JOB_ID" "$@"' ddp-amp "$@"
-"""
+    launch = _srun_lines(command, port)
     return f"""#!/bin/bash
 {head}
 set -uo pipefail
@@ -113,6 +99,25 @@ if [ "$status" -eq {stop_code} ] && has_checkpoint; then
   scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$status"
+"""
+
+
+def _srun_lines(command: str, port: int) -> str:
+    """The job's launch: one ddp-amp per node through srun (multinode, meeting at the first node's endpoint), or
+    `ddp-amp run` on a one-node job's node."""
+    if command == "run":
+        return """# One ddp-amp on the job's one node, its ranks meeting on loopback. srun does not inherit
+# --cpus-per-task from the allocation (Slurm 22.05+): it is passed on.
+srun --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} ddp-amp run "$@"
+"""
+    return f"""# The first node of the allocation hosts the c10d rendezvous store.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export DDP_AMP_ENDPOINT="$head_node:{port}"
+# One ddp-amp per node; SLURM_NODEID and SLURM_NNODES are read on each node, hence the single quotes. srun
+# does not inherit --cpus-per-task from the allocation (Slurm 22.05+): it is passed on.
+srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}} \\
+    bash -c 'exec ddp-amp multinode --endpoint "$DDP_AMP_ENDPOINT" \\
+    --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-id "ddp-amp-$SLURM_JOB_ID" "$@"' ddp-amp "$@"
 """
 
 
