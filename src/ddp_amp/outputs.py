@@ -150,6 +150,9 @@ class RunRecord:
     """This rank's own throughput (the rank's summary before it is written; summary.json holds rank 0's)."""
     tokens_per_s: float | None = _Key()
     wall_s: float | None = _Key()
+    """This launch's wall time; a resumed run's launches in all: wall_s_all_launches (and their count)."""
+    wall_s_all_launches: float | None = _Key()
+    launches: int | None = _Key()
     time_to_first_step_s: float | None = _Key()
     peak_memory_mb: float | None = _Key()
     baseline_memory_mb: float | None = _Key()

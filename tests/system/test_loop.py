@@ -55,7 +55,8 @@ def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterr
     run = tmp_path / "run"
     stopped = stopped_at_step_10_or_later(run)
     assert stopped.returncode == 143, stopped.stderr
-    loop = read_summary(run)["loop"]
+    stopped_summary = read_summary(run)
+    loop = stopped_summary["loop"]
     step = loop["stopped_at_step"]
     assert loop["stopped_by"] == "SIGTERM" and 10 <= step < int(STEPS)
     for rank in (0, 1):
@@ -73,7 +74,11 @@ def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterr
     assert (run / "checkpoints" / f"step-{step}.pt").is_file() and read_summary(run)["loop"] == loop
     resumed = launch_script(run, EXAMPLE, "--steps", STEPS, options=("--resume", "auto"))
     assert resumed.returncode == 0, resumed.stderr
-    assert read_summary(run)["loop"]["resumed_from_step"] == step
+    resumed_summary = read_summary(run)
+    assert resumed_summary["loop"]["resumed_from_step"] == step
+    # the run's wall time counts both launches, its own wall_s the last one
+    assert resumed_summary["launches"] == 2 and resumed_summary["wall_s_all_launches"] == round(
+        stopped_summary["wall_s"] + resumed_summary["wall_s"], 3)
     assert weights_equal(torch.load(run / "model.pt", weights_only=True), uninterrupted)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == int(STEPS)

@@ -93,14 +93,18 @@ def test_sigterm_stops_at_one_step_checkpoints_and_resumes(command, precision, t
     assert process.returncode == 143, stderr
     verdict = last_line(stderr)
     assert verdict.startswith("ddp-amp: error: stopped by SIGTERM at step "), stderr
-    stopped_at = read_summary(tmp_path)["stopped_at_step"]
+    stopped = read_summary(tmp_path)
+    stopped_at = stopped["stopped_at_step"]
     checkpoint = tmp_path / "checkpoints" / f"step-{stopped_at}.pt"
     assert f"checkpoint {checkpoint}" in verdict and checkpoint.exists()
     assert not (tmp_path / "model.pt").exists()
     result = run_cli(command, "-n", "2", *ARGS, *PRECISIONS[precision], "--resume", "auto", "--run-dir",
                      str(tmp_path), env=env_for(precision))
     assert_ok(result)
-    assert read_summary(tmp_path)["resumed_from_step"] == stopped_at
+    resumed = read_summary(tmp_path)
+    assert resumed["resumed_from_step"] == stopped_at
+    assert resumed["launches"] == 2
+    assert resumed["wall_s_all_launches"] == round(stopped["wall_s"] + resumed["wall_s"], 3)
     assert_bit_identical(tmp_path, uninterrupted[precision])
 
 

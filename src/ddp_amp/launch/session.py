@@ -154,7 +154,35 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
         try:
             _run_and_judge(launch, display, announce)
         finally:
+            _with_earlier_launches(launch.plan)
             settle_overwritten(launch.plan)
+
+
+def _with_earlier_launches(plan: LaunchPlan, record: dict[str, Any] | None = None) -> None:
+    """A resumed run's summary.json (or a script's `record`, before it is written) counts the launches it took
+    and their wall time in all (wall_s_all_launches), from the stopped attempt's record set aside at the
+    preflight: its own wall_s is this launch's."""
+    import json
+
+    from ddp_amp.outputs import SUMMARY_FILE, write_summary
+
+    earlier = plan.set_aside / SUMMARY_FILE if plan.set_aside is not None and plan.config.resume else None
+    current = Path(plan.config.run_dir) / SUMMARY_FILE
+    try:
+        before = json.loads(earlier.read_text()) if earlier is not None and earlier.is_file() else None
+        now = record if record is not None else json.loads(current.read_text()) if current.is_file() else None
+    except (OSError, ValueError):
+        return
+    if not before or not now or not isinstance(now.get("wall_s"), (int, float)):
+        return
+    now["launches"] = int(before.get("launches") or 1) + 1
+    now["wall_s_all_launches"] = round(float(before.get("wall_s_all_launches") or before.get("wall_s") or 0.0)
+                                       + now["wall_s"], 3)
+    if record is None:
+        try:
+            write_summary(Path(plan.config.run_dir), now)
+        except OSError:
+            pass  # the launch's own verdict comes through; the record keeps this launch's figures
 
 
 def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None:
@@ -298,6 +326,7 @@ def run_script_launch(launch: Launch, display) -> None:
     if failure is not None and failure.exit_code > 128:
         stalled = "".join(f"; rank {state.rank} had stalled at {state.position[3]}" for state in model.stalled())
         failure = RunFailed(_script_stop_line(record, run_dir, str(failure)) + stalled, exit_code=failure.exit_code)
+    _with_earlier_launches(plan, record)
     try:
         write_summary(run_dir, record)
     except OSError as exc:  # a full disk, as a rank may have found: the verdict below still comes through

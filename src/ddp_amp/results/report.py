@@ -248,7 +248,9 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
         row.append(_num(loss, ".4f") + ("" if run.loss_key == "loss" or loss is None else f" ({run.loss_key})"))
         if compare:
             row.append(f"{loss - first_loss:+.4f}" if loss is not None and first_loss is not None else "-")
-        row += [evaluation, _seconds(s.wall_s), _seconds(s.time_to_first_step_s),
+        wall = _seconds(s.wall_s) if s.launches is None else \
+            f"{_seconds(s.wall_s_all_launches)} ({s.launches} launches)"
+        row += [evaluation, wall, _seconds(s.time_to_first_step_s),
                 sparkline([value for _, value in curve(run, run.loss_key)], width=16)]
         rows.append(row)
     return headers, rows
