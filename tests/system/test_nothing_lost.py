@@ -68,19 +68,22 @@ def files_of(run_dir: Path) -> dict[str, tuple[bytes, int]]:
             for path in sorted(run_dir.rglob("*")) if path.is_file() and path.name != ".lock"}
 
 
-def run_to_outcome(kind: str, outcome: str, run_dir: Path) -> subprocess.CompletedProcess:
-    """The launch, with --overwrite, as a user types it; a stop is SIGTERM to the launcher once it trains."""
+def run_to_outcome(kind: str, outcome: str, run_dir: Path, flag: tuple[str, ...] = ("--overwrite",)
+                   ) -> subprocess.CompletedProcess:
+    """The launch, with `flag`, as a user types it; a stop is SIGTERM to the launcher once it trains."""
     options, script_args, ready = LAUNCHES[kind, outcome]
-    command = [sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain", "--overwrite", *options,
+    command = [sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain", *flag, *options,
                "--run-dir", str(run_dir)]
     if kind != "task":
         command += [str(CHECKS_SCRIPT if kind == "script" else LOOP_SCRIPT), *script_args]
+    # this launch's output, not an earlier run's: the file grows past the size it had (a resumed run's logs)
+    size_before = (run_dir / ready).stat().st_size if ready is not None and (run_dir / ready).is_file() else 0
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         if ready is not None:
             deadline = time.monotonic() + 120
-            while not ((run_dir / ready).is_file() and (run_dir / ready).stat().st_size > 0):
+            while not ((run_dir / ready).is_file() and (run_dir / ready).stat().st_size > size_before):
                 assert process.poll() is None and time.monotonic() < deadline, process.communicate()
                 time.sleep(0.1)
             process.send_signal(signal.SIGTERM)
@@ -146,3 +149,26 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_checkpoint_that_resumes
                             options=("--resume", "auto"))
     assert resumed.returncode == 0, resumed.stderr
     assert read_summary(tmp_path / "roomy")["loop"]["resumed_from_step"] == int(kept.stem.split("-")[1])
+
+
+RESUMED = [(kind, outcome) for kind in KINDS for outcome in OUTCOMES]
+
+
+@pytest.mark.parametrize(("kind", "outcome"), RESUMED,
+                         ids=[f"{kind}-{outcome.replace(' ', '-')}" for kind, outcome in RESUMED])
+def test_resume_auto_continues_a_scripts_run_only_when_the_launch_trained(kind, outcome, earlier_runs, tmp_path):
+    """--resume auto into a plain script's finished run (the one kind of finished run it continues: no model.pt;
+    into the others it is refused before launch, tests/unit/test_run_dir_rules.py). A launch that did not train
+    leaves every earlier file as it was, the logs it appended to cut back; one that trained continued the run:
+    its record is this launch's. (ddp-amp's loop finds no checkpoint there and starts over, as --overwrite.)"""
+    run_dir = tmp_path / "run"
+    shutil.copytree(earlier_runs / "script", run_dir)
+    before = {name: data for name, (data, _) in files_of(run_dir).items()}
+    result = run_to_outcome(kind, outcome, run_dir, flag=("--resume", "auto"))
+    expected_code = {"finished": 0, "stopped": 128 + signal.SIGTERM}.get(outcome, 1)
+    assert result.returncode == expected_code, result.stderr
+    after = {name: data for name, (data, _) in files_of(run_dir).items()}
+    if (kind, outcome) in TRAINS:
+        assert after.get("summary.json") != before["summary.json"]
+    else:
+        assert {name: after.get(name) for name in before} == before, result.stderr

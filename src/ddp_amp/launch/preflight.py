@@ -63,6 +63,8 @@ class LaunchPlan:
     the stopped attempt's record."""
     output_before: tuple = ()
     """What training had written in the run dir at the preflight (launch.run_dir.training_output)."""
+    logs_before: dict[str, int] | None = None
+    """--resume: the earlier run's logs' sizes (launch.run_dir.put_back_logs)."""
     init: dict | None = None
     """--init-from: what of the file fits the model (loaded, missing, unexpected tensors)."""
     fields_left_out: tuple[str, ...] = ()
@@ -344,7 +346,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
         _write_config(config_path, (config.to_json() + "\n").encode())
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,
                       run_dir_lock=prepared.lock, init=init, set_aside=prepared.set_aside,
-                      output_before=prepared.output_before,
+                      output_before=prepared.output_before, logs_before=prepared.logs_before,
                       fields_left_out=left_out, changed_on_disk=changed)
 
 
@@ -436,4 +438,4 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
         _write_config(config_path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return LaunchPlan(config=config, device_type=device_type, precision=None, config_path=config_path,
                       run_dir_lock=prepared.lock, set_aside=prepared.set_aside, changed_on_disk=changed,
-                      output_before=prepared.output_before)
+                      output_before=prepared.output_before, logs_before=prepared.logs_before)

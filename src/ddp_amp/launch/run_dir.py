@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class PreparedRunDir:
     output_before: tuple = ()
     """training_output(path) once the earlier run's files were set aside: what this launch trained is the
     difference (trained_since)."""
+    logs_before: dict[str, int] | None = None
+    """--resume: the sizes of the earlier run's logs, which this launch appends to (cut back after a launch that
+    did not train: put_back_logs)."""
 
 
 EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE, TRACKERS_FILE,
@@ -77,6 +81,25 @@ def clear_earlier_run(path: Path, names: tuple[str, ...] | None = None) -> Path 
             (path / name).rename(aside / name)
             moved = True
     return aside if moved else None
+
+
+def put_back_logs(path: Path, before: dict[str, int]) -> None:
+    """After a resumed launch that did not train: the logs it appended to cut back to their earlier sizes, the
+    logs it started removed (its own record of what happened is kept in FAILED_LAUNCH_DIR)."""
+    logs = path / "logs"
+    kept = path / FAILED_LAUNCH_DIR / "logs"
+    for log in sorted(logs.rglob("*")) if logs.is_dir() else []:
+        name = str(log.relative_to(path))
+        if not log.is_file() or before.get(name) == log.stat().st_size:
+            continue
+        (kept / log.relative_to(logs)).parent.mkdir(parents=True, exist_ok=True)
+        if name in before:
+            with open(log, "rb") as read:
+                read.seek(before[name])
+                (kept / log.relative_to(logs)).write_bytes(read.read())  # this launch's lines
+            os.truncate(log, before[name])
+        else:
+            log.rename(kept / log.relative_to(logs))
 
 
 def settle_earlier_run(path: Path, aside: Path | None, *, trained: bool) -> bool:
@@ -235,7 +258,9 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
         raise UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
                          "over in it with --overwrite, or choose another directory")
     aside = _tidy(path, flag, overwrite=overwrite, resuming=resuming)
-    return PreparedRunDir(path, held, aside, training_output(path))
+    logs = {str(log.relative_to(path)): log.stat().st_size for log in (path / "logs").rglob("*") if log.is_file()} \
+        if resuming and not overwrite else None
+    return PreparedRunDir(path, held, aside, training_output(path), logs)
 
 
 def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | None:
@@ -246,8 +271,8 @@ def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | N
             remove_partial_writes(path / "checkpoints")
         if overwrite:
             return clear_earlier_run(path)
-        if resuming:  # the stopped attempt's record and a loop script's account: this run writes its own
-            return clear_earlier_run(path, names=(SUMMARY_FILE, LOOP_RECORD_FILE))
+        if resuming:  # the stopped attempt's record, config and a loop script's account: this run writes its own
+            return clear_earlier_run(path, names=(SUMMARY_FILE, LOOP_RECORD_FILE, CONFIG_FILE, "config.toml"))
     except OSError as exc:
         raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
     return None

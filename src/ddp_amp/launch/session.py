@@ -189,13 +189,15 @@ def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None
     """--overwrite: the earlier run's files, set aside at the preflight, deleted now that this run has trained
     (logged a step, or kept a checkpoint or model.pt), or put back after a launch that failed before; --resume:
     the stopped attempt's record, the same way."""
-    from ddp_amp.launch.run_dir import FAILED_LAUNCH_DIR, settle_earlier_run, trained_since
+    from ddp_amp.launch.run_dir import FAILED_LAUNCH_DIR, put_back_logs, settle_earlier_run, trained_since
 
     run_dir = Path(plan.config.run_dir)
     if trained is None:
         trained = trained_since(run_dir, plan.output_before)
     try:
         restored = settle_earlier_run(run_dir, plan.set_aside, trained=trained)
+        if not trained and plan.logs_before is not None:  # after: settling clears FAILED_LAUNCH_DIR first
+            put_back_logs(run_dir, plan.logs_before)
     except OSError as exc:  # said, never raised: it runs after the launch, whose own outcome must come through
         say(f"ddp-amp: warning: the earlier run's files could not be "
             f"{'deleted' if trained else 'put back'} ({exc}); they are in {plan.set_aside}")
