@@ -138,6 +138,9 @@ def test_of_two_ranks_that_raise_the_verdict_names_the_first(command, tmp_path):
                                                    "purpose"), result.stderr
         assert "RuntimeError: rank 0 fails after the other (after rank 1 failed)" in result.stderr
         assert read_summary(run_dir)["failure"].startswith("rank 1 failed: ValueError")
+        # under run, torchrun's agent log and torch.multiprocessing's warnings stay in logs/agent.log
+        assert "torch.distributed.elastic" not in result.stderr and "ProcessExitedException" not in result.stderr
+        assert "Terminating process" not in result.stderr, result.stderr
 
 
 def _start(command: str, run_dir, *script_args: str, mark: str, options: list[str] = ()) -> subprocess.Popen:

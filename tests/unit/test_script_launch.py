@@ -38,11 +38,15 @@ def test_options_of_the_built_in_loop_with_a_script_are_named_and_refused(comman
     assert not run_dir.exists()
 
 
-def test_everything_after_the_script_is_the_scripts_verbatim(capsys):
+def test_everything_after_the_script_is_the_scripts_verbatim(capsys, tmp_path, monkeypatch):
     """Options after SCRIPT are the script's, even ddp-amp's own names (--lr, -n, --help): the torchrun command
-    that `run --dry-run` prints ends with them unchanged; --stop-timeout before it is accepted."""
+    that `run --dry-run` prints ends with them unchanged; --stop-timeout before it is accepted; nothing is
+    written (the printed command runs the script itself: no config.json to read)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # torchrun's 1 below, unless the user's shell set one
     code, out, err = run_main(["run", "-n", "2", "--stop-timeout", "5", "--dry-run", str(CHECKS_SCRIPT), "--lr",
                                "0.1", "-n", "7", "--help", "a b"], capsys)
+    assert list(tmp_path.iterdir()) == []
     assert code == 0, err
     assert out.strip().endswith(f"--nproc-per-node 2 --max-restarts 0 --monitor-interval 0.1 {CHECKS_SCRIPT} --lr "
                                 "0.1 -n 7 --help 'a b'")

@@ -219,9 +219,11 @@ def test_a_fractional_rdzv_timeout_reaches_torchrun_as_whole_seconds(tmp_path, c
     assert flag_value(argv, "--rdzv-conf") == "is_host=1,join_timeout=1"
 
 
-def test_nodes_on_one_machine_share_its_cores(tmp_path, capsys):
+def test_nodes_on_one_machine_share_its_cores(tmp_path, capsys, monkeypatch):
     """A loopback endpoint puts every node on this machine: each rank gets its share of the cores across all
-    nodes, not all of them (two nodes would oversubscribe the machine twice over)."""
+    nodes, not all of them (two nodes would oversubscribe the machine twice over). (A user's own
+    OMP_NUM_THREADS would win: the test's shell may export one.)"""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     code, captured = multinode_dry_run("127.0.0.1:29400", tmp_path, capsys, "--is-host")
     assert code == 0
