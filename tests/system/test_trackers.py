@@ -157,6 +157,22 @@ def test_a_run_stopped_by_sigterm_and_resumed_is_one_mlflow_run_with_each_step_o
     assert_history_is_metrics_jsonl(client, run.info.run_id, tmp_path, restarted=True)
 
 
+def test_a_run_continued_in_another_run_dir_is_still_one_mlflow_run(tmp_path, server):
+    """Stopped in dir A, continued in a new dir B with --resume A/checkpoints/step-N.pt: the tracker run is found
+    through the checkpoint's run dir, so there is still one MLflow run, finished, and B's trackers.json holds its
+    id (A's)."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    env = {"MLFLOW_TRACKING_URI": server.uri}
+    stopped_by_sigterm_after_step_10(first, ["--tracker", "mlflow", "--tracker-project", "moved"], env)
+    _, run = only_run(server, "moved")
+    checkpoint = first / "checkpoints" / f"step-{read_summary(first)['stopped_at_step']}.pt"
+    assert_ok(run_cli("spawn", *ARGS, "--tracker", "mlflow", "--tracker-project", "moved", "--resume", str(checkpoint),
+                      "--run-dir", str(second), env=env))
+    _, continued = only_run(server, "moved")
+    assert continued.info.run_id == run.info.run_id and continued.info.status == "FINISHED"
+    assert json.loads((second / "trackers.json").read_text())["mlflow"]["run_id"] == run.info.run_id
+
+
 def test_a_torchrun_restart_after_a_killed_rank_continues_the_same_run(tmp_path, server):
     result = run_cli("run", *ARGS, "--max-restarts", "1", "--tracker", "mlflow", "--tracker-project", "restarted",
                      "--run-dir", str(tmp_path), env={"DDP_AMP_TEST_KILL_AT": "25", "MLFLOW_TRACKING_URI": server.uri})
