@@ -301,23 +301,35 @@ def test_a_loop_script_preempted_by_slurm_resumes_after_its_requeue_to_the_unint
          "--emit-slurm", str(script), str(LOOP_EXAMPLE), "--steps", steps],
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert emitted.returncode == 0, emitted.stderr
-    job = slurm.sbatch(script, env=job_env(tmp_path, "loop-preempted", hold=False))
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 20 reported
-        assert time.monotonic() < deadline, job_output(tmp_path)
-        time.sleep(0.05)
-    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
-    state = slurm.wait_done(job)
-    output = job_output(tmp_path)
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", output
+    output = preempted_after_step_20_and_requeued(slurm, script, tmp_path, "loop-preempted")
     resumed = re.findall(r"ddp-amp loop: resumed from \S+step-(\d+)\.pt \(step (\d+)\)", output)
     assert resumed and 20 <= int(resumed[0][1]) < int(steps), output
     loop = read_summary(tmp_path / "run")["loop"]  # the requeued attempt's account says so too
     assert loop["slurm_restart_count"] == 1 and loop["resumed_from_step"] == int(resumed[0][1]), loop
-    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    expected = torch.load(tmp_path / "reference" / "model.pt", weights_only=True)
-    assert all(torch.equal(weights[m][k], expected[m][k]) for m in expected for k in expected[m])
+    assert_the_references_weights(tmp_path)
     assert run_processes("loop-preempted") == []
+
+
+def preempted_after_step_20_and_requeued(slurm, script: Path, directory: Path, mark: str) -> str:
+    """The job submitted, `scancel --signal=USR1` once its loop script reported step 20 (its second report), and
+    waited for: it completed after one requeue. The job's output."""
+    job = slurm.sbatch(script, env=job_env(directory, mark, hold=False))
+    metrics, deadline = directory / "run" / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 20 reported
+        assert time.monotonic() < deadline, job_output(directory)
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
+    state = slurm.wait_done(job)
+    output = job_output(directory)
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", output
+    return output
+
+
+def assert_the_references_weights(directory: Path) -> None:
+    """The job's model.pt is, bit for bit, that of the same script run uninterrupted into directory/reference."""
+    weights = torch.load(directory / "run" / "model.pt", weights_only=True)
+    expected = torch.load(directory / "reference" / "model.pt", weights_only=True)
+    assert all(torch.equal(weights[m][k], expected[m][k]) for m in expected for k in expected[m])
 
 
 def test_a_loop_script_in_a_one_node_job_from_run_is_requeued_and_resumes(slurm, tmp_path):
@@ -334,18 +346,8 @@ def test_a_loop_script_in_a_one_node_job_from_run_is_requeued_and_resumes(slurm,
          "--run-dir", str(tmp_path / "run"), "--emit-slurm", str(script), str(LOOP_EXAMPLE), "--steps", steps],
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert emitted.returncode == 0, emitted.stderr
-    job = slurm.sbatch(script, env=job_env(tmp_path, "run-preempted", hold=False))
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 20 reported
-        assert time.monotonic() < deadline, job_output(tmp_path)
-        time.sleep(0.05)
-    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env, check=True)
-    state = slurm.wait_done(job)
-    output = job_output(tmp_path)
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", output
+    preempted_after_step_20_and_requeued(slurm, script, tmp_path, "run-preempted")
     loop = read_summary(tmp_path / "run")["loop"]
     assert loop["slurm_restart_count"] == 1 and 20 <= loop["resumed_from_step"] < int(steps), loop
-    weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    expected = torch.load(tmp_path / "reference" / "model.pt", weights_only=True)
-    assert all(torch.equal(weights[m][k], expected[m][k]) for m in expected for k in expected[m])
+    assert_the_references_weights(tmp_path)
     assert run_processes("run-preempted") == []
