@@ -3,6 +3,7 @@ examples/own_loop.py (a GAN: two models, two optimizers, two schedulers) and of 
 launched by ddp-amp, by plain torchrun and as one `python` process; a real SIGTERM to the launcher."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -208,3 +209,84 @@ def test_report_writes_tensorboard_scalars_with_tensorboard(tmp_path):
                                                                 .splitlines())]
     assert [step for step, _ in scalars] == [5, 10, 15, 20] == [step for step, _ in logged]
     assert [value for _, value in scalars] == pytest.approx([value for _, value in logged], rel=1e-6)
+
+
+LOOP_FAILS = TASKS / "loop_fails.py"
+FP16 = ("--amp", "on", "--dtype", "fp16")
+
+
+def test_accumulating_half_batches_in_a_users_loop_ends_on_the_whole_batchs_weights(tmp_path):
+    """--grad-accum 2 over the two halves of each rank's batch of 8, against --grad-accum 1 over the whole: the
+    same weights within float rounding (backward divides each micro-step's loss by --grad-accum)."""
+    whole = launch_script(tmp_path / "whole", LOOP_FAILS, "--steps", "6", "--batch", "8")
+    halves = launch_script(tmp_path / "halves", LOOP_FAILS, "--steps", "6", "--batch", "8",
+                           options=("--grad-accum", "2"))
+    assert whole.returncode == 0 and halves.returncode == 0, whole.stderr + halves.stderr
+    assert read_summary(tmp_path / "halves")["loop"]["grad_accum"] == 2
+    expected = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    got = torch.load(tmp_path / "halves" / "model.pt", weights_only=True)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
+
+
+def _stopped(run_dir, *script_args: str, options: tuple[str, ...] = (), once: int = 5, signal_to=None):
+    """The loop script launched with progress at every step; once `once` steps are reported, SIGTERM to the
+    launcher (or `signal_to(run_dir)`: a signal to one rank alone). (exit code, stdout, stderr)."""
+    process = subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain",
+                                "--log-every", "1", *options, "--run-dir", str(run_dir), str(LOOP_FAILS),
+                                *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= once:
+            break
+        time.sleep(0.02)
+    if signal_to is None:
+        process.send_signal(signal.SIGTERM)
+    else:
+        signal_to(run_dir)
+    out, err = process.communicate(timeout=240)
+    return process.returncode, out, err
+
+
+def test_an_fp16_loop_resumed_after_an_overflow_keeps_its_loss_scale_and_ends_on_the_uninterrupted_weights(
+        tmp_path):
+    """fp16 on CPU ranks, the loss of step 3 infinite: the scaler halves its scale there. Stopped after it and
+    resumed: the scale right after restore() is the checkpoint's (below the initial one: halved by the overflows),
+    and the weights are the uninterrupted run's, bit for bit."""
+    args = ("--steps", "30", "--inf-at", "3")
+    reference = launch_script(tmp_path / "reference", LOOP_FAILS, *args, options=FP16)
+    assert reference.returncode == 0, reference.stderr
+    run = tmp_path / "run"
+    code, _, err = _stopped(run, *args, "--step-s", "0.1", options=FP16)
+    assert code == 143, err
+    step = read_summary(run)["loop"]["stopped_at_step"]
+    assert 5 <= step < 30
+    saved = torch.load(run / "checkpoints" / f"step-{step}.pt", weights_only=True)["trainer"]["_scaler"]["scale"]
+    resumed = launch_script(run, LOOP_FAILS, *args, "--scale-to", str(tmp_path / "scale"),
+                            options=(*FP16, "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert float((tmp_path / "scale").read_text()) == saved < 2.0 ** 16  # below the initial 65536: halved
+    expected = torch.load(tmp_path / "reference" / "model.pt", weights_only=True)
+    got = torch.load(run / "model.pt", weights_only=True)
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def test_a_stop_signal_to_one_rank_of_a_users_loop_stops_every_rank_at_one_step(tmp_path):
+    """SIGUSR1 to rank 1 alone (as a job step's signal may reach one process first): every rank's last report is
+    the step loop.json says it stopped at, a checkpoint is there, and the launch ends as a stop (138)."""
+    def to_rank_1(run_dir):
+        os.kill(int((tmp_path / "pids" / "rank1.pid").read_text()), signal.SIGUSR1)
+
+    run = tmp_path / "run"
+    code, out, err = _stopped(run, "--steps", "100000", "--step-s", "0.02", "--pids-to", str(tmp_path / "pids"),
+                              signal_to=to_rank_1)
+    assert code == 128 + signal.SIGUSR1, err
+    loop = read_summary(run)["loop"]
+    step = loop["stopped_at_step"]
+    assert loop["stopped_by"] == "SIGUSR1" and (run / "checkpoints" / f"step-{step}.pt").is_file()
+    for rank in (0, 1):
+        reported = [int(line.split()[3]) for line in out.splitlines() if line.startswith(f"[rank {rank}] step ")]
+        assert reported[-1] == step, out[-2000:]
+    assert last_line(err) == (f"ddp-amp: error: stopped by SIGUSR1 at step {step}; checkpoint {loop['checkpoint']} "
+                              f"(continue with --resume auto --run-dir {run})")

@@ -1,14 +1,20 @@
-"""A script's loop through ddp_amp.loop that can fail where a test wants it: a linear regression, a report every
-step, a checkpoint every 2 steps, model.pt at the end (as examples/own_loop.py writes it).
+"""A script's loop through ddp_amp.loop for the tests: a linear regression on a fixed batch per rank (its own
+generator, so a resume draws the same data), a report every step, a checkpoint every 2 steps, model.pt at the end
+(as examples/own_loop.py writes it), and ways to fail where a test wants it.
 
     --steps N        optimizer steps
     --step-s S       seconds of sleep per step (a run long enough to signal)
     --fail-at K      rank 1 raises ValueError at step K; 0: right after setup(), before any step
+    --batch B        samples per rank and step, split into --grad-accum micro-batches
+    --inf-at K       the loss of step K is multiplied by inf (an fp16 overflow: the step is skipped)
+    --pids-to DIR    each rank writes DIR/rank<R>.pid (a test signals one rank alone)
+    --scale-to FILE  rank 0 writes the gradient scaler's scale right after restore() (a resume's)
 """
 
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,22 +27,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--step-s", type=float, default=0.0)
     parser.add_argument("--fail-at", type=int, default=-1)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--inf-at", type=int, default=-1)
+    parser.add_argument("--pids-to")
+    parser.add_argument("--scale-to")
     args = parser.parse_args()
     run = loop.setup(checkpoint_every=2)
     failing = os.environ.get("RANK") == "1"
+    if args.pids_to:
+        Path(args.pids_to).mkdir(parents=True, exist_ok=True)
+        Path(args.pids_to, f"rank{run.rank}.pid").write_text(str(os.getpid()))
     if args.fail_at == 0 and failing:
         raise ValueError("fails before its first step")
     torch.manual_seed(0)
     net = nn.Linear(4, 1)
     model, optimizer = run.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     start = run.restore(model=model, optimizer=optimizer)
-    inputs, targets = torch.randn(8, 4), torch.randn(8, 1)
+    if args.scale_to and run.rank == 0:
+        Path(args.scale_to).write_text(repr(run.scaler.get_scale() if run.scaler.is_enabled() else None))
+    data = torch.Generator().manual_seed(100 + run.rank)
+    inputs, targets = torch.randn(args.batch, 4, generator=data), torch.randn(args.batch, 1, generator=data)
+    micro = args.batch // run.grad_accum
     for step in range(start, args.steps):
         if step + 1 == args.fail_at and failing:
             raise ValueError(f"fails at step {step + 1}")
-        with run.autocast(model):
-            loss = nn.functional.mse_loss(model(inputs), targets)
-        run.backward(loss, model)
+        for part in range(run.grad_accum):
+            with run.autocast(model):
+                loss = nn.functional.mse_loss(model(inputs[part * micro:(part + 1) * micro]),
+                                              targets[part * micro:(part + 1) * micro])
+            run.backward(loss * float("inf") if step + 1 == args.inf_at else loss, model)
         run.step(optimizer)
         run.report(step + 1, loss=loss)
         if run.checkpoint_due(step + 1):

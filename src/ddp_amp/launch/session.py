@@ -315,6 +315,10 @@ def run_script_launch(launch: Launch, display) -> None:
     started = time.time()
     failure = _start_ranks(launch, ProgressSession(display, run_dir, capture_output=True))
     model = display.model
+    if failure is None and (stopped := _loop_stop_signal(run_dir)) is not None:
+        # a stop signal reached a rank, not this launcher: the loop stopped every rank at one step, as ddp-amp's
+        # own loop does, and the launch ends as a stop does (128 + the signal)
+        failure = RunFailed(f"stopped by {stopped.name}", exit_code=128 + stopped.value)
     record = script_record(script, run_dir, launch=launch, model=model, started=started, failure=failure)
     if causes := script_restart_causes(launch, model):
         record["restart_causes"] = causes
@@ -342,6 +346,19 @@ def run_script_launch(launch: Launch, display) -> None:
     restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""
     say(f"ddp-amp: the script finished on every rank{restarts} in {time.time() - started:.1f}s; summary "
         f"{run_dir / 'summary.json'}")
+
+
+def _loop_stop_signal(run_dir: Path) -> signals.Signals | None:
+    """The stop signal a ddp_amp.loop script's ranks agreed on (its loop.json), or None."""
+    from ddp_amp.outputs import LOOP_RECORD_FILE
+
+    try:
+        import json
+
+        name = json.loads((run_dir / LOOP_RECORD_FILE).read_text()).get("stopped_by")
+        return signals.Signals[name] if name in signals.Signals.__members__ else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
