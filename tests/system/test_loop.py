@@ -290,3 +290,21 @@ def test_a_stop_signal_to_one_rank_of_a_users_loop_stops_every_rank_at_one_step(
         assert reported[-1] == step, out[-2000:]
     assert last_line(err) == (f"ddp-amp: error: stopped by SIGUSR1 at step {step}; checkpoint {loop['checkpoint']} "
                               f"(continue with --resume auto --run-dir {run})")
+
+
+def test_a_restart_before_this_launch_saved_continues_from_resume_path_not_a_newer_checkpoint(tmp_path):
+    """A stopped run leaves step-2 ... step-N; a launch under `run --max-restarts 1 --resume .../step-2.pt` loses
+    rank 1 (SIGKILL) at step 3, before its first checkpoint (step 4): the restarted ranks continue from step-2.pt,
+    what --resume chose, never from the newer step-N of the earlier launch (the core's rule: after a restart,
+    this launch's checkpoints, else --resume)."""
+    run = tmp_path / "run"
+    code, _, err = _stopped(run, "--steps", "100000", "--step-s", "0.02", once=8, options=("--keep", "1000"))
+    assert code == 143, err
+    assert read_summary(run)["loop"]["stopped_at_step"] >= 8
+    chosen = run / "checkpoints" / "step-2.pt"
+    result = launch_script(run, LOOP_FAILS, "--steps", "20", "--kill-once-at", "3", command="run",
+                           options=("--max-restarts", "1", "--resume", str(chosen), "--keep", "1000"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(f"ddp-amp loop: resumed from {chosen} (step 2)") == 2, result.stdout
+    summary = read_summary(run)
+    assert summary["restarts"] == 1 and summary["loop"]["resumed_from_step"] == 2

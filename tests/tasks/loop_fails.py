@@ -9,10 +9,12 @@ generator, so a resume draws the same data), a report every step, a checkpoint e
     --inf-at K       the loss of step K is multiplied by inf (an fp16 overflow: the step is skipped)
     --pids-to DIR    each rank writes DIR/rank<R>.pid (a test signals one rank alone)
     --scale-to FILE  rank 0 writes the gradient scaler's scale right after restore() (a resume's)
+    --kill-once-at K rank 1 SIGKILLs itself at step K of the first attempt (torchrun's restart count 0)
 """
 
 import argparse
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--inf-at", type=int, default=-1)
     parser.add_argument("--pids-to")
     parser.add_argument("--scale-to")
+    parser.add_argument("--kill-once-at", type=int, default=-1)
     args = parser.parse_args()
     run = loop.setup(checkpoint_every=2)
     failing = os.environ.get("RANK") == "1"
@@ -51,6 +54,8 @@ def main() -> None:
     for step in range(start, args.steps):
         if step + 1 == args.fail_at and failing:
             raise ValueError(f"fails at step {step + 1}")
+        if step + 1 == args.kill_once_at and failing and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
         for part in range(run.grad_accum):
             with run.autocast(model):
                 loss = nn.functional.mse_loss(model(inputs[part * micro:(part + 1) * micro]),

@@ -20,6 +20,15 @@ SCALER_KEY = "_scaler"
 """The gradient scaler's state (fp16's loss scale), beside the registered names."""
 
 
+def launch_identity(settings: Any) -> str:
+    """Which launch a checkpoint belongs to, the same across torchrun's restarts of it: under ddp-amp its launch
+    time (config.json's); under plain torchrun its run id; else this process's start."""
+    if settings.under_ddp_amp:
+        return f"ddp-amp:{settings.launch_time!r}"
+    return f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}" if "TORCHELASTIC_RUN_ID" in os.environ else \
+        f"process:{settings.launch_time!r}"
+
+
 class Checkpoints:
     def __init__(self, run: Any) -> None:  # the ddp_amp.loop.Loop it serves
         self.run = run
@@ -69,11 +78,19 @@ class Checkpoints:
         return path, saved
 
     def _choose(self) -> str | None:
-        """Rank 0's choice: a checkpoint's path, or None for a fresh start."""
+        """Rank 0's choice: a checkpoint's path, or None for a fresh start. The core's rule
+        (checkpoint.manager.checkpoint_to_continue): after a restart by torchrun's agent, this launch's newest
+        checkpoint, and before this launch wrote one, what --resume chose (never a newer one of an earlier run
+        that --resume PATH passed over); --resume auto, or a Slurm requeue (a new launch continuing the job's
+        work), the newest valid one."""
         resume = self.run.settings.resume
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
-            int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-        if restarted or resume == "auto":
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            mine = launch_identity(self.run.settings)
+            found = fileformat.newest_valid_checkpoint(
+                self.run.run_dir, warn=self._warn, accept=lambda metadata: metadata["config"].get("launch") == mine)
+            if found is not None:
+                return str(found[0])
+        if resume == "auto" or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
             found = fileformat.newest_valid_checkpoint(self.run.run_dir, warn=self._warn)
             if found is not None:
                 return str(found[0])
@@ -131,7 +148,7 @@ class Checkpoints:
             print(f"ddp-amp loop: warning: no checkpoint at step {step}: inf/NaN in {bad[0].lstrip('.')}", flush=True)
             return None
         config = {**{key: getattr(run.settings, key) for key in ("amp", "dtype", "grad_accum", "shard", "seed")},
-                  "launch_time": run.settings.launch_time, "loop": True}
+                  "launch_time": run.settings.launch_time, "launch": launch_identity(run.settings), "loop": True}
         state = {"step": step, "saved_at": time.time(), "world_size": run.world_size, "config": config,
                  "trainer": fileformat.to_host(held), "rng": rngs}
         self.last_path = fileformat.save_checkpoint(run.run_dir, state, keep=run.settings.keep)
