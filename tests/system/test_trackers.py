@@ -173,6 +173,22 @@ def test_a_run_continued_in_another_run_dir_is_still_one_mlflow_run(tmp_path, se
     assert json.loads((second / "trackers.json").read_text())["mlflow"]["run_id"] == run.info.run_id
 
 
+def test_a_resume_from_before_the_last_step_sent_sends_each_step_once(tmp_path, server):
+    """Stopped at step 10 or later, resumed from the step-5 checkpoint: steps 6 to the stop are trained again,
+    and the tracker, which had them, keeps each step once (a plain SIGTERM-and-resume cannot show it: it resumes
+    from the stop's own step)."""
+    every_5 = ["--checkpoint-every", "5", "--keep", "100"]
+    env = {"MLFLOW_TRACKING_URI": server.uri}
+    stopped_by_sigterm_after_step_10(tmp_path, ["--tracker", "mlflow", "--tracker-project", "again", *every_5], env)
+    assert read_summary(tmp_path)["stopped_at_step"] >= 10
+    at = ARGS.index("--checkpoint-every")
+    args = ARGS[:at] + ARGS[at + 2:]  # every_5's, given once
+    assert_ok(run_cli("spawn", *args, *every_5, "--tracker", "mlflow", "--tracker-project", "again", "--resume",
+                      str(tmp_path / "checkpoints" / "step-5.pt"), "--run-dir", str(tmp_path), env=env))
+    client, run = only_run(server, "again")
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, STEPS + 1))
+
+
 def test_a_torchrun_restart_after_a_killed_rank_continues_the_same_run(tmp_path, server):
     result = run_cli("run", *ARGS, "--max-restarts", "1", "--tracker", "mlflow", "--tracker-project", "restarted",
                      "--run-dir", str(tmp_path), env={"DDP_AMP_TEST_KILL_AT": "25", "MLFLOW_TRACKING_URI": server.uri})
