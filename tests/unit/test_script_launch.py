@@ -102,8 +102,8 @@ def test_emit_slurm_with_a_script_runs_it_last_from_the_launch_directory(tmp_pat
            '"$RUN_DIR"\n' in text
     assert f'set -- "$@" {CHECKS_SCRIPT} --steps 9\n' in text  # the script and its words last
     # a requeued attempt continues its run dir (the script resumes itself), before the script's name
-    assert text.index('set -- "$@" --resume auto') < text.index(f'set -- "$@" {CHECKS_SCRIPT}')
-    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ "$own_start" = 0 ]; then' in text
+    assert text.index('set -- "${continued[@]}"') < text.index(f'set -- "$@" {CHECKS_SCRIPT}')
+    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then\n  continue_run "$@"' in text
     assert "both must be there on the nodes" in err
 
 
@@ -336,3 +336,19 @@ def test_loop_options_from_a_config_file_are_refused_naming_the_file(tmp_path, c
                              str(tmp_path / "run"), str(CHECKS_SCRIPT)], capsys)
     assert code == 2 and not (tmp_path / "run").exists()
     assert one_line(err).endswith(f"apply to it) (--optimizer from --config {str(config)!r})"), err
+
+
+@pytest.mark.parametrize(("given", "restarts", "expected"), [
+    ([], "0", []), ([], "1", ["--resume", "auto"]),
+    (["--overwrite"], "0", ["--overwrite"]), (["--overwrite"], "1", ["--resume", "auto"]),
+    (["--resume", "a/checkpoints/step-4.pt"], "1", ["--resume", "auto"]),
+])
+def test_a_scripts_requeued_slurm_attempt_continues_its_run_dir(given, restarts, expected):
+    """The emitted job's lines before the script's name, run by bash: the first attempt launches as emitted; a
+    requeued one (SLURM_RESTART_COUNT) continues with --resume auto in place of the job's own --overwrite or
+    --resume (an --overwrite again would start the first attempt's work over)."""
+    from ddp_amp.launch.slurm import _SCRIPT_RESUME
+
+    result = subprocess.run(["bash", "-c", f'{_SCRIPT_RESUME}\nprintf "%s\\n" "$@"', "job", "--nproc-per-node", "2",
+                             *given], env={"SLURM_RESTART_COUNT": restarts}, capture_output=True, text=True)
+    assert result.stdout.splitlines() == ["--nproc-per-node", "2", *expected], result.stderr

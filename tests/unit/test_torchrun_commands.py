@@ -133,7 +133,7 @@ def test_emit_slurm_writes_a_script_and_launches_nothing(tmp_path, capsys):
                  "#SBATCH --signal=USR1@120", "#SBATCH --time="):
         assert line in text
     assert "--rdzv-timeout 600" in text  # torchrun's own join timeout: slow nodes must not fail the job
-    assert 'set -- "$@" --resume auto\n' in text  # how each attempt starts: the test below runs it
+    assert 'set -- "${continued[@]}"\n' in text  # how each attempt starts: the test below runs it
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
@@ -381,11 +381,12 @@ def test_the_patch_leaves_a_changed_torch_alone(context_class):
 @pytest.mark.parametrize(("given", "checkpoint", "added"), [
     ([], False, True), ([], True, True),  # every attempt: from the newest checkpoint, else from the beginning
     (["--resume", "runs/a/checkpoints/step-9.pt"], False, False), (["--resume", "x"], True, True),
-    (["--overwrite"], False, False), (["--overwrite"], True, True),
+    (["--resume=x"], True, True), (["--overwrite"], False, False), (["--overwrite"], True, True),
 ])
 def test_the_slurm_script_adds_resume_auto_unless_the_job_starts_its_own_way(given, checkpoint, added, tmp_path):
-    """A job emitted with its own --resume PATH or --overwrite keeps it for its first attempt (the last flag
-    would win); once it has a checkpoint of its own, a requeued attempt continues from it."""
+    """A job emitted with its own --resume PATH or --overwrite keeps it for its first attempt; once it has a
+    checkpoint of its own, a requeued attempt continues from it, --resume auto in place of its own flag (left
+    beside it, --overwrite with --resume is refused: the requeue would fail)."""
     from ddp_amp.launch.slurm import _RESUME
 
     if checkpoint:
@@ -393,5 +394,5 @@ def test_the_slurm_script_adds_resume_auto_unless_the_job_starts_its_own_way(giv
         (tmp_path / "checkpoints" / "step-5.pt").write_bytes(b"")
     result = subprocess.run(["bash", "-c", f'{_RESUME}\nprintf "%s\\n" "$@"', "script", "--steps", "9", *given],
                             env={"RUN_DIR": str(tmp_path)}, capture_output=True, text=True)
-    expected = ["--steps", "9", *given, *(["--resume", "auto"] if added else [])]
+    expected = ["--steps", "9", "--resume", "auto"] if added else ["--steps", "9", *given]
     assert result.stdout.splitlines() == expected, result.stderr

@@ -17,30 +17,43 @@ REQUEUE_SIGNALS = {"USR1": 10, "USR2": 12, "TERM": 15}
 """--requeue-signal: what Slurm sends before the time limit (`--signal=SIG@N`); each is a stop to ddp-amp."""
 
 
+# continue_run: the arguments with --resume auto in place of the job's own --resume PATH or --overwrite (which,
+# left beside it, would make ddp-amp refuse the pair), for an attempt that continues the job's work.
+_CONTINUE = """own_start=0
+for arg in "$@"; do case "$arg" in --resume|--resume=*|--overwrite) own_start=1 ;; esac; done
+continue_run() {
+  local kept=() skip=0 arg
+  for arg in "$@"; do
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    case "$arg" in --overwrite|--resume=*) continue ;; --resume) skip=1; continue ;; esac
+    kept+=("$arg")
+  done
+  continued=("${kept[@]}" --resume auto)
+}
+"""
+
 # Every attempt passes --resume auto: a requeued job continues from its newest checkpoint; without one (the first
 # attempt, or one stopped before its first checkpoint) the run starts from the beginning. A job emitted with its
-# own --resume PATH or --overwrite keeps it until there is a checkpoint of its own. A finished run (model.pt) is
-# never overwritten: ddp-amp refuses it. has_checkpoint decides the requeue too: a step-N.pt, or a sharded
-# step-N/ directory that DCP finished (--checkpoint-format sharded).
+# own --resume PATH or --overwrite keeps it until there is a checkpoint of its own, then continues from that. A
+# finished run (model.pt) is never overwritten: ddp-amp refuses it. has_checkpoint decides the requeue too: a
+# step-N.pt, or a sharded step-N/ directory that DCP finished (--checkpoint-format sharded).
 _RESUME = """has_checkpoint() {
   compgen -G "$RUN_DIR/checkpoints/step-*.pt" >/dev/null ||
     compgen -G "$RUN_DIR/checkpoints/step-*/.metadata" >/dev/null
 }
-own_start=0
-for arg in "$@"; do case "$arg" in --resume|--resume=*|--overwrite) own_start=1 ;; esac; done
-if [ "$own_start" = 0 ] || has_checkpoint; then
-  set -- "$@" --resume auto
+""" + _CONTINUE + """if [ "$own_start" = 0 ] || has_checkpoint; then
+  continue_run "$@"
+  set -- "${continued[@]}"
 fi
 """
 
 
 # A script's requeued attempt continues its run directory (--resume auto: a ddp_amp.loop script restores its
-# newest checkpoint, a plain script resumes itself or starts over), unless the job was emitted with its own
-# --resume or --overwrite. Before the script's name: every word after it is the script's.
-_SCRIPT_RESUME = """own_start=0
-for arg in "$@"; do case "$arg" in --resume|--resume=*|--overwrite) own_start=1 ;; esac; done
-if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ "$own_start" = 0 ]; then
-  set -- "$@" --resume auto
+# newest checkpoint, a plain script resumes itself), in place of the job's own --resume or --overwrite (which
+# would start the first attempt's work over). Before the script's name: every word after it is the script's.
+_SCRIPT_RESUME = _CONTINUE + """if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  continue_run "$@"
+  set -- "${continued[@]}"
 fi
 """
 
