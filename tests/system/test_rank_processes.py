@@ -1,6 +1,7 @@
-"""The rank processes spawn starts (launch.processes.RankProcesses), with real processes forked from the fork
-server and real signals: how a failure is read when its traceback was cut short, and how long the other ranks get
-before they are ended."""
+"""The rank processes spawn starts (launch.processes.RankProcesses), with real processes forked from a fork server
+and real signals: how a failure is read when its traceback was cut short, and how long the other ranks get before
+they are ended. (multiprocessing's own fork server: ddp-amp's start_forkserver would mark this pytest process as a
+launcher with a warm fork server, and the unit tests that run after it in the same worker would check in it.)"""
 
 import os
 import signal
@@ -10,16 +11,10 @@ import time
 import pytest
 import rank_functions
 
-from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.processes import RankExited, RankProcesses, RankRaised
 from ddp_amp.launch.spawn import FAILURE_GRACE_S
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fork_server():
-    start_forkserver()
 
 
 def wait_for(path, timeout_s: float = 60):
