@@ -364,47 +364,6 @@ def _same_job_requeued(config: TrainConfig) -> bool:
         int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
 
 
-def check_script_resume(resume: str | None) -> None:
-    """--resume PATH of a loop script: a checkpoint that is there, refused before any rank starts (the loop's
-    restore() checks what it holds)."""
-    if resume is None or resume == "auto":
-        return
-    path = Path(resume)
-    if not (path.is_file() or (path / ".metadata").is_file()):
-        raise UsageError(f"--resume {resume}: no such checkpoint" + (" (a directory without DCP's .metadata)"
-                                                                    if path.is_dir() else ""))
-
-
-def loop_checkpoint_world_size(run_dir: str, resume: str) -> tuple[str, int] | None:
-    """The checkpoint a loop script's restore() would take (--resume PATH, or the newest in the run dir) and the
-    world size that wrote it, from its metadata; None where there is none to read."""
-    from ddp_amp.checkpoint import fileformat
-
-    found = fileformat.checkpoints(run_dir) if resume == "auto" else [Path(resume)]
-    try:
-        return (str(found[0]), int(fileformat.read_metadata(found[0])["world_size"])) if found else None
-    except (fileformat.CheckpointError, KeyError, TypeError, ValueError):
-        return None
-
-
-def check_loop_resize(config: TrainConfig, world_size: int | None) -> None:
-    """ddp_amp.loop's data position is a rank's place in its own share of the epoch: continued by another number
-    of ranks, samples would be trained twice or skipped. Refused before launch, in one line (ddp-amp's own loop
-    continues on any world size)."""
-    if config.resume is None or world_size is None:
-        return
-    from ddp_amp.launch.forkserver import WarmChildDied, call_warm
-
-    try:  # reading a checkpoint's metadata takes torch: in a child of the fork server, which has it imported
-        written = call_warm(loop_checkpoint_world_size, config.run_dir, config.resume)
-    except WarmChildDied:
-        written = loop_checkpoint_world_size(config.run_dir, config.resume)
-    if written is not None and written[1] != world_size:
-        raise UsageError(f"--resume {config.resume}: {written[0]} was written by {written[1]} ranks and this launch "
-                         f"has {world_size}: a ddp_amp.loop script continues on the world size that saved it; "
-                         f"launch {written[1]} ranks, or start over with --overwrite")
-
-
 def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",
                      overwrite: bool = False, run_dir: str | None = None, extra: dict | None = None,
                      lock_run_dir: bool = True, world_size: int | None = -1) -> LaunchPlan:
@@ -419,9 +378,9 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     check_trackers(config)  # a script using ddp_amp.loop takes --tracker (launch.script refuses it elsewhere)
     if overwrite and config.resume is not None:
         raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
-    check_script_resume(config.resume)
-    from ddp_amp.launch.script import uses_loop_module
+    from ddp_amp.launch.script import check_loop_resize, check_script_resume, uses_loop_module
 
+    check_script_resume(config.resume)
     if uses_loop_module(script):
         check_loop_resize(config, nproc_per_node if world_size == -1 else world_size)
     existed = Path(config.run_dir).exists()

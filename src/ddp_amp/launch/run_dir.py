@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
@@ -276,3 +277,28 @@ def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | N
     except OSError as exc:
         raise UsageError(f"{flag} is not writable: {exc.strerror}") from None
     return None
+
+
+def with_earlier_launches(plan, record: dict[str, Any] | None = None) -> None:
+    """A resumed run's summary.json (or a script's `record`, before it is written) counts the launches it took
+    and their wall time in all (wall_s_all_launches), from the stopped attempt's record set aside at the
+    preflight: its own wall_s is this launch's."""
+    from ddp_amp.outputs import write_summary
+
+    earlier = plan.set_aside / SUMMARY_FILE if plan.set_aside is not None and plan.config.resume else None
+    current = Path(plan.config.run_dir) / SUMMARY_FILE
+    try:
+        before = json.loads(earlier.read_text()) if earlier is not None and earlier.is_file() else None
+        now = record if record is not None else json.loads(current.read_text()) if current.is_file() else None
+    except (OSError, ValueError):
+        return
+    if not before or not now or not isinstance(now.get("wall_s"), (int, float)):
+        return
+    now["launches"] = int(before.get("launches") or 1) + 1
+    now["wall_s_all_launches"] = round(float(before.get("wall_s_all_launches") or before.get("wall_s") or 0.0)
+                                       + now["wall_s"], 3)
+    if record is None:
+        try:
+            write_summary(Path(plan.config.run_dir), now)
+        except OSError:
+            pass  # the launch's own verdict comes through; the record keeps this launch's figures

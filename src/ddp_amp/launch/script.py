@@ -9,10 +9,11 @@ Each rank runs it through ddp_amp.rank.script, with torchrun's environment contr
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.config import LOOP_OPTIONS, Script
+from ddp_amp.config import LOOP_OPTIONS, Script, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.outputs import LOOP_RECORD_FILE
 from ddp_amp.precision import BF16_TRUE
@@ -239,3 +240,79 @@ def script_record(script: Script, run_dir: Path, *, launch, model, started: floa
         record["stopped_by" if stopped else "failure"] = str(failure).split(":")[0].removeprefix("stopped by ") \
             if stopped else str(failure)
     return record
+
+
+def loop_stop_signal(run_dir: Path) -> signal.Signals | None:
+    """The stop signal a ddp_amp.loop script's ranks agreed on (its loop.json), or None."""
+    from ddp_amp.outputs import LOOP_RECORD_FILE
+
+    try:
+        import json
+
+        name = json.loads((run_dir / LOOP_RECORD_FILE).read_text()).get("stopped_by")
+        return signal.Signals[name] if name in signal.Signals.__members__ else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint --resume auto would take first (ddp_amp.loop's), or None."""
+    from ddp_amp.checkpoint.fileformat import checkpoints
+
+    found = checkpoints(run_dir)
+    return found[0] if found else None
+
+
+def script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
+    """The verdict of a script stopped by a signal: for a ddp_amp.loop script that stopped at an agreed step,
+    what the built-in loop's says (the step, the checkpoint, how to continue); else the signal passed on."""
+    loop = record.get("loop") or {}
+    step, checkpoint = loop.get("stopped_at_step"), loop.get("checkpoint")
+    if step is None:
+        return f"{signalled}: passed on to every rank (each rank's output in {run_dir / 'logs'})"
+    name = loop.get("stopped_by") or signalled.removeprefix("stopped by ")
+    if checkpoint:
+        return (f"stopped by {name} at step {step}; checkpoint {checkpoint} (continue with --resume auto --run-dir "
+                f"{run_dir})")
+    return f"stopped by {name} at step {step}; no checkpoint kept"
+
+
+def check_script_resume(resume: str | None) -> None:
+    """--resume PATH of a loop script: a checkpoint that is there, refused before any rank starts (the loop's
+    restore() checks what it holds)."""
+    if resume is None or resume == "auto":
+        return
+    path = Path(resume)
+    if not (path.is_file() or (path / ".metadata").is_file()):
+        raise UsageError(f"--resume {resume}: no such checkpoint" + (" (a directory without DCP's .metadata)"
+                                                                    if path.is_dir() else ""))
+
+
+def loop_checkpoint_world_size(run_dir: str, resume: str) -> tuple[str, int] | None:
+    """The checkpoint a loop script's restore() would take (--resume PATH, or the newest in the run dir) and the
+    world size that wrote it, from its metadata; None where there is none to read."""
+    from ddp_amp.checkpoint import fileformat
+
+    found = fileformat.checkpoints(run_dir) if resume == "auto" else [Path(resume)]
+    try:
+        return (str(found[0]), int(fileformat.read_metadata(found[0])["world_size"])) if found else None
+    except (fileformat.CheckpointError, KeyError, TypeError, ValueError):
+        return None
+
+
+def check_loop_resize(config: TrainConfig, world_size: int | None) -> None:
+    """ddp_amp.loop's data position is a rank's place in its own share of the epoch: continued by another number
+    of ranks, samples would be trained twice or skipped. Refused before launch, in one line (ddp-amp's own loop
+    continues on any world size)."""
+    if config.resume is None or world_size is None:
+        return
+    from ddp_amp.launch.forkserver import WarmChildDied, call_warm
+
+    try:  # reading a checkpoint's metadata takes torch: in a child of the fork server, which has it imported
+        written = call_warm(loop_checkpoint_world_size, config.run_dir, config.resume)
+    except WarmChildDied:
+        written = loop_checkpoint_world_size(config.run_dir, config.resume)
+    if written is not None and written[1] != world_size:
+        raise UsageError(f"--resume {config.resume}: {written[0]} was written by {written[1]} ranks and this launch "
+                         f"has {world_size}: a ddp_amp.loop script continues on the world size that saved it; "
+                         f"launch {written[1]} ranks, or start over with --overwrite")

@@ -154,35 +154,10 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
         try:
             _run_and_judge(launch, display, announce)
         finally:
-            _with_earlier_launches(launch.plan)
+            from ddp_amp.launch.run_dir import with_earlier_launches
+
+            with_earlier_launches(launch.plan)
             settle_overwritten(launch.plan)
-
-
-def _with_earlier_launches(plan: LaunchPlan, record: dict[str, Any] | None = None) -> None:
-    """A resumed run's summary.json (or a script's `record`, before it is written) counts the launches it took
-    and their wall time in all (wall_s_all_launches), from the stopped attempt's record set aside at the
-    preflight: its own wall_s is this launch's."""
-    import json
-
-    from ddp_amp.outputs import SUMMARY_FILE, write_summary
-
-    earlier = plan.set_aside / SUMMARY_FILE if plan.set_aside is not None and plan.config.resume else None
-    current = Path(plan.config.run_dir) / SUMMARY_FILE
-    try:
-        before = json.loads(earlier.read_text()) if earlier is not None and earlier.is_file() else None
-        now = record if record is not None else json.loads(current.read_text()) if current.is_file() else None
-    except (OSError, ValueError):
-        return
-    if not before or not now or not isinstance(now.get("wall_s"), (int, float)):
-        return
-    now["launches"] = int(before.get("launches") or 1) + 1
-    now["wall_s_all_launches"] = round(float(before.get("wall_s_all_launches") or before.get("wall_s") or 0.0)
-                                       + now["wall_s"], 3)
-    if record is None:
-        try:
-            write_summary(Path(plan.config.run_dir), now)
-        except OSError:
-            pass  # the launch's own verdict comes through; the record keeps this launch's figures
 
 
 def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None:
@@ -234,6 +209,8 @@ def _start_ranks(launch: Launch, session) -> RunFailed | None:
         with session, stop_signals_raise():
             launch.start(session)
     except RunFailed as exc:
+        from ddp_amp.launch.verdict import explained_failure, first_failure_named
+
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
         if exc.exit_code > 128:
@@ -246,62 +223,15 @@ def _start_ranks(launch: Launch, session) -> RunFailed | None:
     return None
 
 
-def script_restart_causes(launch: Launch, model) -> list[dict[str, Any]]:
-    """Each restart torchrun's agent made of a script's ranks: which rank ended the attempt and how (its exit
-    code or signal, from the agent's log; an exception's line, from the display), and the step it was last seen
-    in (a ddp_amp.loop script's reports)."""
-    from ddp_amp.launch import torchrun
-
-    if not model.restarts or launch.job is None:
-        return []
-    log = launch.agent_log.read_text(errors="replace") if launch.agent_log.exists() else ""
-    logged = torchrun.restart_causes(log)
-    from ddp_amp.errors import is_peer_symptom
-
-    # A rank's own exception, never a peer's symptom of it (a killed rank's "Connection reset by peer").
-    raised: dict[int, tuple[int, str]] = {}
-    for attempt, rank, line in model.recovered:  # each attempt's first failure first
-        if not is_peer_symptom(line):
-            raised.setdefault(attempt, (rank, line))
-    causes = []
-    for attempt in range(model.restarts):
-        if attempt in raised:
-            rank, what = raised[attempt][0], f"failed: {raised[attempt][1]}"
-        elif attempt < len(logged):
-            local_rank, what = logged[attempt]
-            rank = model.ranks_before_restart.get(local_rank, local_rank)
-        else:
-            continue
-        cause = {"restart": attempt + 1, "rank": rank, "cause": what}
-        if attempt == model.restarts - 1 and model.steps_before_restart.get(rank, 0) > 1:  # a loop script's step
-            cause["last_seen_step"] = model.steps_before_restart[rank]
-        causes.append(cause)
-    return causes
-
-
-def first_failure_named(exc: RunFailed, session) -> RunFailed:
-    """The launchers name the rank whose process ended first; of two ranks that raised, the first to raise but
-    the slower to exit (its flight record written) was named second, with its peer's error ("rank 0 ... (after
-    rank 1 failed)" on screen, rank 0 in the verdict). The ranks' error events, all read now that the session is
-    closed, say which raised first."""
-    from ddp_amp.errors import exception_line, failure_line, is_peer_symptom
-
-    first = session.first_failure()
-    if exc.rank is None or first is None or first[0] == exc.rank or is_peer_symptom(first[1]):
-        return exc
-    if exc.rank not in {state.rank for state in session.display.model.failures()}:
-        return exc  # the named rank exited or was killed without raising: that is the cause the others saw
-    return exc.retold(first[0], f"failed: {failure_line(exception_line(first[1]))}")
-
-
 def run_script_launch(launch: Launch, display) -> None:
     """A launch of the user's script: its ranks under a progress session that captures their output, then the
     verdict (the script finished on every rank, a rank failed, or a stop ended it) and the run's record in
     summary.json (launch.script.script_record), which `ddp-amp show` lists."""
     import time
 
-    from ddp_amp.launch.run_dir import trained_since
-    from ddp_amp.launch.script import script_record
+    from ddp_amp.launch.run_dir import trained_since, with_earlier_launches
+    from ddp_amp.launch.script import loop_stop_signal, newest_checkpoint, script_record, script_stop_line
+    from ddp_amp.launch.verdict import script_restart_causes
     from ddp_amp.outputs import write_summary
     from ddp_amp.progress.session import ProgressSession
 
@@ -315,7 +245,7 @@ def run_script_launch(launch: Launch, display) -> None:
     started = time.time()
     failure = _start_ranks(launch, ProgressSession(display, run_dir, capture_output=True))
     model = display.model
-    if failure is None and (stopped := _loop_stop_signal(run_dir)) is not None:
+    if failure is None and (stopped := loop_stop_signal(run_dir)) is not None:
         # a stop signal reached a rank, not this launcher: the loop stopped every rank at one step, as ddp-amp's
         # own loop does, and the launch ends as a stop does (128 + the signal)
         failure = RunFailed(f"stopped by {stopped.name}", exit_code=128 + stopped.value)
@@ -325,14 +255,14 @@ def run_script_launch(launch: Launch, display) -> None:
         for cause in causes:
             seen = f" (last seen in step {cause['last_seen_step']})" if cause.get("last_seen_step") else ""
             say(f"ddp-amp: restart {cause['restart']}: rank {cause['rank']} {cause['cause']}{seen}")
-    if failure is not None and failure.exit_code <= 128 and (kept := _newest_checkpoint(run_dir)):
+    if failure is not None and failure.exit_code <= 128 and (kept := newest_checkpoint(run_dir)):
         # a loop script's checkpoints: where its work is, whatever failed (a full disk: the one before the write)
         failure = RunFailed(f"{failure}; the newest complete checkpoint is {kept} (continue with --resume auto "
                             f"--run-dir {run_dir})", exit_code=failure.exit_code, details=failure.details)
     if failure is not None and failure.exit_code > 128:
         stalled = "".join(f"; rank {state.rank} had stalled at {state.position[3]}" for state in model.stalled())
-        failure = RunFailed(_script_stop_line(record, run_dir, str(failure)) + stalled, exit_code=failure.exit_code)
-    _with_earlier_launches(plan, record)
+        failure = RunFailed(script_stop_line(record, run_dir, str(failure)) + stalled, exit_code=failure.exit_code)
+    with_earlier_launches(plan, record)
     try:
         write_summary(run_dir, record)
     except OSError as exc:  # a full disk, as a rank may have found: the verdict below still comes through
@@ -346,41 +276,6 @@ def run_script_launch(launch: Launch, display) -> None:
     restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""
     say(f"ddp-amp: the script finished on every rank{restarts} in {time.time() - started:.1f}s; summary "
         f"{run_dir / 'summary.json'}")
-
-
-def _loop_stop_signal(run_dir: Path) -> signals.Signals | None:
-    """The stop signal a ddp_amp.loop script's ranks agreed on (its loop.json), or None."""
-    from ddp_amp.outputs import LOOP_RECORD_FILE
-
-    try:
-        import json
-
-        name = json.loads((run_dir / LOOP_RECORD_FILE).read_text()).get("stopped_by")
-        return signals.Signals[name] if name in signals.Signals.__members__ else None
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _newest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint --resume auto would take first (ddp_amp.loop's), or None."""
-    from ddp_amp.checkpoint.fileformat import checkpoints
-
-    found = checkpoints(run_dir)
-    return found[0] if found else None
-
-
-def _script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
-    """The verdict of a script stopped by a signal: for a ddp_amp.loop script that stopped at an agreed step,
-    what the built-in loop's says (the step, the checkpoint, how to continue); else the signal passed on."""
-    loop = record.get("loop") or {}
-    step, checkpoint = loop.get("stopped_at_step"), loop.get("checkpoint")
-    if step is None:
-        return f"{signalled}: passed on to every rank (each rank's output in {run_dir / 'logs'})"
-    name = loop.get("stopped_by") or signalled.removeprefix("stopped by ")
-    if checkpoint:
-        return (f"stopped by {name} at step {step}; checkpoint {checkpoint} (continue with --resume auto --run-dir "
-                f"{run_dir})")
-    return f"stopped by {name} at step {step}; no checkpoint kept"
 
 
 def _announce(launch: Launch) -> None:
@@ -430,35 +325,6 @@ def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = N
         raise RunFailed(f"stopped by {name} at step {step}; checkpoint {record.checkpoint} (continue with "
                         f"--resume auto --run-dir {run_dir})", exit_code=exit_code)
     raise RunFailed(f"stopped by {name} at step {step}; no checkpoint kept", exit_code=exit_code)
-
-
-def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: int | None) -> RunFailed:
-    """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
-    out waiting, and the cause is the one it waited for), and where the ranks' flight records say they parted."""
-    from ddp_amp.results.diagnosis import DUMP_DIR, read_dumps, where_ranks_parted
-
-    run_dir = Path(config.run_dir)
-    parting = where_ranks_parted(read_dumps(run_dir), world_size)
-    collectives = (f"; {parting.line} (flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose {run_dir})"
-                   if parting is not None else "")
-    if parting is not None and parting.mismatch:
-        return RunFailed(f"{parting.line} ({exc}; flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose "
-                         f"{run_dir})", exit_code=exc.exit_code, details=exc.details)
-    script = session.display.model.script
-    if (stalled := session.stalled()) and exc.exit_code == 1 and script and parting is None:
-        first = stalled[0]
-        return RunFailed(f"rank {', '.join(str(state.rank) for state in stalled)} stalled at {first.position[3]}; "
-                         f"the other ranks gave up waiting for it ({exc})", exit_code=exc.exit_code,
-                         details=exc.details)
-    if stalled and exc.exit_code == 1 and not script:
-        first = stalled[0]
-        ranks = ", ".join(str(state.rank) for state in stalled)
-        return RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "
-                         f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc}){collectives}",
-                         exit_code=exc.exit_code, details=exc.details)
-    if collectives and "Timed out" in str(exc):
-        return RunFailed(f"{exc}{collectives}", exit_code=exc.exit_code, details=exc.details)
-    return exc
 
 
 def check_outcome(run_dir: Path, config: TrainConfig) -> None:

@@ -1,0 +1,87 @@
+"""A failed launch's verdict, explained from what the launcher saw: which rank raised first (the ranks' own error
+events), which ranks stalled, and where the ranks' flight records say they parted. No torch here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.errors import RunFailed
+
+
+def first_failure_named(exc: RunFailed, session) -> RunFailed:
+    """The launchers name the rank whose process ended first; of two ranks that raised, the first to raise but
+    the slower to exit (its flight record written) was named second, with its peer's error ("rank 0 ... (after
+    rank 1 failed)" on screen, rank 0 in the verdict). The ranks' error events, all read now that the session is
+    closed, say which raised first."""
+    from ddp_amp.errors import exception_line, failure_line, is_peer_symptom
+
+    first = session.first_failure()
+    if exc.rank is None or first is None or first[0] == exc.rank or is_peer_symptom(first[1]):
+        return exc
+    if exc.rank not in {state.rank for state in session.display.model.failures()}:
+        return exc  # the named rank exited or was killed without raising: that is the cause the others saw
+    return exc.retold(first[0], f"failed: {failure_line(exception_line(first[1]))}")
+
+
+def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: int | None) -> RunFailed:
+    """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
+    out waiting, and the cause is the one it waited for), and where the ranks' flight records say they parted."""
+    from ddp_amp.results.diagnosis import DUMP_DIR, read_dumps, where_ranks_parted
+
+    run_dir = Path(config.run_dir)
+    parting = where_ranks_parted(read_dumps(run_dir), world_size)
+    collectives = (f"; {parting.line} (flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose {run_dir})"
+                   if parting is not None else "")
+    if parting is not None and parting.mismatch:
+        return RunFailed(f"{parting.line} ({exc}; flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose "
+                         f"{run_dir})", exit_code=exc.exit_code, details=exc.details)
+    script = session.display.model.script
+    if (stalled := session.stalled()) and exc.exit_code == 1 and script and parting is None:
+        first = stalled[0]
+        return RunFailed(f"rank {', '.join(str(state.rank) for state in stalled)} stalled at {first.position[3]}; "
+                         f"the other ranks gave up waiting for it ({exc})", exit_code=exc.exit_code,
+                         details=exc.details)
+    if stalled and exc.exit_code == 1 and not script:
+        first = stalled[0]
+        ranks = ", ".join(str(state.rank) for state in stalled)
+        return RunFailed(f"rank {ranks} stalled in step {first.position[0] + 1} ({first.position[3]}); the "
+                         f"other ranks gave up waiting after --timeout {config.timeout:g}s ({exc}){collectives}",
+                         exit_code=exc.exit_code, details=exc.details)
+    if collectives and "Timed out" in str(exc):
+        return RunFailed(f"{exc}{collectives}", exit_code=exc.exit_code, details=exc.details)
+    return exc
+
+
+def script_restart_causes(launch, model) -> list[dict[str, Any]]:
+    """Each restart torchrun's agent made of a script's ranks: which rank ended the attempt and how (its exit
+    code or signal, from the agent's log; an exception's line, from the display), and the step it was last seen
+    in (a ddp_amp.loop script's reports)."""
+    from ddp_amp.launch import torchrun
+
+    if not model.restarts or launch.job is None:
+        return []
+    log = launch.agent_log.read_text(errors="replace") if launch.agent_log.exists() else ""
+    logged = torchrun.restart_causes(log)
+    from ddp_amp.errors import is_peer_symptom
+
+    # A rank's own exception, never a peer's symptom of it (a killed rank's "Connection reset by peer").
+    raised: dict[int, tuple[int, str]] = {}
+    for attempt, rank, line in model.recovered:  # each attempt's first failure first
+        if not is_peer_symptom(line):
+            raised.setdefault(attempt, (rank, line))
+    causes = []
+    for attempt in range(model.restarts):
+        if attempt in raised:
+            rank, what = raised[attempt][0], f"failed: {raised[attempt][1]}"
+        elif attempt < len(logged):
+            local_rank, what = logged[attempt]
+            rank = model.ranks_before_restart.get(local_rank, local_rank)
+        else:
+            continue
+        cause = {"restart": attempt + 1, "rank": rank, "cause": what}
+        if attempt == model.restarts - 1 and model.steps_before_restart.get(rank, 0) > 1:  # a loop script's step
+            cause["last_seen_step"] = model.steps_before_restart[rank]
+        causes.append(cause)
+    return causes
