@@ -29,14 +29,14 @@ class Recorder:
 def norms_handed_to_the_optimizer(trainer) -> list[float]:
     """A list that fills, as the trainer runs, with the norm of the gradients each optimizer step is handed."""
     norms = []
-    original_step = trainer.step.optimizer_step
+    original_step = trainer.step.update.step
 
     def step_and_measure():
         grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
         norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
         return original_step()
 
-    trainer.step.optimizer_step = step_and_measure
+    trainer.step.update.step = step_and_measure
     return norms
 
 
@@ -59,7 +59,7 @@ def test_fp16_inf_gradient_skips_optimizer_and_scheduler(one_rank_group, tmp_pat
     trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp16"), task, recorder)
     weights_before_skip = {}
 
-    original_step = trainer.step.optimizer_step
+    original_step = trainer.step.update.step
 
     def step_and_watch():
         if len(recorder.records) == 2:  # about to take the third (inf) step
@@ -70,7 +70,7 @@ def test_fp16_inf_gradient_skips_optimizer_and_scheduler(one_rank_group, tmp_pat
                 assert torch.equal(value, weights_before_skip[key]), "a skipped step changed the weights"
         return stepped
 
-    trainer.step.optimizer_step = step_and_watch
+    trainer.step.update.step = step_and_watch
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
         result = trainer.train()
@@ -432,8 +432,8 @@ def _train_in_pieces(group, tmp_path, micro_batch, fail_above=None, once_stepped
 
         task.loss_fn = loss_fn
     trainer = Trainer(config, group, torch.device("cpu"), Precision("fp32"), task, Recorder())
-    original_step = trainer.step.optimizer_step
-    trainer.step.optimizer_step = lambda: steps.append(1) or original_step()
+    original_step = trainer.step.update.step
+    trainer.step.update.step = lambda: steps.append(1) or original_step()
     result = trainer.train()
     weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
     trainer.close()

@@ -22,7 +22,7 @@ from ddp_amp.checkpoint import fileformat, sharded
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, SideGroup
 from ddp_amp.errors import RankUsageError
-from ddp_amp.train.parts import TrainingParts
+from ddp_amp.train.parts import Parts
 
 
 class NonFiniteState(Exception):
@@ -48,12 +48,12 @@ class CheckpointFormat:
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: Path) -> None:
         self.config, self.env, self.run_dir = config, env, run_dir
 
-    def held(self, parts: TrainingParts) -> tuple[Any, int]:
+    def held(self, parts: Parts) -> tuple[Any, int]:
         """(what stage() needs of this rank's state, the bytes of it that no other rank holds), before the
         manager's gather of every rank's random state and these bytes."""
         raise NotImplementedError
 
-    def stage(self, parts: TrainingParts, held: Any, writers: list[int], owns: list[int]) -> tuple[Any, Any]:
+    def stage(self, parts: Parts, held: Any, writers: list[int], owns: list[int]) -> tuple[Any, Any]:
         """(the checkpoint's trainer part, None where this rank writes none; this rank's own part) on the
         device, before the copy to host memory. `owns`: every rank's bytes from held()."""
         raise NotImplementedError
@@ -68,7 +68,7 @@ class CheckpointFormat:
         dir, one per node without a shared file system)."""
 
     @staticmethod
-    def load_weights(path: Path, state: dict[str, Any], parts: TrainingParts) -> None:
+    def load_weights(path: Path, state: dict[str, Any], parts: Parts) -> None:
         """Every rank: the model and the optimizer from a checkpoint of this format (after the other parts)."""
         raise NotImplementedError
 
@@ -80,10 +80,10 @@ class SingleFile(CheckpointFormat):
     name: ClassVar[str] = "single"
     every_rank_writes: ClassVar[bool] = False
 
-    def held(self, parts: TrainingParts) -> tuple[Any, int]:
+    def held(self, parts: Parts) -> tuple[Any, int]:
         return None, 0  # the writers write it all: nothing to split
 
-    def stage(self, parts: TrainingParts, held: Any, writers: list[int], owns: list[int]) -> tuple[Any, Any]:
+    def stage(self, parts: Parts, held: Any, writers: list[int], owns: list[int]) -> tuple[Any, Any]:
         """Collective: sharded state (--shard optimizer or full) is gathered whole on the writers."""
         return parts.whole_state(writers), None
 
@@ -94,11 +94,10 @@ class SingleFile(CheckpointFormat):
         return fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep, protect_step=_best_step(state))
 
     @staticmethod
-    def load_weights(path: Path, state: dict[str, Any], parts: TrainingParts) -> None:
+    def load_weights(path: Path, state: dict[str, Any], parts: Parts) -> None:
         """From the checkpoint's whole state, each rank taking what it holds in this run's parallel mode (any
         mode's checkpoint)."""
-        parts.strategy.load_full_state(parts.module, parts.optimizer, state["trainer"]["model"],
-                                       state["trainer"]["optimizer"])
+        parts.load_whole(state["trainer"])
 
 
 class ShardedDirectory(CheckpointFormat):
@@ -110,16 +109,16 @@ class ShardedDirectory(CheckpointFormat):
         super().__init__(config, env, run_dir)
         self._side: SideGroup | None = SideGroup()  # made by every rank together, as the manager is
 
-    def held(self, parts: TrainingParts) -> tuple[Any, int]:
+    def held(self, parts: Parts) -> tuple[Any, int]:
         """Views of this rank's part of the model and the optimizer, and the bytes of its own tensors (those
         that are not replicated): every rank's count decides the split of what all ranks hold."""
-        views = sharded.local_state(parts.module, parts.optimizer)
-        return views, sharded.own_bytes(views, parts.strategy.replicated_parts)
+        views = sharded.local_state(*parts.weights())
+        return views, sharded.own_bytes(views, parts.replicated())
 
-    def stage(self, parts: TrainingParts, held: Any, writers: list[int], owns: list[int]) -> tuple[Any, Any]:
+    def stage(self, parts: Parts, held: Any, writers: list[int], owns: list[int]) -> tuple[Any, Any]:
         """(the extras on the writers; this rank's share of the tensors); no collective."""
         extras = parts.extras() if self.env.rank in writers else None
-        return extras, sharded.own_share(held, parts.strategy.replicated_parts, self.env.rank, owns)
+        return extras, sharded.own_share(held, parts.replicated(), self.env.rank, owns)
 
     def write(self, state: dict[str, Any], local: Any, tag: str) -> Path | None:
         """On every rank, in the background (collectives on the format's own group): no rank writes when any
@@ -147,13 +146,10 @@ class ShardedDirectory(CheckpointFormat):
                                  "have their own; drop the flag to write whole checkpoints on every node")
 
     @staticmethod
-    def load_weights(path: Path, state: dict[str, Any], parts: TrainingParts) -> None:
-        """Every rank reads its part (a node without the directory fails here, as it must). After the extras:
-        ZeroRedundancyOptimizer's own groups hold the rate its step copies to its local optimizer, which the
-        schedule's state decides."""
-        sharded.load_local_state(path, parts.module, parts.optimizer)
-        for group, lr in zip(parts.optimizer.param_groups, parts.scheduler.get_last_lr()):
-            group["lr"] = lr
+    def load_weights(path: Path, state: dict[str, Any], parts: Parts) -> None:
+        """Every rank reads its part (a node without the directory fails here, as it must), after the extras."""
+        sharded.load_local_state(path, *parts.weights())
+        parts.after_sharded_load()
 
     def close(self) -> None:
         if self._side is not None:

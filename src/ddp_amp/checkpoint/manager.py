@@ -1,6 +1,7 @@
 """The checkpoint manager of one rank: `load` (resume agreement), `save` every --checkpoint-every steps,
-`wait` for the write in flight and `close`. It is handed the run's stateful parts (train.parts) at each
-save and load; what differs between the two formats is in checkpoint.formats.
+`wait` for the write in flight and `close`. It is handed the run's stateful parts (train.parts: ddp-amp's own
+loop's, or a script loop's named ones) at each save and load; what differs between the two formats is in
+checkpoint.formats. ddp-amp's loop (rank.setup) and ddp_amp.loop both make one.
 
 Saving gathers every rank's RNG state (a collective), copies the state to host memory and writes it from a
 background thread (atomically, see fileformat.save_checkpoint), so training waits for the copy only; with
@@ -25,7 +26,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankSetupError
 from ddp_amp.files import writer_tag
-from ddp_amp.train.parts import Restored, TrainingParts
+from ddp_amp.train.parts import Parts, Restored
 
 
 class CheckpointManager:
@@ -60,7 +61,7 @@ class CheckpointManager:
     def saved(self, step: int) -> bool:
         return self.last_step == step
 
-    def save(self, parts: TrainingParts, step: int) -> None:
+    def save(self, parts: Parts, step: int) -> None:
         started, waits = time.perf_counter(), self.waits
         try:
             self._save(parts, step)
@@ -76,13 +77,13 @@ class CheckpointManager:
         taken, self._unlogged = self._unlogged, []
         return {"checkpoints": taken} if taken else {}
 
-    def _save(self, parts: TrainingParts, step: int) -> None:
+    def _save(self, parts: Parts, step: int) -> None:
         checkpoint_format = self.format
         ranks = [None] * self.env.world_size
         held, own_bytes = checkpoint_format.held(parts)
         # A collective: every rank, every time. Each rank's RNG states, for iterable data its position, and
         # what it alone holds of the state (a sharded format splits the rest by it).
-        dist.all_gather_object(ranks, (fileformat.rng_state(self.device), parts.data.rank_state(), own_bytes,
+        dist.all_gather_object(ranks, (fileformat.rng_state(self.device), parts.rank_state(), own_bytes,
                                        self.env.writes_run_dir, writer_tag()))
         writers = [rank for rank, (*_, writes, _) in enumerate(ranks) if writes]
         self.last_step = step
@@ -96,7 +97,7 @@ class CheckpointManager:
         rng, data_ranks = [r[0] for r in ranks], [r[1] for r in ranks]
         state = {"step": step, "saved_at": time.time(), "trainer": fileformat.to_host(trained),
                  "rng": rng, **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
-                 "config": dataclasses.asdict(self.config), "world_size": self.env.world_size,
+                 "config": {**dataclasses.asdict(self.config), **parts.marker()}, "world_size": self.env.world_size,
                  **format_marker(type(checkpoint_format))}
         args = (state, fileformat.to_host(local), ranks[0][-1])
         if not self.config.async_checkpoint:
@@ -112,7 +113,7 @@ class CheckpointManager:
             self.waits += 1
         self.wait()
 
-    def save_at_stop(self, parts: TrainingParts, stopped_at: int | None) -> None:
+    def save_at_stop(self, parts: Parts, stopped_at: int | None) -> None:
         """Keep the work of a run stopped by a signal: a checkpoint at the step the ranks stopped at, with
         --checkpoint-every or without (the stop is exactly when one is needed)."""
         if stopped_at is not None and not self.saved(stopped_at):
@@ -158,7 +159,7 @@ class CheckpointManager:
             figures["checkpoint_write_s"] = sum(self.write_s) / len(self.write_s)
         return figures
 
-    def load(self, parts: TrainingParts, writers: list[int]) -> Restored | None:
+    def load(self, parts: Parts, writers: list[int]) -> Restored | None:
         """Continue from the newest checkpoint this launch wrote (after torchrun restarted the workers, for a
         failure or because an elastic job's membership changed: torchrun does not count the latter as a
         restart), else from config.resume. Every rank ends up with the same state: the ranks agree on the
@@ -180,11 +181,16 @@ class CheckpointManager:
             dist.broadcast_object_list(shipped, src=source)
             found = shipped[0]
         path, state = found
+        if refusal := parts.refusal(state):
+            raise RankSetupError(f"--resume {path}: {refusal}")
         differ = fileformat.mismatches(state["config"], dataclasses.asdict(config))
         if differ:
             raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
-        parts.load_extras(state["trainer"], state["world_size"], state.get("data_ranks"))
-        format_of(state).load_weights(path, state, parts)  # the checkpoint's format, whatever this run's
+        try:
+            parts.load_extras(state["trainer"], state["world_size"], state.get("data_ranks"))
+            format_of(state).load_weights(path, state, parts)  # the checkpoint's format, whatever this run's
+        except RankSetupError as exc:
+            raise RankSetupError(f"--resume {path}: {exc}") from None
         if env.rank < len(state["rng"]):  # an elastic job that grew: the new ranks keep their seeded streams
             fileformat.set_rng_state(state["rng"][env.rank], self.device)
         return Restored(Path(path), state["step"], state["world_size"])

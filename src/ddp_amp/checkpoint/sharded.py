@@ -78,23 +78,25 @@ def _options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def local_state(module: nn.Module, optimizer: torch.optim.Optimizer,
-                with_optimizer: bool | None = None) -> dict[str, Any]:
-    """This rank's part of the model and the optimizer, as views of the live tensors (not copies).
+def local_state(models: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, torch.optim.Optimizer]],
+                with_optimizers: set[str] | None = None) -> dict[str, Any]:
+    """This rank's part of each named model and optimizer (`optimizers`: name -> (the model it trains, itself)),
+    as views of the live tensors (not copies): {name: state}.
 
-    The optimizer's part only where it holds state (`with_optimizer` None, a save) or where asked (a load's
+    An optimizer's part only where it holds state (`with_optimizers` None, a save) or where named (a load's
     template): DCP's getter gives an empty optimizer state by running a zero-lr step on it, which would change
     a live run (Adam's step count) if a save came before the first step (a stop at step 0, or fp16 steps all
     skipped so far). An optimizer without state (SGD without momentum, or before any step) is saved without its
     part; its learning rate is the schedule's (formats.ShardedDirectory.load_weights)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    local = _local_optimizer(optimizer)
-    if with_optimizer is None:
-        with_optimizer = bool(local.state)
-    with_optimizer = with_optimizer and _owns_any(local)
-    return {"model": get_model_state_dict(module, options=_options()),
-            "optimizer": get_optimizer_state_dict(module, local, options=_options()) if with_optimizer else {}}
+    views = {name: get_model_state_dict(module, options=_options()) for name, module in models.items()}
+    for name, (module, optimizer) in optimizers.items():
+        local = _local_optimizer(optimizer)
+        wanted = bool(local.state) if with_optimizers is None else name in with_optimizers
+        views[name] = get_optimizer_state_dict(module, local, options=_options()) \
+            if wanted and _owns_any(local) else {}
+    return views
 
 
 def _bytes(value: Any) -> int:
@@ -131,21 +133,26 @@ def _owns_any(optimizer: torch.optim.Optimizer) -> bool:
     return any(group["params"] for group in optimizer.param_groups)
 
 
-def load_local_state(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer,
+def load_local_state(path: Path, models: dict[str, nn.Module],
+                     optimizers: dict[str, tuple[nn.Module, torch.optim.Optimizer]],
                      process_group: dist.ProcessGroup | None = None) -> None:
-    """Every rank, collectively: the model and optimizer from a sharded checkpoint of any world size. The
-    template (this rank's own state, the optimizer's initialised by DCP with a zero-lr step when it is still
-    empty) says what to read; DCP reads into it, and it is loaded into the model and the optimizer."""
+    """Every rank, collectively: the named models and optimizers (local_state's names) from a sharded
+    checkpoint of any world size. The template (this rank's own state, an optimizer's initialised by DCP with a
+    zero-lr step when it is still empty) says what to read; DCP reads into it, and it is loaded into the models
+    and the optimizers."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     reader = dcp.FileSystemReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
-    state = local_state(module, optimizer, with_optimizer=any(name.startswith("optimizer.") for name in saved))
+    held = {name for name in optimizers if any(key.startswith(f"{name}.") for key in saved)}
+    state = local_state(models, optimizers, with_optimizers=held)
     dcp.load(state, storage_reader=reader, process_group=process_group)
-    set_model_state_dict(module, state["model"], options=_options())
-    if state["optimizer"]:
-        set_optimizer_state_dict(module, _local_optimizer(optimizer), state["optimizer"], options=_options())
+    for name, module in models.items():
+        set_model_state_dict(module, state[name], options=_options())
+    for name, (module, optimizer) in optimizers.items():
+        if state[name]:
+            set_optimizer_state_dict(module, _local_optimizer(optimizer), state[name], options=_options())
 
 
 def nonfinite(state: Any) -> bool:

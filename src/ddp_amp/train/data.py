@@ -61,7 +61,7 @@ def loader_workers(requested: int | None, device: torch.device, local_world_size
 
 
 def build_loader(dataset: Any, batch_sampler: Any, workers: int, device: torch.device, seed: int,
-                 collate_fn=None) -> DataLoader:
+                 collate_fn=None, **options: Any) -> DataLoader:
     # A generator of its own: each new iterator draws its workers' base seed from it, not from the global
     # RNG, so where an iterator starts (a resume mid-epoch) does not shift the training randomness.
     extra: dict[str, Any] = {"generator": torch.Generator().manual_seed(seed)}
@@ -69,7 +69,7 @@ def build_loader(dataset: Any, batch_sampler: Any, workers: int, device: torch.d
         # Workers live as long as the run (not re-forked every epoch) and keep two batches each ready.
         extra.update(persistent_workers=True, prefetch_factor=2, multiprocessing_context=WORKERS_START)
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                      collate_fn=collate_fn, **extra)
+                      collate_fn=collate_fn, **{**extra, **options})
 
 
 class EpochSampler(Sampler):
@@ -83,16 +83,19 @@ class EpochSampler(Sampler):
     epoch once, whatever the world size was before: in the epoch a resize split, nothing is padded (the
     ranks' shares differ by one sample at most; RankBatches keeps their batch counts equal)."""
 
-    def __init__(self, size: int, rank: int, world_size: int, seed: int) -> None:
-        self.size, self.rank, self.world_size, self.seed = size, rank, world_size, seed
+    def __init__(self, size: int, rank: int, world_size: int, seed: int, shuffle: bool = True) -> None:
+        self.size, self.rank, self.world_size, self.seed, self.shuffle = size, rank, world_size, seed, shuffle
         self.epoch, self.cursor = 0, 0
         self.resized_epoch: int | None = None
         """The epoch a world-size change split: its rest is striped without padding."""
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=generator).tolist()
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=generator).tolist()
+        else:
+            order = list(range(self.size))
         rest = order[self.cursor:]
         padding = 0 if self.epoch == self.resized_epoch else -len(rest) % self.world_size
         rest += (order * math.ceil(padding / self.size))[:padding] if padding else []
@@ -137,17 +140,23 @@ class RankBatches(Sampler):
 class RankData:
     """This rank's batches, endlessly across epochs, and the position in the data: the epoch, and the global
     cursor into it (samples consumed by all ranks), which is what a checkpoint records and a resumed or
-    resized run continues from."""
+    resized run continues from. ddp-amp's own loop takes `batches()`; a script's loop (ddp_amp.loop's
+    `loader`) iterates it an epoch at a time, or takes `forever()`.
+
+    `on_device`: each batch moved to `device` as it is taken (a script's loop; ddp-amp's step moves its own)."""
 
     def __init__(self, dataset: Any, env: DistEnv, device: torch.device, *, batch_size: int, seed: int,
-                 workers: int, collate_fn=None) -> None:
-        self.env, self.batch_size = env, batch_size
+                 workers: int, collate_fn=None, shuffle: bool = True, on_device: bool = False,
+                 **loader_options: Any) -> None:
+        self.env, self.batch_size, self.device = env, batch_size, device
         # Every rank gets the same number of samples (the padding), so every rank runs the same number of
         # batches: no rank waits forever in an all-reduce the others never join.
-        self.sampler = EpochSampler(len(dataset), env.rank, env.world_size, seed)
+        self.sampler = EpochSampler(len(dataset), env.rank, env.world_size, seed, shuffle)
         self.workers = workers
+        self.on_device = on_device and device.type != "cpu"
         self.loader = build_loader(dataset, RankBatches(self.sampler, batch_size), workers, device,
-                                   seed=seed + env.rank, collate_fn=collate_fn)
+                                   seed=seed + env.rank, collate_fn=collate_fn, **loader_options)
+        self._endless: Iterator[Any] | None = None
 
     @property
     def epoch(self) -> int:
@@ -159,13 +168,32 @@ class RankData:
 
     def batches(self) -> Iterator[Any]:
         """Each epoch in a new order (the same on every rank), from the cursor on."""
-        sampler = self.sampler
         while True:
-            for batch in self.loader:
-                sampler.cursor += self.batch_size * self.env.world_size
-                yield batch
-            sampler.epoch += 1
-            sampler.cursor = 0
+            yield from self
+
+    def __iter__(self) -> Iterator[Any]:
+        """The rest of the current epoch, from the cursor; the next epoch's position once it is used up."""
+        sampler = self.sampler
+        if sampler.cursor and not sampler.remaining():  # an epoch used up by a loop that stopped at its last batch
+            sampler.epoch, sampler.cursor = sampler.epoch + 1, 0
+        for batch in self.loader:
+            sampler.cursor += self.batch_size * self.env.world_size
+            yield to_device(batch, self.device) if self.on_device else batch
+        sampler.epoch += 1
+        sampler.cursor = 0
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def forever(self) -> Iterator[Any]:
+        """Batches epoch after epoch, without end (a script's loop)."""
+        return self.batches()
+
+    def next_batch(self) -> Any:
+        """The next batch of one endless stream, the same stream at every call (ddp_amp.loop's accumulate)."""
+        if self._endless is None:
+            self._endless = self.batches()
+        return next(self._endless)
 
     def rank_state(self) -> None:
         return None  # the global cursor in state_dict says it all
@@ -195,6 +223,8 @@ class RankData:
             self.sampler.resized_epoch = state["epoch"]
         if "cursor" in state:
             self.sampler.cursor = state["cursor"]
+        elif "taken" in state:  # ddp_amp.loop's loader before it was this class: batches of the epoch taken
+            self.sampler.cursor = state["taken"] * self.batch_size * (saved_world_size or self.env.world_size)
         else:  # a checkpoint of an earlier version: batches of its own world size
             self.sampler.cursor = state["batches_in_epoch"] * self.batch_size * (saved_world_size or
                                                                                  self.env.world_size)

@@ -1,7 +1,8 @@
 """One optimizer step under DDP and mixed precision, on one screen (docs/training.md, "The step"):
 
-autocast forward -> scaled backward (`no_sync` on every micro-step but the last) -> `unscale_` -> clip or norm
--> `scaler.step` -> `update` -> `zero_grad(set_to_none=True)` -> the LR schedule, unless GradScaler skipped.
+autocast forward -> scaled backward (`no_sync` on every micro-step but the last) -> the optimizer's update
+(train.update: `unscale_` -> clip or norm -> `scaler.step` -> `update` -> `zero_grad(set_to_none=True)` -> the LR
+schedule, unless GradScaler skipped).
 With --micro-batch each batch runs in pieces (train.microbatch); an out-of-memory error that no halving
 answers is one line, RankOutOfMemory.
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from ddp_amp.errors import RankOutOfMemory, RankSetupError
-from ddp_amp.parallel.base import Strategy, whole_value
+from ddp_amp.parallel.base import Strategy
 from ddp_amp.precision import Precision, autocast
 from ddp_amp.tasks.batches import batch_loss
 from ddp_amp.train.data import to_device
@@ -32,6 +33,7 @@ from ddp_amp.train.microbatch import (
     is_out_of_memory,
     split_batch,
 )
+from ddp_amp.train.update import OptimizerUpdate
 
 PHASES = ("data", "forward", "backward", "step", "log")
 """Where the training loop can be, in order within one optimizer step; `AmpStep.position` names one."""
@@ -68,7 +70,7 @@ class AmpStep:
         self.count_items = count_items
         """The items a batch's loss averages over (loss_items_counter), where they are not its samples: each
         piece is then weighted by its share of the global batch's items; None: by its share of samples."""
-        self.scheduler, self.precision, self.device = scheduler, precision, device
+        self.precision, self.device = precision, device
         self.grad_accum, self.clip_grad, self.batch_size = grad_accum, clip_grad, batch_size
         self.micro = micro
         """--micro-batch: each batch cut into pieces (train.microbatch); None: one piece per batch."""
@@ -82,12 +84,21 @@ class AmpStep:
         self._since = time.perf_counter()
         self.phase_s = [0.0] * len(PHASES)
         """Host seconds spent in each phase since `take_phase_times`: where this rank's time went (stragglers)."""
-        # Counts the optimizer steps actually taken. GradScaler calls optimizer.step() only when the gradients
-        # are finite (it learns that with the one host sync it already makes), so a skipped step is seen here
-        # without reading the scale back from the device. (A fused optimizer takes the scaler's found_inf itself
-        # and would break this: never built under a GradScaler, see optim.optimizer_impl.)
-        self.steps_taken = 0
-        optimizer.register_step_post_hook(self._count_step)
+        self.update = OptimizerUpdate(optimizer, scaler, strategy, clip_grad=clip_grad, schedulers=[scheduler])
+        """The optimizer's update (train.update): ddp_amp.loop's step takes the same."""
+
+    @property
+    def scheduler(self) -> Any:
+        return self.update.schedulers[0]
+
+    @scheduler.setter
+    def scheduler(self, value: Any) -> None:  # a resized --epochs run re-enters its schedule (Trainer)
+        self.update.schedulers = [value]
+
+    @property
+    def steps_taken(self) -> int:
+        """The optimizer steps actually taken (fp16's skipped steps not counted)."""
+        return self.update.steps_taken
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -114,9 +125,7 @@ class AmpStep:
             else:  # the step's batches in hand: their pieces' weights depend on all of them
                 loss_sum = self._accumulate_pieces([next(batches) for _ in range(self.grad_accum)], step)
             self.position = (step, self.grad_accum, STEP)
-            self.strategy.gradients_for_update()
-            grad_norm = self._unscale_and_clip() if self.clip_grad is not None or want_norm else None
-            stepped = self.optimizer_step()
+            stepped, grad_norm = self.update(want_norm=want_norm)
         except Exception as exc:
             if (line := self.strategy.error_line(exc, self.model, step)) is not None:
                 raise RankSetupError(line) from exc
@@ -126,9 +135,6 @@ class AmpStep:
             if not is_certainly_out_of_memory(exc):  # a backend's own report: say whose words it was
                 line += f" (the backend reported: {str(exc).strip().splitlines()[0]})"
             raise RankOutOfMemory(line) from exc
-        self.optimizer.zero_grad(set_to_none=True)
-        if stepped:  # after a skip the schedule must not advance either
-            self.scheduler.step()
         return StepOutcome(stepped, loss_sum, self.grad_accum, grad_norm)
 
     def try_batch(self, batch: Any, step: int) -> bool:
@@ -141,14 +147,14 @@ class AmpStep:
             free_after_out_of_memory(self._drop_gradients, self.device)
             return False
         self.gradient_reduction()
-        self.optimizer_step()
+        self.update.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
     def train_batch(self, batch: Any, step: int) -> bool:
         """One plain optimizer step on `batch` (bench --max-batch under --shard full: one launch per size)."""
         self.forward_backward(batch, step, 0, sync=True)
-        self.optimizer_step()
+        self.update.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
@@ -267,32 +273,5 @@ class AmpStep:
             advice = "the model, its gradients and its optimizer state do not fit (see --max-memory)"
         return f"out of memory in step {step + 1} ({PHASES[phase]}) with {size}: {advice}"
 
-    def _unscale_and_clip(self) -> torch.Tensor:
-        """The norm of the true gradients: unscaled first (a no-op without fp16), clipped after unscaling. The
-        gradients are all-reduced already, so this rank's norm is the global one; it stays on the device.
-        Sharded gradients (--shard full) are DTensors: torch's norm of them is the global one, replicated."""
-        self.scaler.unscale_(self.optimizer)
-        # The optimizer's parameters: the model's own, or their fp32 masters (bf16-true), which hold the gradients.
-        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if self.clip_grad is not None:
-            return whole_value(torch.nn.utils.clip_grad_norm_(params, self.clip_grad))
-        return whole_value(torch.nn.utils.get_total_norm([p.grad for p in params]))
-
-    def optimizer_step(self) -> bool:
-        """One optimizer step through the scaler; False when the scaler skipped it (inf/NaN gradients)."""
-        self.strategy.gradients_for_update()  # a no-op where the step's caller moved them already
-        if not self.scaler.is_enabled():
-            self.optimizer.step()
-            self.strategy.update_done()
-            return True
-        taken = self.steps_taken
-        self.scaler.step(self.optimizer)  # host sync (inside GradScaler): were the gradients finite?
-        self.scaler.update()  # stays on the device
-        self.strategy.update_done()
-        return self.steps_taken > taken
-
     def _drop_gradients(self) -> None:
         self.strategy.drop_gradients(self.model, self.optimizer)
-
-    def _count_step(self, *_: Any) -> None:
-        self.steps_taken += 1
