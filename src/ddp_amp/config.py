@@ -369,9 +369,9 @@ class TrainConfig:
 
 
 CONFIG_FILE = "config.json"
-LOOP_OPTIONS = ("amp", "dtype", "grad_accum", "clip_grad", "shard", "checkpoint_every", "keep", "resume",
-                "log_every", "seed", "device", "tensorboard", "tracker", "tracker_project", "tracker_run_name",
-                "tracker_tag")
+LOOP_OPTIONS = ("amp", "dtype", "grad_accum", "clip_grad", "shard", "checkpoint_every", "keep", "checkpoint_format",
+                "async_checkpoint", "resume", "log_every", "seed", "device", "tensorboard", "tracker",
+                "tracker_project", "tracker_run_name", "tracker_tag")
 """The training options that a script using ddp_amp.loop takes from the command line (the launcher accepts them
 for such a script only): each means for the script's loop what it means for ddp-amp's own."""
 

@@ -130,6 +130,21 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
             dist.destroy_process_group()
 
 
+def join_process_group(device: torch.device) -> bool:
+    """A script's loop (ddp_amp.loop): join the process group of the environment contract (env://, as torchrun
+    and ddp-amp's launchers set it), or make a group of one without it (`python script.py`), so that the same
+    calls run; whether it was made here (False where the script made its own)."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=5))
+    return True
+
+
 class SideGroup:
     """A gloo process group of its own beside the training's, for small flags all-reduced asynchronously (the stop
     agreement, the end of iterable data) or a background writer's collectives (a sharded checkpoint): they never

@@ -31,10 +31,12 @@ TRACKERS_FILE = "trackers.json"  # --tracker: each tracker's run id, continued b
 
 
 def save_weights(run_dir: Path, state_dict: dict[str, Any], name: str = MODEL_FILE) -> Path:
-    """A model's plain state_dict (no DDP `module.` prefix, CPU tensors), loadable with weights_only=True."""
+    """A model's plain state_dict (no DDP `module.` prefix, CPU tensors), loadable with weights_only=True; or
+    several, {model name: state_dict} (a script loop's models)."""
     import torch
 
-    state = {name: _own_storage(tensor.detach().cpu()) for name, tensor in state_dict.items()}
+    state = {name: {key: _own_storage(inner.detach().cpu()) for key, inner in value.items()}
+             if isinstance(value, dict) else _own_storage(value.detach().cpu()) for name, value in state_dict.items()}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = run_dir / name

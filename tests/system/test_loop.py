@@ -154,15 +154,17 @@ def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_
     assert result.returncode == 0, result.stderr
     errors = json.loads(out.read_text())
     checkpoint = run / "checkpoints" / "step-2.pt"
-    assert errors[:5] == [
+    assert errors[:6] == [
         "step(): an optimizer that prepare() did not return; use the one it returned",
+        "backward(): with --grad-accum 2, run each micro-step inside `for batch in run.accumulate(model, data):` "
+        "(only the last all-reduces the gradients)",
         "step(): after 1 backward pass of its model, and --grad-accum is 2: the gradients are not reduced yet",
         "restore(): steps=int has no state_dict()/load_state_dict() to save and load",
         "prepare(): an optimizer trains parameters that are not the model's; prepare each model with the "
         "optimizers of its own parameters",
         "save(): nothing to save; register the state with restore(model=..., optimizer=...) first"]
-    assert errors[5].startswith(f"--resume {checkpoint}: its model does not fit the model given for it: ")
-    assert "size mismatch for weight" in errors[5] and "\n" not in errors[5]
+    assert errors[6].startswith(f"--resume {checkpoint}: its model does not fit the model given for it: ")
+    assert "size mismatch for weight" in errors[6] and "\n" not in errors[6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2.json", "step-2.pt"]
     assert torch.load(checkpoint, weights_only=True)["trainer"]["model"]["weight"].shape == (3, 4)
 

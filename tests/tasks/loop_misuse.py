@@ -27,26 +27,29 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args()
-    run = loop.setup(run_dir=args.run_dir, grad_accum=2)
+    run = loop.setup(run_dir=args.run_dir, grad_accum=2, async_checkpoint=False)
     net = nn.Linear(4, 3)
     stranger = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1)
     model, optimizer = run.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
 
     def one_backward_then_step():
-        run.backward(model(torch.ones(2, 4)).sum(), model)
+        for _ in run.accumulate(model):
+            run.backward(model(torch.ones(2, 4)).sum())
+            break
         run.step(optimizer)
 
     found = errors_of([
         lambda: run.step(stranger),
+        lambda: run.backward(model(torch.ones(2, 4)).sum(), model),  # no accumulate(): every backward would reduce
         one_backward_then_step,
         lambda: run.restore(model=model, steps=3),
         lambda: run.prepare(nn.Linear(2, 2), stranger),
-        lambda: run.save(1) if not run._checkpoints.registered else None,
+        lambda: run.save(1) if run._checkpoints.parts is None else None,
     ])
     run.restore(model=model, optimizer=optimizer)
     run.save(2)
     other = nn.Linear(4, 5)
-    resumed = loop.setup(run_dir=args.run_dir, resume=f"{args.run_dir}/checkpoints/step-2.pt")
+    resumed = loop.setup(run_dir=args.run_dir, grad_accum=2, resume=f"{args.run_dir}/checkpoints/step-2.pt")
     other_model, other_optimizer = resumed.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
     found += errors_of([lambda: resumed.restore(model=other_model, optimizer=other_optimizer)])
     with open(args.out, "w") as out:

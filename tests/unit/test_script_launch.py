@@ -34,7 +34,8 @@ def test_options_of_the_built_in_loop_with_a_script_are_named_and_refused(comman
     assert one_line(err) == ("ddp-amp: error: --optimizer, --lr, --async-checkpoint: options of ddp-amp's own "
                              "training loop, which a script does not run; drop them (a script takes its own "
                              "arguments after its name; of the training options only --stop-timeout, --device and "
-                             "--resume auto apply to it)")
+                             f"--resume auto apply to it); --async-checkpoint would apply to a script that uses "
+                             f"ddp_amp.loop, and {CHECKS_SCRIPT} does not import it")
     assert not run_dir.exists()
 
 

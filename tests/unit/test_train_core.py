@@ -534,8 +534,7 @@ def test_bf16_true_keeps_frozen_weights_in_fp32_in_what_it_saves(one_rank_group,
 
 
 def test_a_scripts_loop_refuses_bf16_true_as_the_command_line_does():
-    from ddp_amp.loop import _precision
     from ddp_amp.loop.settings import LoopError, LoopSettings
 
     with pytest.raises(LoopError, match="dtype='bf16-true' is for ddp-amp's own loop"):
-        _precision(LoopSettings(amp="on", dtype="bf16-true"), torch.device("cpu"))
+        LoopSettings(amp="on", dtype="bf16-true").precision(torch.device("cpu"))

@@ -378,11 +378,9 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     check_trackers(config)  # a script using ddp_amp.loop takes --tracker (launch.script refuses it elsewhere)
     if overwrite and config.resume is not None:
         raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
-    from ddp_amp.launch.script import check_loop_resize, check_script_resume, uses_loop_module
+    from ddp_amp.launch.script import check_script_resume
 
     check_script_resume(config.resume)
-    if uses_loop_module(script):
-        check_loop_resize(config, nproc_per_node if world_size == -1 else world_size)
     existed = Path(config.run_dir).exists()
     # The same rules as for ddp-amp's own loop: an earlier run there (of a task, a script or a loop script) is
     # continued with --resume (the script resumes itself; its record is replaced) or started over with --overwrite.

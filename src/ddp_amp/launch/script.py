@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.config import LOOP_OPTIONS, Script, TrainConfig
+from ddp_amp.config import LOOP_OPTIONS, Script
 from ddp_amp.errors import UsageError
 from ddp_amp.outputs import LOOP_RECORD_FILE
 from ddp_amp.precision import BF16_TRUE
@@ -288,31 +288,3 @@ def check_script_resume(resume: str | None) -> None:
                                                                     if path.is_dir() else ""))
 
 
-def loop_checkpoint_world_size(run_dir: str, resume: str) -> tuple[str, int] | None:
-    """The checkpoint a loop script's restore() would take (--resume PATH, or the newest in the run dir) and the
-    world size that wrote it, from its metadata; None where there is none to read."""
-    from ddp_amp.checkpoint import fileformat
-
-    found = fileformat.checkpoints(run_dir) if resume == "auto" else [Path(resume)]
-    try:
-        return (str(found[0]), int(fileformat.read_metadata(found[0])["world_size"])) if found else None
-    except (fileformat.CheckpointError, KeyError, TypeError, ValueError):
-        return None
-
-
-def check_loop_resize(config: TrainConfig, world_size: int | None) -> None:
-    """ddp_amp.loop's data position is a rank's place in its own share of the epoch: continued by another number
-    of ranks, samples would be trained twice or skipped. Refused before launch, in one line (ddp-amp's own loop
-    continues on any world size)."""
-    if config.resume is None or world_size is None:
-        return
-    from ddp_amp.launch.forkserver import WarmChildDied, call_warm
-
-    try:  # reading a checkpoint's metadata takes torch: in a child of the fork server, which has it imported
-        written = call_warm(loop_checkpoint_world_size, config.run_dir, config.resume)
-    except WarmChildDied:
-        written = loop_checkpoint_world_size(config.run_dir, config.resume)
-    if written is not None and written[1] != world_size:
-        raise UsageError(f"--resume {config.resume}: {written[0]} was written by {written[1]} ranks and this launch "
-                         f"has {world_size}: a ddp_amp.loop script continues on the world size that saved it; "
-                         f"launch {written[1]} ranks, or start over with --overwrite")

@@ -5,34 +5,33 @@
     run = loop.setup()                                   # process group, device, precision, stop signals
     model, optimizer = run.prepare(model, optimizer)     # DDP, ZeRO-1 or FSDP2 (--shard); schedulers after it
     data = run.loader(dataset, batch_size=32)            # this rank's share of each epoch, resumable
-    start = run.restore(model=model, optimizer=optimizer, scheduler=scheduler, data=data)   # --resume
-    batches = data.forever()
-    for step in range(start, steps):
-        for _ in range(run.grad_accum):
-            inputs, targets = next(batches)
-            with run.autocast(model):                    # no_sync on all but the last
+    for step in run.steps(total, model=model, optimizer=optimizer, scheduler=scheduler, data=data):
+        for inputs, targets in run.accumulate(model, data):   # --grad-accum batches; all-reduced on the last
+            with run.autocast():
                 loss = loss_fn(model(inputs), targets)
-            run.backward(loss, model)                    # scaled; no_sync but on the last of --grad-accum
+            run.backward(loss)                           # scaled for fp16, divided by --grad-accum
         run.step(optimizer, scheduler)                   # unscale, --clip-grad, step; both skipped on an overflow
-        run.report(step + 1, loss=loss)                  # metrics.jsonl, the live view
-        if run.checkpoint_due(step + 1):
-            run.save(step + 1)
-        if run.should_stop(step + 1):                    # the same step on every rank; saved there
-            break
-    run.finish()
+        run.log(loss=loss)                               # metrics.jsonl and the live view, every --log-every
+    run.finish(model=model)                              # model.pt (unless stopped), loop.json
+
+steps() does the cadence work after each step: it reports the step's logged metrics, saves every
+--checkpoint-every steps, and ends the loop on every rank at one step once a stop signal arrived (saved there);
+given the state to checkpoint, it first resumes it (--resume, or a restart) and starts from the step after.
 
 Settings (`--amp`, `--dtype`, `--grad-accum`, `--clip-grad`, `--shard`, `--checkpoint-every`, `--keep`,
-`--resume`, `--log-every`, `--seed`, `--device`, `--tensorboard`) come from the ddp-amp command line before the
-script, over the defaults the script passes to setup(). Under plain torchrun, and as a single `python script.py`
-(world size 1), the same calls do the obvious: one process group of one, no launcher to report to.
+`--checkpoint-format`, `--async-checkpoint`, `--resume`, `--log-every`, `--seed`, `--device`, `--tensorboard`,
+`--tracker`...) come from the ddp-amp command line before the script, over the defaults the script passes to
+setup(). Under plain torchrun, and as a single `python script.py` (world size 1), the same calls do the obvious:
+one process group of one, no launcher to report to. The calls of earlier versions (restore, report,
+checkpoint_due, save, should_stop, full_state_dict) still work: docs/scripts.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +39,21 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import resolve_device
-from ddp_amp.loop.data import RankLoader
+from ddp_amp.dist import DistEnv, join_process_group, resolve_device
+from ddp_amp.loop.checkpoints import LoopCheckpoints
 from ddp_amp.loop.progress import Progress
 from ddp_amp.loop.settings import LoopError, LoopSettings
-from ddp_amp.loop.state import Checkpoints
 from ddp_amp.parallel import strategy_for
-from ddp_amp.precision import Precision, autocast, cuda_devices_have_native_bf16, resolve_precision
+from ddp_amp.precision import autocast
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
+from ddp_amp.train.data import RankData
 from ddp_amp.train.stop import StopAgreement
+from ddp_amp.train.update import OptimizerUpdate
 
-__all__ = ["Loop", "LoopError", "RankLoader", "setup"]
+RankLoader = RankData
+"""What loader() returns (the name of earlier versions): train.data.RankData, ddp-amp's own data position."""
+
+__all__ = ["Loop", "LoopError", "RankData", "RankLoader", "setup"]
 
 
 def setup(**defaults: Any) -> Loop:
@@ -88,8 +91,8 @@ class Loop:
             raise LoopError(f"setup(): local rank {self.local_rank} and {torch.cuda.device_count()} GPU(s) on this "
                             "node (a GPU per rank); start as many ranks per node as it has GPUs, or pass --device cpu")
         self.device = resolve_device(settings.device, self.local_rank)
-        self._own_group = _join_process_group(self.rank, self.world_size, self.device)
-        self._amp = _precision(settings, self.device)
+        self._own_group = join_process_group(self.device)
+        self._amp = settings.precision(self.device)
         self.precision = self._amp.name
         """The autocast dtype ("bf16", "fp16") or "fp32"."""
         config = TrainConfig(shard=settings.shard, compile=False)
@@ -112,9 +115,15 @@ class Loop:
         """id(optimizer) -> the model it trains (prepare's)."""
         self._backwards: dict[int, int] = {}
         """id(model) -> backward passes since its optimizer's last step."""
-        self._steps_taken: dict[int, int] = {}
+        self._sync_chosen: set[int] = set()
+        """id(model) whose current forward and backward run where the run chose to reduce or not: inside
+        accumulate(model), or after autocast(model)."""
+        self._updates: dict[int, OptimizerUpdate] = {}
+        """id(optimizer) -> its update (train.update, the built-in loop's)."""
         self.skipped_steps = 0
-        self._checkpoints = Checkpoints(self)
+        self._logged: dict[str, Any] = {}
+        """log()'s metrics of the step in progress: steps() reports them after it."""
+        self._checkpoints = LoopCheckpoints(self)
         self._progress = Progress(self)
 
     def prepare(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
@@ -138,8 +147,8 @@ class Loop:
         for optimizer in prepared:
             self._optimizers.append(optimizer)
             self._owner[id(optimizer)] = wrapped
-            self._steps_taken[id(optimizer)] = 0
-            optimizer.register_step_post_hook(self._count_step)
+            self._updates[id(optimizer)] = OptimizerUpdate(optimizer, self.scaler, self.strategy,
+                                                           clip_grad=self.clip_grad)
         return (wrapped, *prepared) if prepared else wrapped
 
     def _rebuilt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -168,14 +177,15 @@ class Loop:
         return cls(groups, **options)
 
     def autocast(self, model: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """The forward and the loss under the run's precision (a no-op context in fp32). Given the `model` whose
-        forward it holds, and --grad-accum K, the forward of every micro-step but the K-th also runs under the
-        model's no_sync, where DDP decides that its backward will not reduce (without it the gradients are
-        still right, but every micro-step's are all-reduced)."""
+        """The forward and the loss under the run's precision (a no-op context in fp32). Inside accumulate(), or
+        with one micro-step, that is all. Given the `model` whose forward it holds (the call of earlier
+        versions), it also chooses the reduction as accumulate() does: every micro-step's forward but the
+        --grad-accum-th runs under the model's no_sync."""
         precision = autocast(self._amp, self.device.type)
         if model is None or self.grad_accum == 1:
             return precision
-        wrapped = self._the_model(model)
+        wrapped = self._the_model(model, "autocast")
+        self._sync_chosen.add(id(wrapped))
         if self._backwards.get(id(wrapped), 0) + 1 == self.grad_accum:
             return precision
         stack = contextlib.ExitStack()
@@ -183,24 +193,45 @@ class Loop:
         stack.enter_context(precision)
         return stack
 
+    def accumulate(self, model: torch.nn.Module, data: Any = None) -> Iterator[Any]:
+        """The --grad-accum micro-steps of `model`'s next optimizer step: each micro-step's forward and
+        backward (the loop body) run under the model's no_sync but the last's, whose backward all-reduces the
+        accumulated gradients once (Fabric's no_backward_sync, chosen for you). Yields the next batch of
+        `data` (loader()'s, or any iterator) for each, or the micro-step's index without it."""
+        wrapped = self._the_model(model, "accumulate")
+        for index in range(self.grad_accum):
+            last = index == self.grad_accum - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(wrapped):
+                self._sync_chosen.add(id(wrapped))
+                try:
+                    yield index if data is None else data.next_batch() if isinstance(data, RankData) else next(data)
+                finally:
+                    self._sync_chosen.discard(id(wrapped))
+
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
         """The backward of `loss` / --grad-accum, scaled for fp16. With --grad-accum K, the K-th call for `model`
-        since its optimizer's last step reduces the gradients across ranks; the others run under no_sync."""
-        model = self._the_model(model)
+        since its optimizer's last step reduces the gradients across ranks; the others do not (under
+        accumulate(), or after autocast(model)); anywhere else with K > 1 it is refused, since every
+        micro-step would all-reduce."""
+        model = self._the_model(model, "backward")
         count = self._backwards.get(id(model), 0) + 1
         if count > self.grad_accum:
             raise LoopError(f"backward(): {count} backward passes of one model before its step, with --grad-accum "
                             f"{self.grad_accum}; call step() after every {self.grad_accum}")
+        if self.grad_accum > 1 and id(model) not in self._sync_chosen:
+            raise LoopError(f"backward(): with --grad-accum {self.grad_accum}, run each micro-step inside "
+                            "`for batch in run.accumulate(model, data):` (only the last all-reduces the gradients)")
         self._backwards[id(model)] = count
         scaled = self.scaler.scale(loss if self.grad_accum == 1 else loss / self.grad_accum)
+        # The backward too: FSDP2 decides its reduce-scatter in the backward, DDP in the forward.
         with contextlib.nullcontext() if count == self.grad_accum else self.strategy.no_sync(model):
             scaled.backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *schedulers: Any, clip_grad: float | None = None) -> bool:
-        """One optimizer step, as the core's: unscale, clip to `clip_grad` (else --clip-grad), step through the
-        gradient scaler, and the schedulers stepped only when the optimizer was (fp16 skips a step whose
-        gradients overflowed, and its schedule must not advance either); the gradients zeroed. No host sync
-        of its own. Whether the optimizer stepped."""
+        """One optimizer step, the core's (train.update): unscale, clip to `clip_grad` (else --clip-grad), step
+        through the gradient scaler, and the schedulers stepped only when the optimizer was (fp16 skips a step
+        whose gradients overflowed, and its schedule must not advance either); the gradients zeroed. No host
+        sync of its own. Whether the optimizer stepped."""
         if id(optimizer) not in self._owner:
             raise LoopError("step(): an optimizer that prepare() did not return; use the one it returned")
         model = self._owner[id(optimizer)]
@@ -209,44 +240,61 @@ class Loop:
             raise LoopError(f"step(): after {done} backward pass{'es' if done != 1 else ''} of its model, and "
                             f"--grad-accum is {self.grad_accum}: the gradients are not reduced yet")
         self._backwards[id(model)] = 0
-        limit = self.clip_grad if clip_grad is None else clip_grad
-        if limit is not None:
-            self.scaler.unscale_(optimizer)
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, limit)
-        taken = self._steps_taken[id(optimizer)]
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        stepped = self._steps_taken[id(optimizer)] > taken
-        if stepped:
-            for scheduler in schedulers:
-                scheduler.step()
-        else:
+        self._sync_chosen.discard(id(model))
+        update = self._updates[id(optimizer)]
+        update.schedulers = list(schedulers)
+        stepped, _ = update(clip_grad=clip_grad)
+        if not stepped:
             self.skipped_steps += 1
-        optimizer.zero_grad(set_to_none=True)
         return stepped
 
-    def _count_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        # GradScaler calls optimizer.step() only for finite gradients (a fused optimizer is refused under fp16).
-        self._steps_taken[id(optimizer)] += 1
-
-    def _the_model(self, model: torch.nn.Module | None) -> torch.nn.Module:
+    def _the_model(self, model: torch.nn.Module | None, call: str) -> torch.nn.Module:
         if model is None:
             if len(self._prepared) != 1:
-                raise LoopError(f"backward(): {len(self._prepared)} models were prepared; name the one whose loss "
-                                "this is: backward(loss, model)" if self._prepared else
-                                "backward(): no model was prepared; call prepare(model, optimizer) first")
+                raise LoopError(f"{call}(): {len(self._prepared)} models were prepared; name the one whose loss "
+                                f"this is: {call}(loss, model)" if self._prepared else
+                                f"{call}(): no model was prepared; call prepare(model, optimizer) first")
             return self._prepared[0]
         if id(model) not in self._modules:
-            raise LoopError("backward(): a model that prepare() did not return; use the one it returned")
+            raise LoopError(f"{call}(): a model that prepare() did not return; use the one it returned")
         return model
 
-    def loader(self, dataset: Any, batch_size: int, *, shuffle: bool = True, **loader_options: Any) -> RankLoader:
+    def loader(self, dataset: Any, batch_size: int, *, shuffle: bool = True, num_workers: int = 0,
+               collate_fn: Any = None, **loader_options: Any) -> RankData:
         """This rank's batches of `dataset` (map-style), `batch_size` per rank, reshuffled every epoch by
-        --seed; give it to restore() so that a resumed run continues with the next batch (loader_options:
-        DataLoader's, e.g. collate_fn, num_workers)."""
-        return RankLoader(dataset, self.rank, self.world_size, batch_size, seed=self.settings.seed, shuffle=shuffle,
-                          device=self.device, **loader_options)
+        --seed (ddp-amp's own data position, train.data: padded to whole batches on every rank, and on another
+        world size each remaining sample of the epoch once). Iterating it gives the rest of the epoch; give it
+        to steps() or restore() so that a resumed run continues with the next batch (loader_options:
+        DataLoader's)."""
+        try:
+            len(dataset)
+        except TypeError:
+            raise LoopError("loader(): the data set has no len(): give a map-style data set (an iterable one "
+                            "shards and resumes as its own code says)") from None
+        env = DistEnv(self.rank, self.local_rank, self.world_size, 1, "", 0)
+        return RankData(dataset, env, self.device, batch_size=batch_size, seed=self.settings.seed,
+                        workers=num_workers, collate_fn=collate_fn, shuffle=shuffle, on_device=True,
+                        **loader_options)
+
+    def steps(self, total: int, **state: Any) -> Iterator[int]:
+        """The optimizer steps to take, 0-based, up to `total`: from 0, or given the `state` a checkpoint holds
+        (what restore() takes), from where --resume or a restart left it. After each step it does the cadence
+        work: reports what log() was given, saves every --checkpoint-every steps, and ends the loop on every
+        rank at one step once a stop signal arrived (saved there)."""
+        start = self.restore(**state) if state else 0
+        for step in range(start, total):
+            yield step
+            done = step + 1
+            logged, self._logged = self._logged, {}
+            self.report(done, **logged)
+            if self.checkpoint_due(done) and self._checkpoints.parts is not None:
+                self.save(done)
+            if self.should_stop(done):
+                return
+
+    def log(self, **metrics: Any) -> None:
+        """Metrics of the step in progress (numbers or one-element tensors), reported by steps() after it."""
+        self._logged.update(metrics)
 
     def restore(self, **state: Any) -> int:
         """Register what a checkpoint holds (models and optimizers as prepare() returned them, schedulers, the
@@ -259,11 +307,12 @@ class Loop:
         every = self.settings.checkpoint_every
         return bool(every) and step % every == 0
 
-    def save(self, step: int) -> Path | None:
-        """Every rank: a checkpoint of the state restore() registered after optimizer step `step` (every rank's
-        random state included), written atomically by rank 0, the newest --keep kept; none when the state holds
-        inf/NaN (a warning; the last good checkpoint stays). Its path on rank 0."""
-        return self._checkpoints.save(step)
+    def save(self, step: int) -> None:
+        """Every rank: a checkpoint of the state restore() (or steps()) registered after optimizer step `step`
+        (every rank's random state included), in --checkpoint-format, written in the background unless
+        --no-async-checkpoint (the loop waits only for the copy to host memory), the newest --keep kept; none
+        when the state holds inf/NaN (a warning; the last good checkpoint stays). steps() calls it itself."""
+        self._checkpoints.save(step)
 
     def should_stop(self, step: int) -> bool:
         """Call after every optimizer step `step`, on every rank: True on every rank at the same step once any rank
@@ -275,7 +324,7 @@ class Loop:
         if not signum:
             return False
         self.stopped_at, self.stopped_by = step, signum
-        if self._checkpoints.registered and self._checkpoints.last_step != step:
+        if self._checkpoints.parts is not None and self._checkpoints.last_step != step:
             self.save(step)
         return True
 
@@ -291,14 +340,22 @@ class Loop:
             raise LoopError("full_state_dict(): a model that prepare() did not return")
         return self.strategy.model_state(module, [0])
 
-    def finish(self) -> None:
-        """At the end, every rank: the loop's record written (loop.json), the stop signals given back their
-        default actions (what follows the loop is interrupted as usual), the process group left when setup()
-        joined it."""
+    def finish(self, **models: torch.nn.Module) -> None:
+        """At the end, every rank: the checkpoint write in flight finished; given the trained `models` by name,
+        rank 0 writes their whole weights to RUN_DIR/model.pt, unless the loop was stopped (one model: its
+        state_dict; several: {name: state_dict}); the loop's record written (loop.json); the stop signals given
+        back their default actions (what follows the loop is interrupted as usual); the process group left when
+        setup() joined it."""
         import signal
 
+        from ddp_amp.outputs import save_weights
         from ddp_amp.process import STOP_SIGNALS
 
+        self._checkpoints.close()
+        if models and self.stopped_at is None:
+            weights = {name: self.full_state_dict(model) for name, model in models.items()}
+            if self.rank == 0:
+                save_weights(self.run_dir, weights if len(weights) > 1 else next(iter(weights.values())))
         self._progress.finish()
         self._stop.close()
         for sig in STOP_SIGNALS:
@@ -312,34 +369,3 @@ class Loop:
 
 
 _KEPT_GROUPS: list = []
-
-
-def _join_process_group(rank: int, world_size: int, device: torch.device) -> bool:
-    """Join torchrun's process group (env://), or make one of one without it; whether it was made here."""
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    else:  # python script.py: a group of one, so that the same calls run
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(minutes=5))
-    return True
-
-
-def _precision(settings: LoopSettings, device: torch.device) -> Precision:
-    """--amp/--dtype by the core's rules; --amp auto on a CPU (which the core decides by measuring the task's own
-    step) is fp32 for a script's loop."""
-    from ddp_amp.errors import UsageError
-
-    try:
-        chosen = resolve_precision(device.type, settings.amp, settings.dtype,
-                                   cuda_bf16=device.type == "cuda" and cuda_devices_have_native_bf16([device.index]))
-    except UsageError as exc:  # e.g. --dtype bf16 on GPUs without it
-        raise LoopError(f"setup(): {exc}") from None
-    if chosen.bf16_weights:  # the launcher refuses it on the command line; setup(dtype=...) comes here
-        raise LoopError("setup(): dtype='bf16-true' is for ddp-amp's own loop (its fp32 master weights); a script's "
-                        "loop takes dtype='bf16' (autocast)")
-    if chosen.warning and int(os.environ.get("RANK", "0")) == 0:
-        print(f"ddp-amp loop: warning: {chosen.warning}", flush=True)
-    return chosen

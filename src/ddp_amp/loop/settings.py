@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddp_amp.config import LOOP_OPTIONS, TrainConfig
 from ddp_amp.errors import UsageError
+from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
 
 RUN_DIR_VAR = "DDP_AMP_RUN_DIR"
 """Set by ddp-amp for a script's ranks (rank.script): the run directory, which holds config.json."""
@@ -33,6 +36,8 @@ class LoopSettings:
     shard: str = "none"
     checkpoint_every: int = 0
     keep: int = 2
+    checkpoint_format: str = "single"
+    async_checkpoint: bool = True
     resume: str | None = None
     log_every: int = 10
     seed: int = 0
@@ -66,6 +71,21 @@ class LoopSettings:
         for name in ("tracker", "tracker_tag"):  # config.json holds them as lists
             values[name] = tuple(values.get(name) or ())
         return cls(**values)
+
+    def precision(self, device: torch.device) -> Precision:
+        """--amp/--dtype by the core's rules; --amp auto on a CPU (which the core decides by measuring the task's
+        own step) is fp32 for a script's loop."""
+        try:
+            chosen = resolve_precision(device.type, self.amp, self.dtype, cuda_bf16=device.type == "cuda" and
+                                       cuda_devices_have_native_bf16([device.index]))
+        except UsageError as exc:  # e.g. --dtype bf16 on GPUs without it
+            raise LoopError(f"setup(): {exc}") from None
+        if chosen.bf16_weights:  # the launcher refuses it on the command line; setup(dtype=...) comes here
+            raise LoopError("setup(): dtype='bf16-true' is for ddp-amp's own loop (its fp32 master weights); a "
+                            "script's loop takes dtype='bf16' (autocast)")
+        if chosen.warning and int(os.environ.get("RANK", "0")) == 0:
+            print(f"ddp-amp loop: warning: {chosen.warning}", flush=True)
+        return chosen
 
 
 def _command_line(run_dir: Path) -> dict[str, Any]:
