@@ -8,6 +8,8 @@ ring), written with ddp_amp.loop: the AMP step, agreed stops, checkpoints that r
     python examples/own_loop.py --steps 200                                    # one process
 
 At the end rank 0 writes both models' weights to RUN_DIR/model.pt ({"generator": ..., "discriminator": ...}).
+The loop takes 10 of ddp_amp.loop's calls: setup, prepare, loader, steps, accumulate, autocast, backward, step,
+log, finish.
 """
 
 import argparse
@@ -53,40 +55,30 @@ def main() -> None:
     sched_g = torch.optim.lr_scheduler.CosineAnnealingLR(opt_g, T_max=args.steps)
     sched_d = torch.optim.lr_scheduler.CosineAnnealingLR(opt_d, T_max=args.steps)
     data = run.loader(Ring(), batch_size=args.batch_size)
-    start = run.restore(generator=generator, discriminator=discriminator, opt_g=opt_g, opt_d=opt_d,
-                        sched_g=sched_g, sched_d=sched_d, data=data)
     bce = nn.BCEWithLogitsLoss()
-    batches = data.forever()
-    for step in range(start, args.steps):
-        for _ in range(run.grad_accum):  # the discriminator: real points against generated ones
-            real = next(batches)
+    # steps() resumes this state (--resume, a restart), saves it every 50 steps, and ends at a stop signal
+    for _ in run.steps(args.steps, generator=generator, discriminator=discriminator, opt_g=opt_g, opt_d=opt_d,
+                       sched_g=sched_g, sched_d=sched_d, data=data):
+        for real in run.accumulate(discriminator, data):  # the discriminator: real points against generated ones
             noise = torch.randn(len(real), NOISE, device=run.device)
-            with torch.no_grad(), run.autocast():
-                fake = generator(noise)
-            with run.autocast(discriminator):  # no_sync but on the last micro-step
+            with run.autocast():
+                with torch.no_grad():
+                    fake = generator(noise)
                 scores = discriminator(torch.cat([real, fake]))
                 labels = torch.cat([torch.ones(len(real), 1), torch.zeros(len(fake), 1)]).to(scores.device)
                 loss_d = bce(scores.float(), labels)
             run.backward(loss_d, discriminator)
         run.step(opt_d, sched_d)
-        for _ in range(run.grad_accum):  # the generator: fool the discriminator
+        for _ in run.accumulate(generator):  # the generator: fool the discriminator
             noise = torch.randn(args.batch_size, NOISE, device=run.device)
-            with run.autocast(generator):
+            with run.autocast():
                 scores = discriminator(generator(noise))
                 loss_g = bce(scores.float(), torch.ones_like(scores, dtype=torch.float32))
             run.backward(loss_g, generator)
         opt_d.zero_grad(set_to_none=True)  # the generator's backward went through the discriminator
         run.step(opt_g, sched_g)
-        run.report(step + 1, loss_d=loss_d, loss_g=loss_g)
-        if run.checkpoint_due(step + 1):
-            run.save(step + 1)
-        if run.should_stop(step + 1):
-            break
-    weights = {"generator": run.full_state_dict(generator), "discriminator": run.full_state_dict(discriminator)}
-    if run.rank == 0 and run.stopped_at is None:
-        torch.save(weights, run.run_dir / "model.pt")
-    run.finish()
-
+        run.log(loss_d=loss_d, loss_g=loss_g)
+    run.finish(generator=generator, discriminator=discriminator)  # model.pt, unless stopped
 
 if __name__ == "__main__":
     main()

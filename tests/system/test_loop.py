@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,10 +33,10 @@ def uninterrupted(tmp_path_factory):
     return torch.load(run / "model.pt", weights_only=True)
 
 
-def stopped_at_step_10_or_later(run) -> subprocess.CompletedProcess:
+def stopped_at_step_10_or_later(run, options=()) -> subprocess.CompletedProcess:
     """The example launched with progress at every step, SIGTERM to the launcher once rank 0 reported step 10."""
     process = subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain",
-                                "--log-every", "1", "--run-dir", str(run), str(EXAMPLE), "--steps", STEPS],
+                                "--log-every", "1", *options, "--run-dir", str(run), str(EXAMPLE), "--steps", STEPS],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
@@ -48,13 +49,17 @@ def stopped_at_step_10_or_later(run) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
-def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterrupted_weights(tmp_path,
+@pytest.mark.parametrize("options", [(), ("--checkpoint-format", "sharded"),
+                                     ("--checkpoint-format", "sharded", "--no-async-checkpoint")],
+                         ids=["single-async", "sharded-async", "sharded-sync"])
+def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterrupted_weights(tmp_path, options,
                                                                                             uninterrupted):
     """SIGTERM to the launcher: exit 143, both ranks' last report at the step the loop says it stopped at, a
-    checkpoint there, no model.pt. `--resume auto`: both models' weights bit for bit the uninterrupted run's,
-    and metrics.jsonl holds each step once."""
+    checkpoint there (in the format asked for, written in the background or not), no model.pt. `--resume auto`:
+    both models' weights bit for bit the uninterrupted run's (whose checkpoints were single files), and
+    metrics.jsonl holds each step once."""
     run = tmp_path / "run"
-    stopped = stopped_at_step_10_or_later(run)
+    stopped = stopped_at_step_10_or_later(run, options)
     assert stopped.returncode == 143, stopped.stderr
     stopped_summary = read_summary(run)
     loop = stopped_summary["loop"]
@@ -64,7 +69,12 @@ def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterr
         reported = [int(line.split()[3]) for line in stopped.stdout.splitlines()
                     if line.startswith(f"[rank {rank}] step ")]
         assert reported[-1] == step, stopped.stdout[-2000:]
-    saved = torch.load(run / "checkpoints" / f"step-{step}.pt", weights_only=True)
+    if "sharded" in options:  # a DCP directory, every rank's part in it; the extras and RNG states beside them
+        saved = torch.load(run / "checkpoints" / f"step-{step}" / "extras.pt", weights_only=True)
+        assert (run / "checkpoints" / f"step-{step}" / ".metadata").is_file()
+        assert loop["checkpoint"] == str(run / "checkpoints" / f"step-{step}")
+    else:
+        saved = torch.load(run / "checkpoints" / f"step-{step}.pt", weights_only=True)
     assert saved["step"] == step and len(saved["rng"]) == 2  # every rank's random state
     assert not (run / "model.pt").exists()
     # the stop line says what the built-in loop's says: the step, the checkpoint, how to continue
@@ -72,8 +82,8 @@ def test_a_stop_saves_every_rank_at_one_step_and_the_resume_ends_on_the_uninterr
                                          f"{loop['checkpoint']} (continue with --resume auto --run-dir {run})")
     relaunched = launch_script(run, EXAMPLE, "--steps", STEPS)  # --resume auto forgotten: refused, nothing changed
     assert relaunched.returncode == 2 and "holds an earlier run" in last_line(relaunched.stderr)
-    assert (run / "checkpoints" / f"step-{step}.pt").is_file() and read_summary(run)["loop"] == loop
-    resumed = launch_script(run, EXAMPLE, "--steps", STEPS, options=("--resume", "auto"))
+    assert Path(loop["checkpoint"]).exists() and read_summary(run)["loop"] == loop
+    resumed = launch_script(run, EXAMPLE, "--steps", STEPS, options=("--resume", "auto", *options))
     assert resumed.returncode == 0, resumed.stderr
     resumed_summary = read_summary(run)
     assert resumed_summary["loop"]["resumed_from_step"] == step
