@@ -320,3 +320,39 @@ def test_a_restart_before_this_launch_saved_continues_from_resume_path_not_a_new
     assert result.stdout.count(f"ddp-amp loop: resumed from {chosen} (step 2)") == 2, result.stdout
     summary = read_summary(run)
     assert summary["restarts"] == 1 and summary["loop"]["resumed_from_step"] == 2
+
+
+def test_a_loop_resumed_on_three_ranks_from_a_two_rank_checkpoint_trains_on_each_sample_of_the_epoch_once(tmp_path):
+    """96 samples, 4 per rank and step: 2 ranks take 5 steps (40 samples) and save; `--resume auto` on 3 ranks
+    runs to the end of the epoch. Every sample of the epoch is trained on exactly once across both launches,
+    and the 3 ranks take as many steps each (none waits in an all-reduce the others never join)."""
+    run, seen = tmp_path / "run", tmp_path / "seen"
+    first = launch_script(run, TASKS / "loop_samples.py", "--out", str(seen), "--steps", "5")
+    assert first.returncode == 0, first.stderr
+    resumed = launch_script(run, TASKS / "loop_samples.py", "--out", str(seen), "--to-epoch-end", nproc=3,
+                            options=("--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert read_summary(run)["loop"]["resumed_from_step"] == 5
+    lines = {path.stem: path.read_text().split("\n")[:-1] for path in sorted(seen.iterdir())}
+    assert sorted(lines) == ["w2-r0", "w2-r1", "w3-r0", "w3-r1", "w3-r2"]
+    assert [len(lines[f"w2-r{rank}"]) for rank in (0, 1)] == [5, 5]
+    assert len({len(lines[f"w3-r{rank}"]) for rank in (0, 1, 2)}) == 1
+    samples = sorted(int(index) for batches in lines.values() for batch in batches for index in batch.split())
+    assert samples == list(range(96))
+
+
+def test_under_plain_torchrun_a_restart_continues_from_this_launchs_checkpoint(tmp_path):
+    """`torchrun --max-restarts 1` (no ddp-amp; with the store setting docs/scripts.md gives): rank 1 SIGKILLs
+    itself at step 7, after the checkpoints of steps 4 and 6 (step 6's may still be in its background write).
+    The restarted ranks know the checkpoints as their launch's (the launch is torchrun's agent, which outlived
+    them) and continue from one, not from step 0."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", "1", str(LOOP_FAILS), "--steps", "10", "--kill-once-at", "7"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # docs/scripts.md
+    assert result.returncode == 0, result.stderr
+    resumed = [line for line in result.stdout.splitlines() if line.startswith("ddp-amp loop: resumed from ")]
+    assert len(resumed) == 1 and int(resumed[0].rsplit("(step ", 1)[1].rstrip(")")) in (4, 6), result.stdout
+    record = json.loads((tmp_path / "ddp-amp-loop" / "loop.json").read_text())
+    assert record["restarts"] == 1 and record["resumed_from_step"] in (4, 6)
+

@@ -1,0 +1,61 @@
+"""A script's loop through ddp_amp.loop for the tests: which samples each rank trains on. A data set of N
+indices, `--batch` per rank; each rank appends the indices of every step's batch to OUT/w<world size>-r<rank>.txt
+(one line per step). The run ends at --steps, or (--to-epoch-end) at the end of the first epoch, whatever the world
+size; a checkpoint at --checkpoint-every (given on the command line) and at the end.
+
+    python loop_samples.py --out DIR [--size N] [--batch B] [--steps K | --to-epoch-end]
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddp_amp import loop
+
+
+class Indices(torch.utils.data.Dataset):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(index)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--size", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--to-epoch-end", action="store_true")
+    args = parser.parse_args()
+    run = loop.setup()
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1)
+    model, optimizer = run.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    data = run.loader(Indices(args.size), batch_size=args.batch)
+    start = run.restore(model=model, optimizer=optimizer, data=data)
+    total = start + data.remaining_batches(1) if args.to_epoch_end else args.steps
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"w{run.world_size}-r{run.rank}.txt", "a") as seen:
+        for _ in run.steps(total):
+            for batch in run.accumulate(model, data):
+                with run.autocast():
+                    loss = model(batch.float().unsqueeze(1) / args.size).pow(2).mean()
+                run.backward(loss)
+                print(" ".join(str(int(index)) for index in batch), file=seen, flush=True)
+            run.step(optimizer)
+            run.log(loss=loss)
+    if run.stopped_at is None:
+        run.save(total)
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
