@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import CHECKS_SCRIPT, HELPER_TASKS, read_summary
 
-from conftest import CHECKS_SCRIPT, HELPER_TASKS, read_summary
 from helper_tasks import HOLD_AT_CALL
 
 pytestmark = [pytest.mark.slow]

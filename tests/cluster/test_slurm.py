@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import CHECKS_SCRIPT, HELPER_TASKS, MARK_VAR, TESTS, launch_script, read_summary, run_processes
+from helpers import CHECKS_SCRIPT, HELPER_TASKS, MARK_VAR, TESTS, free_port, launch_script, read_summary, run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +26,6 @@ HOLD_AT = 30  # the micro-step at which the preempted job's ranks wait for their
 STEPS = 400
 LOOP_EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SLURM_CONF = """ClusterName=ddpamp

@@ -3,15 +3,13 @@ for the next run."""
 
 import json
 import os
-import socket
 
 import pytest
 import torch
+from helpers import free_port, read_summary, run_cli
 
 from ddp_amp import precision
 from ddp_amp.rank import amp_probe
-
-from conftest import read_summary, run_cli
 
 
 @pytest.fixture
@@ -19,11 +17,6 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("DDP_AMP_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _agreement_rank(rank: int, port: int, cache_root: str, planted: tuple[str, str], out: str) -> None:
@@ -53,7 +46,7 @@ def test_every_rank_takes_rank_0s_answer(tmp_path):
     """Rank 0's cache says bf16 and rank 1's fp32: both ranks train in bf16."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_agreement_rank, args=(_free_port(), str(tmp_path / "caches"), ("bf16", "fp32"), str(tmp_path)),
+    mp.spawn(_agreement_rank, args=(free_port(), str(tmp_path / "caches"), ("bf16", "fp32"), str(tmp_path)),
              nprocs=2)
     answers = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [a["precision"] for a in answers] == ["bf16", "bf16"]

@@ -5,8 +5,7 @@ import json
 import re
 
 import pytest
-
-from conftest import assert_ok, run_cli
+from helpers import assert_ok, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ trains to fp32's loss, and under --shard full all-gathers half the bytes. (The u
 tests/unit/test_train_core.py; on GPUs: tests/system/test_gpu.py.)"""
 
 import pytest
+from helpers import assert_ok, read_summary, run_cli
 
-from conftest import assert_ok, read_summary, run_cli
 from helper_tasks import ALL_GATHERS_DIR_VAR
 
 COMMON = ["spawn", "-n", "2", "--device", "cpu", "--steps", "20", "--log-every", "10"]

@@ -5,8 +5,8 @@ import functools
 from collections import Counter
 
 import pytest
+from helpers import HELPER_TASKS, assert_ok, ddp_amps_run_dir, last_line, read_metrics, read_summary, run_cli
 
-from conftest import HELPER_TASKS, assert_ok, ddp_amps_run_dir, last_line, read_metrics, read_summary, run_cli
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,7 @@ import json
 import re
 
 import pytest
-
-from conftest import last_line, run_cli
+from helpers import last_line, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +50,7 @@ def test_a_collective_mismatch_is_named_with_both_sides(tmp_path, helper_task):
 def test_a_rank_that_sleeps_each_step_is_marked_slow(tmp_path, helper_task):
     """Rank 1 sleeps 20 ms in each forward: it is marked slow in the live view's lines, metrics.jsonl and
     summary.json; rank 0, which waits for it in backward's all-reduce, is not."""
-    from conftest import read_metrics, read_summary
+    from helpers import read_metrics, read_summary
 
     result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", helper_task("rank1_sleeps_each_step"),
                      "--steps", "40", "--log-every", "5", "--log-format", "plain", "--run-dir", str(tmp_path))

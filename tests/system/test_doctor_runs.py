@@ -2,7 +2,7 @@
 
 import json
 
-from conftest import assert_ok, run_cli
+from helpers import assert_ok, run_cli
 
 
 def test_doctor_measures_two_cpu_ranks(tmp_path):

@@ -2,14 +2,12 @@
 system): it joins without a refusal or a deletion, and the resized --epochs run ends on its schedule's end."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-
-from conftest import HELPER_TASKS, assert_ok, read_metrics, read_summary, run_cli
+from helpers import HELPER_TASKS, assert_ok, free_port, read_metrics, read_summary, run_cli
 
 # serial: nodes that join while a job trains, on rendezvous deadlines: alone, so that another test's
 # load does not decide who joins in time.
@@ -18,11 +16,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 CHECKPOINT_EVERY = 5
 HOLD_AT = 12  # helper_tasks.HOLD_AT_CALL: waits_for_world holds there while the world is smaller
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_late_node_joins_a_shared_run_dir_and_the_resized_run_ends_on_its_schedule(tmp_path):

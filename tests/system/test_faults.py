@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import HELPER_TASKS, last_line, read_metrics, run_cli
+from helpers import HELPER_TASKS, last_line, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 

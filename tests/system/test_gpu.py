@@ -6,8 +6,7 @@ Skipped where no CUDA GPU is visible (CI has none); the two-rank tests need two 
 
 import pytest
 import torch
-
-from conftest import assert_ok, load_weights, read_summary, run_cli
+from helpers import assert_ok, load_weights, read_summary, run_cli
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]

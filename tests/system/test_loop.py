@@ -7,13 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import TASKS, TESTS, last_line, launch_script, read_summary
+from helpers import TASKS, TESTS, last_line, launch_script, launch_until, read_summary
 
 pytestmark = pytest.mark.slow
 EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
@@ -35,18 +33,8 @@ def uninterrupted(tmp_path_factory):
 
 def stopped_at_step_10_or_later(run, options=()) -> subprocess.CompletedProcess:
     """The example launched with progress at every step, SIGTERM to the launcher once rank 0 reported step 10."""
-    process = subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain",
-                                "--log-every", "1", *options, "--run-dir", str(run), str(EXAMPLE), "--steps", STEPS],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        metrics = run / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
-            break
-        time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=240)
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    return launch_until(run, "--log-format", "plain", "--log-every", "1", *options, str(EXAMPLE), "--steps", STEPS,
+                        lines=10)
 
 
 @pytest.mark.parametrize("options", [(), ("--checkpoint-format", "sharded"),
@@ -244,21 +232,9 @@ def test_accumulating_half_batches_in_a_users_loop_ends_on_the_whole_batchs_weig
 def _stopped(run_dir, *script_args: str, options: tuple[str, ...] = (), once: int = 5, signal_to=None):
     """The loop script launched with progress at every step; once `once` steps are reported, SIGTERM to the
     launcher (or `signal_to(run_dir)`: a signal to one rank alone). (exit code, stdout, stderr)."""
-    process = subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--log-format", "plain",
-                                "--log-every", "1", *options, "--run-dir", str(run_dir), str(LOOP_FAILS),
-                                *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= once:
-            break
-        time.sleep(0.02)
-    if signal_to is None:
-        process.send_signal(signal.SIGTERM)
-    else:
-        signal_to(run_dir)
-    out, err = process.communicate(timeout=240)
-    return process.returncode, out, err
+    result = launch_until(run_dir, "--log-format", "plain", "--log-every", "1", *options, str(LOOP_FAILS),
+                          *script_args, lines=once, deliver=None if signal_to is None else lambda _: signal_to(run_dir))
+    return result.returncode, result.stdout, result.stderr
 
 
 def test_an_fp16_loop_resumed_after_an_overflow_keeps_its_loss_scale_and_ends_on_the_uninterrupted_weights(

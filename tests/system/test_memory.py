@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from helpers import assert_ok, last_line, launch, load_weights, read_metrics, read_summary, run_cli
 
-from conftest import assert_ok, last_line, launch, load_weights, read_metrics, read_summary, run_cli
 from helper_tasks import OOM_ABOVE
 
 pytestmark = pytest.mark.slow

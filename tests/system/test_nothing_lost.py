@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import CHECKS_SCRIPT, HELPER_TASKS, TASKS, launch, launch_script, read_summary
+from helpers import CHECKS_SCRIPT, HELPER_TASKS, TASKS, launch, launch_script, read_summary
 
 pytestmark = pytest.mark.slow
 LOOP_SCRIPT = TASKS / "loop_fails.py"

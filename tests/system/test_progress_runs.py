@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import assert_ok, run_cli
+from helpers import assert_ok, run_cli
 
 
 def test_json_format_emits_one_object_per_event(tmp_path):

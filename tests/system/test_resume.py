@@ -8,8 +8,7 @@ import time
 
 import pytest
 import torch
-
-from conftest import HELPER_TASKS, assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
+from helpers import HELPER_TASKS, assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,7 @@ import uuid
 
 import pytest
 import torch
-
-from conftest import (
+from helpers import (
     CHECKS_SCRIPT,
     MARK_VAR,
     ORIGIN_SCRIPT,

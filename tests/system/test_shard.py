@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
-from conftest import (
+from helpers import (
     BENCHMARK_TASKS,
     HELPER_TASKS,
     USER_TASKS,
@@ -24,6 +22,8 @@ from conftest import (
     read_summary,
     run_cli,
 )
+from torch import nn
+
 from helper_tasks import INDEXED_SAMPLES
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,6 @@ directory."""
 
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -13,10 +12,10 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import HELPER_TASKS, assert_ok, free_port, launch, read_summary, run_cli
 
 from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
 
-from conftest import HELPER_TASKS, assert_ok, launch, read_summary, run_cli
 from helper_tasks import DAMAGES
 
 pytestmark = pytest.mark.slow
@@ -153,11 +152,6 @@ def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_e
     assert lines[0].startswith(f"ddp-amp: error: --init-from {step_20}: a sharded checkpoint that cannot be read")
     assert not (tmp_path / "init").exists()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sharded_checkpoints_without_a_shared_run_directory_are_refused(tmp_path):

@@ -5,10 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import assert_ok, run_cli
 
 from ddp_amp.files import DirectoryLock
-
-from conftest import assert_ok, run_cli
 
 
 def show(*args, columns=200):

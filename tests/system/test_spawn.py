@@ -7,10 +7,7 @@ import sys
 
 import pytest
 import torch
-
-from ddp_amp.train.schedule import closed_form_lr
-
-from conftest import (
+from helpers import (
     CHECKS_SCRIPT,
     SGD_FP32,
     assert_ok,
@@ -23,6 +20,9 @@ from conftest import (
     read_summary,
     run_cli,
 )
+
+from ddp_amp.train.schedule import closed_form_lr
+
 from helper_tasks import DRAWS_DIR_VAR, EVALUATION_BYTES, RECORDED_DRAWS
 
 pytestmark = pytest.mark.slow

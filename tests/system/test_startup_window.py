@@ -12,8 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from conftest import MARK_VAR, last_line, read_summary, run_processes
+from helpers import MARK_VAR, last_line, read_summary, run_processes
 
 # serial: signals timed to the millisecond after a fork: alone, so that another test's load does not
 # stretch the delays they aim at.

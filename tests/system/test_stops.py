@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import HELPER_TASKS, assert_ok, last_line, read_summary
+from helpers import HELPER_TASKS, assert_ok, last_line, read_summary
 
 pytestmark = pytest.mark.slow
 

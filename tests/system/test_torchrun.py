@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import SGD_FP32, assert_ok, assert_weights_close, last_line, load_weights, read_summary, run_cli
 
 from ddp_amp.cli import main
-
-from conftest import SGD_FP32, assert_ok, assert_weights_close, last_line, load_weights, read_summary, run_cli
 
 STUB_SRUN = """#!/bin/bash
 # Stands in for srun on one machine: starts the command once per "node" of the allocation, locally.

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import HELPER_TASKS, assert_ok, read_metrics, read_summary, run_cli
+from helpers import HELPER_TASKS, assert_ok, read_metrics, read_summary, run_cli
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -269,7 +268,7 @@ def test_wandb_offline_holds_the_history_and_a_resumed_run_keeps_its_id(tmp_path
 def test_a_script_using_the_loop_module_reports_to_the_tracker(tmp_path, server):
     """ddp_amp.loop's report() under `--tracker mlflow --log-every 5`: rank 0's reported values at steps 5..20,
     equal to metrics.jsonl's, in one finished run; what the tracker got in loop.json."""
-    from conftest import TESTS, launch_script
+    from helpers import TESTS, launch_script
 
     run = tmp_path / "run"
     result = launch_script(run, TESTS.parent / "examples" / "origin_loop.py", "--epochs", "20",

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
 
 from ddp_amp.checkpoint.sharded import read_model
-
-from conftest import USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 

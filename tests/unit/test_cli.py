@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import ddp_amps_run_dir, run_main
+from helpers import ddp_amps_run_dir, run_main
 
 BAD_INPUTS = [
     (["--gpus", "0"], "--gpus"),

@@ -2,10 +2,9 @@
 input. Real ranks measured: tests/system/test_doctor_runs.py."""
 
 import pytest
+from helpers import run_cli
 
 from ddp_amp.measure.doctor import judge, per_node, slow_links, slow_ranks
-
-from conftest import run_cli
 
 
 def rank(number, gflops, host="a"):

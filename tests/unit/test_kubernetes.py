@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_cli, run_main
 
 from ddp_amp.launch.kubernetes import rendezvous_from_env
-
-from conftest import run_cli, run_main
 
 KUBERNETES = "1.30.0"  # a version whose schemas kubernetes-validate ships; the fields used are in every 1.2x too
 

@@ -8,21 +8,15 @@ import subprocess
 
 import pytest
 import torch
+from helpers import HELPER_TASKS, USER_TASKS, ddp_amps_run_dir, one_line, run_main
 
 from ddp_amp.config import TrainConfig
 
-from conftest import HELPER_TASKS, USER_TASKS, ddp_amps_run_dir, run_main
 from helper_tasks import Planted
 
 FP32_SGD = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant",
             "--seed", "4"]
 
-
-def one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("ddp-amp: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -6,8 +6,7 @@ the launcher. What a launch that got past these does to an earlier run is tests/
 import os
 
 import pytest
-
-from conftest import CHECKS_SCRIPT, TASKS, ddp_amps_run_dir, run_main
+from helpers import CHECKS_SCRIPT, TASKS, ddp_amps_run_dir, run_main
 
 LOOP_SCRIPT = TASKS / "loop_fails.py"
 NEW = {"task": ["--device", "cpu", "--task", "linear", "--steps", "3"],

@@ -11,17 +11,10 @@ import time
 
 import pytest
 import yaml
+from helpers import CHECKS_SCRIPT, one_line, run_main
 
 from ddp_amp.progress.display import PlainDisplay, RichDisplay
 from ddp_amp.progress.output import OutputServer, connect_stream
-
-from conftest import CHECKS_SCRIPT, run_main
-
-
-def one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("ddp-amp: error: "), err
-    return lines[0]
 
 
 @pytest.mark.parametrize("command", [["spawn", "-n", "2"], ["run", "-n", "2"],

@@ -386,9 +386,9 @@ def test_a_token_mean_loss_in_pieces_or_accumulated_gives_the_full_batchs_weight
     --micro-batch 8 and --micro-batch 3 (uneven pieces) of a batch of 32 and --grad-accum 4 of batches of 8 follow
     the batch of 32 within 1e-5 (weighted by samples, as before, they drift: 0.04 at --micro-batch 3 of 8 on T5,
     8e-3 at --micro-batch 2 of 8 on the causal LM). Across ranks: tests/system/test_user_models.py."""
-    from ddp_amp.tasks import build_task
+    from helpers import USER_TASKS
 
-    from conftest import USER_TASKS
+    from ddp_amp.tasks import build_task
 
     def run(**options):
         config = TrainConfig(task="inline", steps=3, log_every=3, amp="off", seed=5, optimizer="sgd",
