@@ -213,20 +213,24 @@ class LongRun:
         return left
 
 
-def launch_until(run_dir: Path, *args: str, command: str = "spawn", nproc: int = 2, lines: int = 1,
-                 deliver: Callable[[subprocess.Popen], None] | None = None, env: dict | None = None,
-                 timeout: float = 240) -> subprocess.CompletedProcess:
+def launch_until(run_dir: Path, *args: str, command: str = "spawn", nproc: int = 2,
+                 until: int | Callable[[], bool] = 1, deliver: Callable[[subprocess.Popen], None] | None = None,
+                 env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """A launch (`ddp-amp COMMAND -n NPROC ARGS`, --run-dir RUN_DIR first, so ARGS may end with a script and its
-    arguments) stopped once metrics.jsonl holds `lines` lines: `deliver(process)` (default SIGTERM to the
-    launcher, as a terminal's or a scheduler's stop reaches it), then waited for; its output captured."""
+    arguments) stopped once it got as far as `until` says (a number: metrics.jsonl holds that many lines; else
+    a condition to poll): `deliver(process)` (default SIGTERM to the launcher, as a terminal's or a scheduler's
+    stop reaches it), then waited for; its output captured. Fails the test when the launch ended first."""
     process = subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", str(nproc), "--run-dir",
                                 str(run_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    deadline = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
-            break
+    reached = until if callable(until) else \
+        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= until
+    deadline = time.monotonic() + timeout
+    while not reached():
+        if process.poll() is not None or time.monotonic() > deadline:
+            out, err = process.communicate(timeout=timeout) if process.poll() is not None else ("", "timed out")
+            pytest.fail(f"the launch never got there (exit {process.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
         time.sleep(0.02)
     if deliver is None:
         process.send_signal(signal.SIGTERM)

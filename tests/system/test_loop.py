@@ -34,7 +34,7 @@ def uninterrupted(tmp_path_factory):
 def stopped_at_step_10_or_later(run, options=()) -> subprocess.CompletedProcess:
     """The example launched with progress at every step, SIGTERM to the launcher once rank 0 reported step 10."""
     return launch_until(run, "--log-format", "plain", "--log-every", "1", *options, str(EXAMPLE), "--steps", STEPS,
-                        lines=10)
+                        until=10)
 
 
 @pytest.mark.parametrize("options", [(), ("--checkpoint-format", "sharded"),
@@ -233,7 +233,7 @@ def _stopped(run_dir, *script_args: str, options: tuple[str, ...] = (), once: in
     """The loop script launched with progress at every step; once `once` steps are reported, SIGTERM to the
     launcher (or `signal_to(run_dir)`: a signal to one rank alone). (exit code, stdout, stderr)."""
     result = launch_until(run_dir, "--log-format", "plain", "--log-every", "1", *options, str(LOOP_FAILS),
-                          *script_args, lines=once, deliver=None if signal_to is None else lambda _: signal_to(run_dir))
+                          *script_args, until=once, deliver=None if signal_to is None else lambda _: signal_to(run_dir))
     return result.returncode, result.stdout, result.stderr
 
 

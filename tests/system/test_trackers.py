@@ -6,7 +6,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import HELPER_TASKS, assert_ok, read_metrics, read_summary, run_cli
+from helpers import HELPER_TASKS, assert_ok, free_port, launch_until, read_metrics, read_summary, run_cli
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -29,9 +28,7 @@ class MlflowServer:
     """`mlflow server` on a free loopback port, a SQLite file for its runs, in a process group of its own."""
 
     def __init__(self, root: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.uri = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(
             [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
@@ -106,17 +103,9 @@ def assert_history_is_metrics_jsonl(client, run_id: str, run_dir: Path, evaluate
 
 def stopped_by_sigterm_after_step_10(run_dir: Path, flags: list[str], env: dict[str, str]) -> None:
     """A slow 2-rank run with `flags`, SIGTERM to its launcher once the step-10 checkpoint exists: exit 143."""
-    command = [sys.executable, "-m", "ddp_amp", "spawn", *ARGS, *flags, "--run-dir", str(run_dir)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **SLOW, **env})
-    deadline = time.monotonic() + 120
-    while not (run_dir / "checkpoints" / "step-10.pt").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.1)
-    process.terminate()
-    _, stderr = process.communicate(timeout=90)
-    assert process.returncode == 143, stderr
-
+    stopped = launch_until(run_dir, *ARGS[2:], *flags, until=(run_dir / "checkpoints" / "step-10.pt").exists,
+                           env={**SLOW, **env})
+    assert stopped.returncode == 143, stopped.stderr
 
 def test_a_two_rank_run_logs_its_config_metrics_and_files_to_a_real_mlflow_server(tmp_path, server):
     result = run_cli("spawn", "-n", "2", "--device", "cpu", "--task", "mlp", "--steps", str(STEPS), "--log-every",
@@ -201,20 +190,18 @@ def test_a_torchrun_restart_after_a_killed_rank_continues_the_same_run(tmp_path,
 def test_a_server_killed_mid_run_is_one_warning_and_training_goes_on(tmp_path, tmp_path_factory):
     own = MlflowServer(tmp_path_factory.mktemp("mlflow-killed"))
     try:
-        command = [sys.executable, "-m", "ddp_amp", "spawn", *ARGS, "--tracker", "mlflow", "--run-dir", str(tmp_path)]
-        env = {**os.environ, **SLOW, "MLFLOW_TRACKING_URI": own.uri}
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        deadline = time.monotonic() + 120
-        while json.loads((tmp_path / "trackers.json").read_text() if (tmp_path / "trackers.json").exists()
-                         else "{}").get("mlflow", {}).get("last_step", 0) < 3:
-            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-            time.sleep(0.1)
-        own.kill()
-        stdout, stderr = process.communicate(timeout=180)
+        def mlflow_has_step_3() -> bool:
+            record = tmp_path / "trackers.json"
+            sent = json.loads(record.read_text() if record.exists() else "{}").get("mlflow", {})
+            return sent.get("last_step", 0) >= 3
+
+        finished = launch_until(tmp_path, *ARGS[2:], "--tracker", "mlflow", until=mlflow_has_step_3,
+                                deliver=lambda _: own.kill(), env={**SLOW, "MLFLOW_TRACKING_URI": own.uri})
     finally:
         own.kill()
-    assert process.returncode == 0, stderr
-    warnings = [line for line in (stdout + stderr).splitlines() if "warning: --tracker mlflow" in line]
+    assert finished.returncode == 0, finished.stderr
+    output = finished.stdout + finished.stderr
+    warnings = [line for line in output.splitlines() if "warning: --tracker mlflow" in line]
     assert len(warnings) == 1, warnings
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, STEPS + 1))
     sent = read_summary(tmp_path)["trackers"]["mlflow"]
