@@ -73,3 +73,22 @@ def long_run(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A real gloo process group of one rank in this process (the environment contract as spawn sets it): for
+    in-process tests of what runs inside a rank. Its DistEnv."""
+    import torch
+    from torch.distributed import TCPStore
+
+    from ddp_amp.dist import DistEnv, process_group
+    from ddp_amp.launch.spawn import rank_environment
+
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    for key, value in rank_environment(0, 1, store.port).items():
+        monkeypatch.setenv(key, value)
+    env = DistEnv.from_environ()
+    with process_group(env, torch.device("cpu")):
+        yield env
+

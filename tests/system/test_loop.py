@@ -101,12 +101,14 @@ def test_plain_torchrun_runs_the_same_script_to_the_same_weights_and_python_runs
     assert set(torch.load(alone / "ddp-amp-loop" / "model.pt", weights_only=True)) == {"generator", "discriminator"}
 
 
-def test_an_fp16_overflow_skips_the_step_and_the_schedule_together(tmp_path):
+@pytest.mark.parametrize("api", ["accumulate", "autocast"])
+def test_an_fp16_overflow_skips_the_step_and_the_schedule_together(tmp_path, api):
     """`--amp on --dtype fp16` on CPU ranks, --grad-accum 2: the step whose loss is infinite is skipped on both
     ranks, its weights unchanged, its schedule not advanced, the loss scale halved; the others step and advance.
-    DDP all-reduces once per step (5), not per micro-step: the first forward of each step ran under no_sync."""
+    DDP all-reduces once per step (5), not per micro-step: the first micro-step of each step ran under no_sync,
+    chosen by accumulate(model), or by autocast(model) in a loop written for earlier versions."""
     out = tmp_path / "steps.json"
-    result = launch_script(tmp_path / "run", TASKS / "loop_checks.py", "--out", str(out),
+    result = launch_script(tmp_path / "run", TASKS / "loop_checks.py", "--out", str(out), "--api", api,
                            options=("--amp", "on", "--dtype", "fp16", "--grad-accum", "2"))
     assert result.returncode == 0, result.stderr
     found = json.loads(out.read_text())

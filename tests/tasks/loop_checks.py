@@ -16,6 +16,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--overflow-at", type=int, default=3)
+    parser.add_argument("--api", choices=["accumulate", "autocast"], default="accumulate",
+                        help="the micro-steps inside accumulate(model), or under autocast(model) (earlier versions)")
     args = parser.parse_args()
     run = loop.setup()
     torch.manual_seed(0)
@@ -33,8 +35,8 @@ def main() -> None:
     inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(run.device)
     steps = []
     for step in range(1, 6):
-        for _ in range(run.grad_accum):
-            with run.autocast(model):
+        for _ in run.accumulate(model) if args.api == "accumulate" else range(run.grad_accum):
+            with run.autocast() if args.api == "accumulate" else run.autocast(model):
                 loss = model(inputs).float().pow(2).mean()
             if step == args.overflow_at:
                 loss = loss * float("inf")

@@ -6,11 +6,9 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from torch.distributed import TCPStore
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistEnv, process_group
-from ddp_amp.launch.spawn import rank_environment
+from ddp_amp.dist import DistEnv
 from ddp_amp.precision import Precision
 from ddp_amp.train.data import to_device
 from ddp_amp.train.trainer import Trainer
@@ -38,16 +36,6 @@ def norms_handed_to_the_optimizer(trainer) -> list[float]:
 
     trainer.step.update.step = step_and_measure
     return norms
-
-
-@pytest.fixture
-def one_rank_group(monkeypatch):
-    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    for key, value in rank_environment(0, 1, store.port).items():
-        monkeypatch.setenv(key, value)
-    env = DistEnv.from_environ()
-    with process_group(env, torch.device("cpu")):
-        yield env
 
 
 def test_fp16_inf_gradient_skips_optimizer_and_scheduler(one_rank_group, tmp_path):
