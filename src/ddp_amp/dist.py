@@ -1,4 +1,4 @@
-"""The process-group session of one rank: the standard environment contract in, a ready device out.
+"""The process group of one rank: the standard environment contract in, a ready device out.
 
 Every launcher ends here: spawn sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT itself; torchrun sets the same. Nothing else about the launcher is known to the core.

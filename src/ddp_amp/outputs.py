@@ -250,7 +250,7 @@ def cut_metrics(run_dir: Path, step: int) -> None:
 def has_checkpoint(path: Path) -> bool:
     """A checkpoint in the run dir: a step-<N>.pt, or a sharded step-<N>/ that DCP finished (its .metadata)."""
     return any(found.suffix == ".pt" or (found / ".metadata").is_file()
-               for found in (path / "checkpoints").glob("step-*"))  # checkpoint.fileformat.CHECKPOINT_DIR
+               for found in (path / "checkpoints").glob("step-*"))  # checkpoint.storage.CHECKPOINT_DIR
 
 
 def earlier_run(path: Path) -> list[str]:

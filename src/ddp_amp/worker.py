@@ -31,7 +31,7 @@ from ddp_amp.errors import RankOutOfMemory, RankSetupError, failure_kind
 from ddp_amp.process import FORKSERVER_PID_VAR, children_started_as_the_platform_does, die_with_parent
 from ddp_amp.progress.channel import ADDRESS_VAR, EventSender
 from ddp_amp.rank import flight_recorder, setup
-from ddp_amp.rank.evaluation import evaluate_into
+from ddp_amp.rank.final_evaluation import evaluate_into
 from ddp_amp.rank.heartbeat import Heartbeat, stall_after_s
 from ddp_amp.rank.reporter import WorkerReporter
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals, wait_for_own_stop_signal

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import USER_TASKS, assert_ok, launch, read_metrics, read_summary
 
-from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint
+from ddp_amp.checkpoint.storage import checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.slow
 # 3.6 M parameters: a 43 MB checkpoint with AdamW's moments, whose pickling, write and fsync outlast a step.

@@ -203,7 +203,7 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_earlier_one_whole_and_alone(s
     """Written beside and renamed over: a save that runs out of room raises, and what was there before stays."""
     import torch
 
-    from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, save_checkpoint
+    from ddp_amp.checkpoint.storage import checkpoints, load_checkpoint, save_checkpoint
 
     def state(step: int, numbers: int) -> dict:
         return {"step": step, "trainer": {"model": {"w": torch.ones(numbers)}}, "rng": [], "world_size": 1,

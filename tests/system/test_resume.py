@@ -180,8 +180,8 @@ def test_a_restart_never_continues_from_an_earlier_runs_checkpoint(tmp_path):
     continues only from this launch's own, else from --resume."""
     import dataclasses
 
-    from ddp_amp.checkpoint.fileformat import save_checkpoint
     from ddp_amp.checkpoint.manager import checkpoint_to_continue
+    from ddp_amp.checkpoint.storage import save_checkpoint
     from ddp_amp.config import TrainConfig
 
     def written_by(launch_time: float, step: int) -> None:
@@ -203,7 +203,7 @@ def test_the_newest_checkpoint_is_the_latest_saved_not_the_highest_step(tmp_path
     for a restart's choice and for pruning, whether the 4 ranks were another launch or the same one resized."""
     import dataclasses
 
-    from ddp_amp.checkpoint.fileformat import checkpoints, newest_valid_checkpoint, save_checkpoint
+    from ddp_amp.checkpoint.storage import checkpoints, newest_valid_checkpoint, save_checkpoint
     from ddp_amp.config import TrainConfig
 
     def written(run_dir, launch_time: float, step: int, saved_at: float, world_size: int, keep: int = 5) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import HELPER_TASKS, assert_ok, free_port, launch, read_summary, run_cli
 
-from ddp_amp.checkpoint.fileformat import checkpoints, load_checkpoint, read_metadata
+from ddp_amp.checkpoint.storage import checkpoints, load_checkpoint, read_metadata
 
 from helper_tasks import DAMAGES
 

@@ -125,7 +125,7 @@ def test_a_resume_from_a_nan_checkpoint_names_the_newest_finite_one(tmp_path, ca
     """A NaN checkpoint beside finite ones (as an earlier version wrote; a run today never writes one, tested in
     tests/system/test_checkpoints.py): --resume names the finite one instead. Written as a run writes them
     (save_checkpoint: the file and its sidecar, launch and save times in order)."""
-    from ddp_amp.checkpoint.fileformat import save_checkpoint
+    from ddp_amp.checkpoint.storage import save_checkpoint
 
     config = dataclasses.asdict(TrainConfig(task=f"{HELPER_TASKS}:resumable", device="cpu", launch_time=1000.0))
     for step, value in [(5, 0.5), (10, 1.0), (15, float("nan"))]:

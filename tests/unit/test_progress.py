@@ -110,7 +110,7 @@ def heartbeat(rank, step, micro, phase):
 
 def test_the_rank_furthest_behind_is_stalled_once_no_loop_moves():
     display, console, console_file, clock = scripted_display()
-    model = display.model
+    model = display.view
     display.handle(heartbeat(0, 41, 0, "backward"))  # waiting in the all-reduce of step 42
     display.handle(heartbeat(1, 41, 0, "forward"))  # stuck before it
     clock.now += 4
@@ -135,7 +135,7 @@ def test_a_rank_marked_slow_that_stops_is_the_one_stalled():
     display.handle(heartbeat(0, 4, 0, "backward"))
     display.handle(heartbeat(1, 4, 0, "forward"))
     clock.now += 6
-    assert [(e["rank"], e["phase"]) for e in display.model.stalls()] == [(1, "forward")]
+    assert [(e["rank"], e["phase"]) for e in display.view.stalls()] == [(1, "forward")]
 
 
 def test_no_stall_while_any_rank_moves():
@@ -144,7 +144,7 @@ def test_no_stall_while_any_rank_moves():
     display.handle(heartbeat(1, 41, 0, "forward"))
     clock.now += 10
     display.handle(heartbeat(0, 42, 0, "data"))  # rank 0 still trains (e.g. rank 1 is just slow to report)
-    assert display.model.stalls() == []
+    assert display.view.stalls() == []
 
 
 def test_a_silent_connection_is_closed_and_cannot_hold_the_launcher():
@@ -191,9 +191,9 @@ def test_rich_shows_a_traceback_with_brackets_as_it_is():
 def test_an_elastic_renumbering_replaces_the_process_earlier_rank():
     """An elastic job that grew numbers its ranks anew: this node's local rank 0 was global rank 1, is now 2.
     The table shows the rank it is now, not a second row stuck at the old one."""
-    from ddp_amp.progress.model import ProgressModel
+    from ddp_amp.progress.view_state import ProgressState
 
-    model = ProgressModel(clock=FakeClock())
+    model = ProgressState(clock=FakeClock())
     model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 0, "node": 1, "world_size": 2})
     model.apply(log_event(1, 10, 0.5))
     model.apply({"type": "state", "rank": 2, "status": "starting", "local_rank": 0, "node": 1, "world_size": 3})
@@ -212,9 +212,9 @@ def test_a_plain_start_line_names_the_world_size():
 
 def test_a_restart_remembers_which_global_rank_each_local_rank_was():
     """On node 1 of a multinode job, local rank 0 is global rank 2: the recovered line must say rank 2."""
-    from ddp_amp.progress.model import ProgressModel
+    from ddp_amp.progress.view_state import ProgressState
 
-    model = ProgressModel(clock=FakeClock())
+    model = ProgressState(clock=FakeClock())
     for local in (0, 1):
         model.apply({"type": "state", "rank": 2 + local, "status": "starting", "local_rank": local, "node": 1})
     model.apply(log_event(2, 10, 0.5))
@@ -226,9 +226,9 @@ def test_a_restart_remembers_which_global_rank_each_local_rank_was():
 def test_a_restart_names_the_later_of_the_heartbeat_and_the_last_log_step():
     """Heartbeats come once a second: with fast steps the last one can be older than the last log line (a rank
     that logged step 30 was last seen by its heartbeat in step 23)."""
-    from ddp_amp.progress.model import ProgressModel
+    from ddp_amp.progress.view_state import ProgressState
 
-    model = ProgressModel(clock=FakeClock())
+    model = ProgressState(clock=FakeClock())
     model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 1, "node": 0})
     model.apply(heartbeat(1, 22, 0, "forward"))  # position[0] is the 0-based step: in step 23
     model.apply(log_event(1, 30, 0.5))

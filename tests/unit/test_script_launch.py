@@ -218,7 +218,7 @@ def test_around_a_script_ddp_amps_own_lines_leave_the_scripts_stdout_to_it(monke
     monkeypatch.setattr(sys, "stdout", stdout)
     monkeypatch.setattr(sys, "stderr", stderr)
     display = PlainDisplay()
-    display.model.script = True
+    display.view.script = True
     display.handle({"type": "state", "rank": 0, "status": "starting", "world_size": 2, "pid": 1})
     display.handle({"type": "output", "rank": 0, "stream": "stdout", "line": "epoch 0"})
     display.handle({"type": "report", "rank": 0, "step": 3, "metrics": {"loss": 0.5}})  # the script's report()
@@ -236,7 +236,7 @@ def test_the_live_view_of_a_script_has_a_row_per_rank_with_its_last_line():
 
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
     display = RichDisplay(console, live=False, clock=lambda: 0.0)
-    display.model.script = True
+    display.view.script = True
     display.handle({"type": "state", "rank": 0, "status": "running", "pid": 10})
     display.handle({"type": "state", "rank": 1, "status": "running", "pid": 11})
     display.handle({"type": "output", "rank": 0, "stream": "stdout", "line": "epoch 3 loss 0.25"})

@@ -1,2 +1,2 @@
-"""Training checkpoints: `fileformat` (the file, finding the newest valid one, pruning, mismatch checks, RNG
+"""Training checkpoints: `storage` (the file, finding the newest valid one, pruning, mismatch checks, RNG
 states) and `manager` (when to save, the copy to host, the background write, and resume agreement)."""

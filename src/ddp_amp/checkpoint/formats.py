@@ -3,7 +3,7 @@ stages at a save, how the staged state is written, and how a checkpoint's model 
 The checkpoint manager does the rest (when to save, the random states, the background write, the resume
 agreement) the same for both.
 
-single   step-<N>.pt: the whole state gathered on the run dir's writers and written by each (fileformat).
+single   step-<N>.pt: the whole state gathered on the run dir's writers and written by each (storage).
 sharded  step-<N>/: a torch.distributed.checkpoint directory, every rank writing its part (checkpoint.sharded), on
          a gloo group of its own, so that the background writes' collectives never interleave with the training's.
 
@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ddp_amp.checkpoint import fileformat, sharded
+from ddp_amp.checkpoint import sharded, storage
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, SideGroup
 from ddp_amp.errors import RankUsageError
@@ -89,9 +89,9 @@ class SingleFile(CheckpointFormat):
 
     def write(self, state: dict[str, Any], local: Any, tag: str) -> Path:
         """In the background: the finiteness check runs on the host copy, off the training thread."""
-        if bad := fileformat.nonfinite_tensors(state["trainer"]):
+        if bad := storage.nonfinite_tensors(state["trainer"]):
             raise NonFiniteState(bad[0].lstrip("."))
-        return fileformat.save_checkpoint(self.run_dir, state, keep=self.config.keep, protect_step=_best_step(state))
+        return storage.save_checkpoint(self.run_dir, state, keep=self.config.keep, protect_step=_best_step(state))
 
     @staticmethod
     def load_weights(path: Path, state: dict[str, Any], parts: Parts) -> None:
@@ -129,14 +129,14 @@ class ShardedDirectory(CheckpointFormat):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
         if bad.item():
             raise NonFiniteState("the model or optimizer" if self.env.rank == 0 else None)
-        directory = fileformat.checkpoint_dir(self.run_dir)
+        directory = storage.checkpoint_dir(self.run_dir)
         if self.env.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         path = sharded.write(directory, state["step"], tag, local, state if self.env.rank == 0 else None, group)
         if path is not None:
-            fileformat.write_sidecar(path, state)
-            fileformat.drop_other_format(path)
-            fileformat.prune(self.run_dir, self.config.keep, self.config.launch_time, _best_step(state))
+            storage.write_sidecar(path, state)
+            storage.drop_other_format(path)
+            storage.prune(self.run_dir, self.config.keep, self.config.launch_time, _best_step(state))
         return path
 
     def check_writers(self, writers: list[int]) -> None:

@@ -4,7 +4,7 @@ loop's, or a script loop's named ones) at each save and load; what differs betwe
 checkpoint.formats. ddp-amp's loop (rank.setup) and ddp_amp.loop both make one.
 
 Saving gathers every rank's RNG state (a collective), copies the state to host memory and writes it from a
-background thread (atomically, see fileformat.save_checkpoint), so training waits for the copy only; with
+background thread (atomically, see storage.save_checkpoint), so training waits for the copy only; with
 --no-async-checkpoint the loop writes it itself. Each save's blocked seconds, and whether it waited for the
 previous write, go into the next metrics.jsonl line (`checkpoints`) and, averaged, into summary.json.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_amp.checkpoint import fileformat
+from ddp_amp.checkpoint import storage
 from ddp_amp.checkpoint.formats import FORMATS, NonFiniteState, format_marker, format_of
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv
@@ -83,7 +83,7 @@ class CheckpointManager:
         held, own_bytes = checkpoint_format.held(parts)
         # A collective: every rank, every time. Each rank's RNG states, for iterable data its position, and
         # what it alone holds of the state (a sharded format splits the rest by it).
-        dist.all_gather_object(ranks, (fileformat.rng_state(self.device), parts.rank_state(), own_bytes,
+        dist.all_gather_object(ranks, (storage.rng_state(self.device), parts.rank_state(), own_bytes,
                                        self.env.writes_run_dir, writer_tag()))
         writers = [rank for rank, (*_, writes, _) in enumerate(ranks) if writes]
         self.last_step = step
@@ -95,11 +95,11 @@ class CheckpointManager:
                 return
             self._note_wait()  # only now: two host copies of the state never coexist
         rng, data_ranks = [r[0] for r in ranks], [r[1] for r in ranks]
-        state = {"step": step, "saved_at": time.time(), "trainer": fileformat.to_host(trained),
+        state = {"step": step, "saved_at": time.time(), "trainer": storage.to_host(trained),
                  "rng": rng, **({"data_ranks": data_ranks} if any(d is not None for d in data_ranks) else {}),
                  "config": {**dataclasses.asdict(self.config), **parts.marker()}, "world_size": self.env.world_size,
                  **format_marker(type(checkpoint_format))}
-        args = (state, fileformat.to_host(local), ranks[0][-1])
+        args = (state, storage.to_host(local), ranks[0][-1])
         if not self.config.async_checkpoint:
             self._write(*args)
             self.wait()  # its error, raised here
@@ -183,7 +183,7 @@ class CheckpointManager:
         path, state = found
         if refusal := parts.refusal(state):
             raise RankSetupError(f"--resume {path}: {refusal}")
-        differ = fileformat.mismatches(state["config"], dataclasses.asdict(config))
+        differ = storage.mismatches(state["config"], dataclasses.asdict(config))
         if differ:
             raise RankSetupError(f"--resume {path}: this run differs from the checkpoint's: {'; '.join(differ)}")
         try:
@@ -192,7 +192,7 @@ class CheckpointManager:
         except RankSetupError as exc:
             raise RankSetupError(f"--resume {path}: {exc}") from None
         if env.rank < len(state["rng"]):  # an elastic job that grew: the new ranks keep their seeded streams
-            fileformat.set_rng_state(state["rng"][env.rank], self.device)
+            storage.set_rng_state(state["rng"][env.rank], self.device)
         return Restored(Path(path), state["step"], state["world_size"])
 
 
@@ -209,15 +209,15 @@ def checkpoint_to_continue(config: TrainConfig, run_dir: Path, skipped: list[str
         if skipped is not None:
             skipped.append(line.removeprefix("skipping checkpoint "))
 
-    found = fileformat.newest_valid_checkpoint(
+    found = storage.newest_valid_checkpoint(
         run_dir, warn=warn,
         accept=lambda metadata: metadata["config"].get("launch_time") == config.launch_time)
     if found is not None or config.resume is None:
         return found
     path = Path(config.resume)
     try:
-        return path, fileformat.load_checkpoint(path)
-    except fileformat.CheckpointError as exc:
+        return path, storage.load_checkpoint(path)
+    except storage.CheckpointError as exc:
         if config.elastic:
             return None  # a node without the file: it receives the state from a rank that has it
         raise RankSetupError(f"--resume {exc}") from None

@@ -83,7 +83,7 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str | None:
     A checkpoint of another world size is taken, with one line saying what that changes. `--resume auto` with no
     checkpoint at all is None: the run starts from the beginning, and says so (a requeue loop that always passes
     --resume auto works from its first attempt on); --resume PATH stays strict."""
-    from ddp_amp.checkpoint import fileformat as checkpoint
+    from ddp_amp.checkpoint import storage as checkpoint
 
     def warn(line: str) -> None:
         print(f"ddp-amp: warning: {line}", file=sys.stderr)

@@ -46,7 +46,7 @@ class PreparedRunDir:
 
 EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE, TRACKERS_FILE,
                      LOOP_RECORD_FILE, DOCTOR_FILE)
-# checkpoint.fileformat, rank.reporter, profiling, the pretrained format, W&B's files (rank.tracker_runs), the
+# checkpoint.storage, rank.reporter, profiling, the pretrained format, W&B's files (rank.tracker_runs), the
 # ranks' output (progress.output), their flight records (rank.flight_recorder)
 EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR, "wandb", "logs", DUMP_DIR)
 

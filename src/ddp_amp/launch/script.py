@@ -214,19 +214,19 @@ def script_threads_env(nproc_per_node: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1"} if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ else {}
 
 
-def script_record(script: Script, run_dir: Path, *, launch, model, started: float, failure) -> dict[str, Any]:
+def script_record(script: Script, run_dir: Path, *, launch, view, started: float, failure) -> dict[str, Any]:
     """summary.json of a script's run, as its launcher saw it: the command, the ranks, the outcome (finished,
     failed: the rank and why, stopped: by which signal), the exit code and how long it ran; and a script that
     used ddp_amp.loop, its loop's own account (loop.json)."""
     import json
     import time
 
-    world_sizes = [state.world_size for state in model.ranks.values() if state.world_size]
+    world_sizes = [state.world_size for state in view.ranks.values() if state.world_size]
     record: dict[str, Any] = {
         "script": script.argv(), "launcher": "spawn" if launch.job is None else "torchrun's agent",
         "world_size": max(world_sizes) if world_sizes else launch.nproc, "ranks_on_this_node": launch.nproc,
         "outcome": "finished", "exit_code": 0, "wall_s": round(time.time() - started, 3),
-        "restarts": model.restarts,
+        "restarts": view.restarts,
     }
     loop = run_dir / LOOP_RECORD_FILE  # a script using ddp_amp.loop: its loop's own account
     if loop.is_file():
@@ -257,7 +257,7 @@ def loop_stop_signal(run_dir: Path) -> signal.Signals | None:
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint --resume auto would take first (ddp_amp.loop's), or None."""
-    from ddp_amp.checkpoint.fileformat import checkpoints
+    from ddp_amp.checkpoint.storage import checkpoints
 
     found = checkpoints(run_dir)
     return found[0] if found else None

@@ -3,7 +3,7 @@
     warm_start(train)  the cheap checks (nothing started if a flag is wrong), then the fork server
     preflight(...)     the expensive checks, the run directory, config.json (launch.preflight)
     Launch.spawn / Launch.standalone / Launch.node    how the ranks start: spawn, or torchrun's agent
-    run_launch(launch, display)    the ranks under a progress session, then the verdict: the outcome, the
+    run_launch(launch, display)    the ranks under the live progress view, then the verdict: the outcome, the
                        stop report, the failure explained (stalls, flight records), the recovery line
 
 Training (spawn, run, multinode) shows its progress; the commands that measure (bench, bench --max-batch,
@@ -92,7 +92,7 @@ class Launch:
             raise
 
     def start(self, session) -> None:
-        """The ranks, to completion, under `session` (a progress.session.ProgressSession)."""
+        """The ranks, to completion, under `session` (a progress.live.LiveProgress)."""
         self.started = True
         config = self.plan.config
         if self.job is None:
@@ -145,7 +145,7 @@ def standalone_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_n
 
 
 def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
-    """Start the ranks while a progress session renders their events to `display`; then the verdict, raised as
+    """Start the ranks while the live progress view renders their events to `display`; then the verdict, raised as
     RunFailed when the run did not finish. `announce`: the start line first, and a recovery line after a run
     that torchrun restarted (the training commands; the measuring ones are quiet)."""
     with launch.stops_told():
@@ -184,12 +184,12 @@ def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None
 
 
 def _run_and_judge(launch: Launch, display, announce: bool) -> None:
-    from ddp_amp.progress.session import ProgressSession
+    from ddp_amp.progress.live import LiveProgress
 
     plan, config = launch.plan, launch.plan.config
     if announce:
         _announce(launch)
-    failure = _start_ranks(launch, ProgressSession(display, plan.config_path.parent))
+    failure = _start_ranks(launch, LiveProgress(display, plan.config_path.parent))
     if failure is not None and failure.exit_code <= 128:
         raise failure
     if failure is not None:
@@ -198,7 +198,7 @@ def _run_and_judge(launch: Launch, display, announce: bool) -> None:
         report_stop(Path(config.run_dir), config, signalled=str(failure), exit_code=failure.exit_code)
     check_outcome(Path(config.run_dir), config)
     if announce and launch.job is not None:
-        report_recovery(config, launch.agent_log, display.model)
+        report_recovery(config, launch.agent_log, display.view)
 
 
 def _start_ranks(launch: Launch, session) -> RunFailed | None:
@@ -224,7 +224,7 @@ def _start_ranks(launch: Launch, session) -> RunFailed | None:
 
 
 def run_script_launch(launch: Launch, display) -> None:
-    """A launch of the user's script: its ranks under a progress session that captures their output, then the
+    """A launch of the user's script: its ranks under the live progress view, which captures their output, then the
     verdict (the script finished on every rank, a rank failed, or a stop ended it) and the run's record in
     summary.json (launch.script.script_record), which `ddp-amp show` lists."""
     import time
@@ -233,7 +233,7 @@ def run_script_launch(launch: Launch, display) -> None:
     from ddp_amp.launch.script import loop_stop_signal, newest_checkpoint, script_record, script_stop_line
     from ddp_amp.launch.verdict import script_restart_causes
     from ddp_amp.outputs import write_summary
-    from ddp_amp.progress.session import ProgressSession
+    from ddp_amp.progress.live import LiveProgress
 
     plan, config, script = launch.plan, launch.plan.config, launch.script
     run_dir = Path(config.run_dir)
@@ -243,14 +243,14 @@ def run_script_launch(launch: Launch, display) -> None:
     say(f"ddp-amp: {launch.nproc} rank(s) running {' '.join(script.argv())}, run dir {run_dir} (each rank's "
         f"output in {run_dir / 'logs'})")
     started = time.time()
-    failure = _start_ranks(launch, ProgressSession(display, run_dir, capture_output=True))
-    model = display.model
+    failure = _start_ranks(launch, LiveProgress(display, run_dir, capture_output=True))
+    view = display.view
     if failure is None and (stopped := loop_stop_signal(run_dir)) is not None:
         # a stop signal reached a rank, not this launcher: the loop stopped every rank at one step, as ddp-amp's
         # own loop does, and the launch ends as a stop does (128 + the signal)
         failure = RunFailed(f"stopped by {stopped.name}", exit_code=128 + stopped.value)
-    record = script_record(script, run_dir, launch=launch, model=model, started=started, failure=failure)
-    if causes := script_restart_causes(launch, model):
+    record = script_record(script, run_dir, launch=launch, view=view, started=started, failure=failure)
+    if causes := script_restart_causes(launch, view):
         record["restart_causes"] = causes
         for cause in causes:
             seen = f" (last seen in step {cause['last_seen_step']})" if cause.get("last_seen_step") else ""
@@ -260,7 +260,7 @@ def run_script_launch(launch: Launch, display) -> None:
         failure = RunFailed(f"{failure}; the newest complete checkpoint is {kept} (continue with --resume auto "
                             f"--run-dir {run_dir})", exit_code=failure.exit_code, details=failure.details)
     if failure is not None and failure.exit_code > 128:
-        stalled = "".join(f"; rank {state.rank} had stalled at {state.position[3]}" for state in model.stalled())
+        stalled = "".join(f"; rank {state.rank} had stalled at {state.position[3]}" for state in view.stalled())
         failure = RunFailed(script_stop_line(record, run_dir, str(failure)) + stalled, exit_code=failure.exit_code)
     with_earlier_launches(plan, record)
     try:
@@ -273,7 +273,7 @@ def run_script_launch(launch: Launch, display) -> None:
     settle_overwritten(plan, trained=failure is None or trained_since(run_dir, plan.output_before))
     if failure is not None:
         raise failure
-    restarts = f" after {model.restarts} restart{'s' if model.restarts > 1 else ''}" if model.restarts else ""
+    restarts = f" after {view.restarts} restart{'s' if view.restarts > 1 else ''}" if view.restarts else ""
     say(f"ddp-amp: the script finished on every rank{restarts} in {time.time() - started:.1f}s; summary "
         f"{run_dir / 'summary.json'}")
 
@@ -343,7 +343,7 @@ def check_outcome(run_dir: Path, config: TrainConfig) -> None:
             + (f"; {record.model_path} written" if record.model_path else ""))
 
 
-def report_recovery(config: TrainConfig, log_path: Path, model) -> None:
+def report_recovery(config: TrainConfig, log_path: Path, view) -> None:
     """A run that torchrun restarted and that then succeeded ends with one line saying what it recovered from."""
     from ddp_amp.launch import torchrun
 
@@ -357,8 +357,8 @@ def report_recovery(config: TrainConfig, log_path: Path, model) -> None:
     causes = torchrun.restart_causes(log_path.read_text(errors="replace")) if log_path.exists() else []
     if causes:
         local_rank, what = causes[0]
-        rank = model.ranks_before_restart.get(local_rank, local_rank)  # on another node local != global
-        step = model.steps_before_restart.get(rank)
+        rank = view.ranks_before_restart.get(local_rank, local_rank)  # on another node local != global
+        step = view.steps_before_restart.get(rank)
         line += f": rank {rank} {what}" + (f" (last seen in step {step})" if step is not None else "")
     resumed = record.resumed_from_step
     line += f"; resumed from step {resumed}" if resumed else "; restarted from the beginning (no checkpoint)"

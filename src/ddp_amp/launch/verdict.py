@@ -20,7 +20,7 @@ def first_failure_named(exc: RunFailed, session) -> RunFailed:
     first = session.first_failure()
     if exc.rank is None or first is None or first[0] == exc.rank or is_peer_symptom(first[1]):
         return exc
-    if exc.rank not in {state.rank for state in session.display.model.failures()}:
+    if exc.rank not in {state.rank for state in session.display.view.failures()}:
         return exc  # the named rank exited or was killed without raising: that is the cause the others saw
     return exc.retold(first[0], f"failed: {failure_line(exception_line(first[1]))}")
 
@@ -37,7 +37,7 @@ def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: 
     if parting is not None and parting.mismatch:
         return RunFailed(f"{parting.line} ({exc}; flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose "
                          f"{run_dir})", exit_code=exc.exit_code, details=exc.details)
-    script = session.display.model.script
+    script = session.display.view.script
     if (stalled := session.stalled()) and exc.exit_code == 1 and script and parting is None:
         first = stalled[0]
         return RunFailed(f"rank {', '.join(str(state.rank) for state in stalled)} stalled at {first.position[3]}; "
@@ -54,13 +54,13 @@ def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: 
     return exc
 
 
-def script_restart_causes(launch, model) -> list[dict[str, Any]]:
+def script_restart_causes(launch, view) -> list[dict[str, Any]]:
     """Each restart torchrun's agent made of a script's ranks: which rank ended the attempt and how (its exit
     code or signal, from the agent's log; an exception's line, from the display), and the step it was last seen
     in (a ddp_amp.loop script's reports)."""
     from ddp_amp.launch import torchrun
 
-    if not model.restarts or launch.job is None:
+    if not view.restarts or launch.job is None:
         return []
     log = launch.agent_log.read_text(errors="replace") if launch.agent_log.exists() else ""
     logged = torchrun.restart_causes(log)
@@ -68,20 +68,20 @@ def script_restart_causes(launch, model) -> list[dict[str, Any]]:
 
     # A rank's own exception, never a peer's symptom of it (a killed rank's "Connection reset by peer").
     raised: dict[int, tuple[int, str]] = {}
-    for attempt, rank, line in model.recovered:  # each attempt's first failure first
+    for attempt, rank, line in view.recovered:  # each attempt's first failure first
         if not is_peer_symptom(line):
             raised.setdefault(attempt, (rank, line))
     causes = []
-    for attempt in range(model.restarts):
+    for attempt in range(view.restarts):
         if attempt in raised:
             rank, what = raised[attempt][0], f"failed: {raised[attempt][1]}"
         elif attempt < len(logged):
             local_rank, what = logged[attempt]
-            rank = model.ranks_before_restart.get(local_rank, local_rank)
+            rank = view.ranks_before_restart.get(local_rank, local_rank)
         else:
             continue
         cause = {"restart": attempt + 1, "rank": rank, "cause": what}
-        if attempt == model.restarts - 1 and model.steps_before_restart.get(rank, 0) > 1:  # a loop script's step
-            cause["last_seen_step"] = model.steps_before_restart[rank]
+        if attempt == view.restarts - 1 and view.steps_before_restart.get(rank, 0) > 1:  # a loop script's step
+            cause["last_seen_step"] = view.steps_before_restart[rank]
         causes.append(cause)
     return causes

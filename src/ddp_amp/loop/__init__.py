@@ -278,9 +278,9 @@ class Loop:
 
     def steps(self, total: int, **state: Any) -> Iterator[int]:
         """The optimizer steps to take, 0-based, up to `total`: from 0, or given the `state` a checkpoint holds
-        (what restore() takes; or after restore() was called), from where --resume or a restart left it. After each step it does the cadence
-        work: reports what log() was given, saves every --checkpoint-every steps, and ends the loop on every
-        rank at one step once a stop signal arrived (saved there)."""
+        (what restore() takes; or after restore() was called), from where --resume or a restart left it. After
+        each step it does the cadence work: reports what log() was given, saves every --checkpoint-every steps,
+        and ends the loop on every rank at one step once a stop signal arrived (saved there)."""
         start = self.restore(**state) if state else self._checkpoints.resumed_from_step or 0
         for step in range(start, total):
             yield step

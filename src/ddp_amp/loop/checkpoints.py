@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_amp.checkpoint import fileformat
+from ddp_amp.checkpoint import storage
 from ddp_amp.checkpoint.manager import CheckpointManager
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv
@@ -112,10 +112,10 @@ class LoopCheckpoints:
             return resume
         chosen: list[Any] = [None]
         if self.run.rank == 0:
-            found = fileformat.newest_valid_checkpoint(self.run.run_dir, warn=self._warn)
+            found = storage.newest_valid_checkpoint(self.run.run_dir, warn=self._warn)
             chosen = [str(found[0]) if found else None]
             if found is None and resume == "auto":
-                print(f"ddp-amp loop: --resume auto: no checkpoint in {fileformat.checkpoint_dir(self.run.run_dir)}: "
+                print(f"ddp-amp loop: --resume auto: no checkpoint in {storage.checkpoint_dir(self.run.run_dir)}: "
                       "starting from the beginning", flush=True)
         if self.run.world_size > 1:
             dist.broadcast_object_list(chosen, src=0)

@@ -1,6 +1,6 @@
 """Launcher-side rendering of progress events: a live rich view on a terminal, plain lines or JSON otherwise.
 
-All displays share `ProgressModel` (progress.model), which folds events into per-rank state; only `RichDisplay`
+All displays share `ProgressState` (progress.view_state), which folds events into per-rank state; only `RichDisplay`
 imports rich.
 """
 
@@ -14,7 +14,7 @@ from typing import TextIO
 
 from ddp_amp.outputs import RunRecord
 from ddp_amp.progress.events import Event, metrics_text, plain_line
-from ddp_amp.progress.model import ProgressModel
+from ddp_amp.progress.view_state import ProgressState
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -28,9 +28,9 @@ def _duration(seconds: float | None) -> str:
     return f"{minutes}:{secs:02d}"
 
 
-def summary_rows(model: ProgressModel) -> list[tuple[str, ...]]:
+def summary_rows(view: ProgressState) -> list[tuple[str, ...]]:
     rows = []
-    for state in sorted(model.ranks.values(), key=lambda s: s.rank):
+    for state in sorted(view.ranks.values(), key=lambda s: s.rank):
         done = state.done or {}
         rows.append((str(state.rank), str(done.get("steps", state.step)), _fmt(done.get("samples_per_s"), ".0f"),
                      _fmt(done.get("peak_memory_mb"), ".0f"), _fmt(done.get("final_loss", state.loss), ".4f"),
@@ -38,8 +38,8 @@ def summary_rows(model: ProgressModel) -> list[tuple[str, ...]]:
     return rows
 
 
-def summary_footer(model: ProgressModel) -> list[str]:
-    record = RunRecord(model.summary)
+def summary_footer(view: ProgressState) -> list[str]:
+    record = RunRecord(view.summary)
     if not record:
         return []
     lines = [f"wall time {record.wall_s:.1f}s, time to first step {record.time_to_first_step_s:.1f}s, "
@@ -64,10 +64,10 @@ class PlainDisplay:
         self.stream = stream or sys.stdout
         self.quiet = quiet
         self.final_summary = final_summary
-        self.model = ProgressModel(clock=clock)
+        self.view = ProgressState(clock=clock)
 
     def handle(self, event: Event) -> None:
-        self.model.apply(event)
+        self.view.apply(event)
         if self.quiet or event["type"] in ("error", "done"):
             return  # tracebacks and each rank's totals are shown once, at the end
         line = plain_line(event)
@@ -87,19 +87,19 @@ class PlainDisplay:
         """Where ddp-amp's own lines go: stdout carries the progress of ddp-amp's loop, but a script's stdout is
         the script's alone (piped, it holds what the script printed and its report() lines), so around a script
         the ranks' states and failures go to stderr."""
-        return sys.stderr if self.model.script and self.stream is sys.stdout else self.stream
+        return sys.stderr if self.view.script and self.stream is sys.stdout else self.stream
 
     def flush(self) -> None:
         self.stream.flush(), sys.stderr.flush()
 
     def close(self) -> None:
-        for rank, text in self.model.failure_reports():
+        for rank, text in self.view.failure_reports():
             print(f"[rank {rank}] failed:\n{text}", file=self._own_stream, flush=True)
-        if self.final_summary and self.model.ranks and self.model.summary:
-            for rank, steps, sps, memory, loss, status in summary_rows(self.model):
+        if self.final_summary and self.view.ranks and self.view.summary:
+            for rank, steps, sps, memory, loss, status in summary_rows(self.view):
                 print(f"[rank {rank}] {status}: {steps} steps, {sps} samples/s, peak memory {memory} MB, "
                       f"final loss {loss}", file=self._own_stream)
-            for line in summary_footer(self.model):
+            for line in summary_footer(self.view):
                 print(line, file=self._own_stream)
             self._own_stream.flush()
 
@@ -109,10 +109,10 @@ class JsonDisplay:
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
-        self.model = ProgressModel()
+        self.view = ProgressState()
 
     def handle(self, event: Event) -> None:
-        self.model.apply(event)
+        self.view.apply(event)
         print(json.dumps(event, sort_keys=True), file=self.stream, flush=event["type"] != "output")
 
     def flush(self) -> None:
@@ -133,7 +133,7 @@ class RichDisplay:
         from rich.console import Console
 
         self.console = console or Console()
-        self.model = ProgressModel(clock=clock)
+        self.view = ProgressState(clock=clock)
         self._live = None
         if live:
             self.start()
@@ -145,7 +145,7 @@ class RichDisplay:
         self._live.start()
 
     def handle(self, event: Event) -> None:
-        self.model.apply(event)
+        self.view.apply(event)
         if event["type"] in ("precision", "output"):  # a line above the live table
             self.console.print(plain_line(event), highlight=False, markup=False, soft_wrap=True)
 
@@ -155,11 +155,11 @@ class RichDisplay:
         from rich.table import Table
         from rich.text import Text
 
-        if self.model.script:
+        if self.view.script:
             return self._render_script()
 
         table = Table(box=None, pad_edge=False, expand=False)
-        ranks = sorted(self.model.ranks.values(), key=lambda s: s.rank)
+        ranks = sorted(self.view.ranks.values(), key=lambda s: s.rank)
         show_node = any(s.node for s in ranks)
         show_scale = any(s.loss_scale is not None for s in ranks)  # fp16 only
         show_micro = any(s.micro_batch_size is not None for s in ranks)  # --micro-batch only
@@ -182,13 +182,13 @@ class RichDisplay:
                 row.append(_fmt(state.micro_batch_size, "d"))
             row.append(Text(state.status, style=_STYLES.get(state.status, "")))
             table.add_row(*row)
-        model = self.model
-        throughput = f"{_fmt(model.global_samples_per_s, '.0f')} samples/s"
-        if model.item_name != "samples":
-            throughput = f"{_fmt(model.items_per_s, '.0f')} {model.item_name}/s ({throughput})"
-        norm = f"grad norm {model.grad_norm:.3g}  " if model.grad_norm is not None else ""
-        line = Text(f"all ranks: loss {_fmt(model.global_loss, '.4f')}  {norm}{throughput}  "
-                    f"elapsed {_duration(model.elapsed)}  ETA {_duration(model.eta)}")
+        view = self.view
+        throughput = f"{_fmt(view.global_samples_per_s, '.0f')} samples/s"
+        if view.item_name != "samples":
+            throughput = f"{_fmt(view.items_per_s, '.0f')} {view.item_name}/s ({throughput})"
+        norm = f"grad norm {view.grad_norm:.3g}  " if view.grad_norm is not None else ""
+        line = Text(f"all ranks: loss {_fmt(view.global_loss, '.4f')}  {norm}{throughput}  "
+                    f"elapsed {_duration(view.elapsed)}  ETA {_duration(view.eta)}")
         return Group(table, line)
 
     def _render_script(self):
@@ -198,7 +198,7 @@ class RichDisplay:
         from rich.text import Text
 
         table = Table(box=None, pad_edge=False, expand=False)
-        ranks = sorted(self.model.ranks.values(), key=lambda s: s.rank)
+        ranks = sorted(self.view.ranks.values(), key=lambda s: s.rank)
         show_node = any(s.node for s in ranks)
         reports = any(s.reported for s in ranks)  # the script reports through ddp_amp.loop
         for header in ("rank", *(("node", "local") if show_node else ()), "status",
@@ -210,7 +210,7 @@ class RichDisplay:
                           Text(state.status, style=_STYLES.get(state.status, "")),
                           *((str(state.step), Text(metrics_text(state.reported))) if reports else ()),
                           Text(state.last_line))
-        return Group(table, Text(f"elapsed {_duration(self.model.elapsed)}"))
+        return Group(table, Text(f"elapsed {_duration(self.view.elapsed)}"))
 
     def close(self) -> None:
         if self._live is not None:
@@ -219,18 +219,18 @@ class RichDisplay:
         from rich.table import Table
         from rich.text import Text
 
-        for rank, text in self.model.failure_reports():
+        for rank, text in self.view.failure_reports():
             # Text, not a str: tracebacks hold brackets ("[/path/pair.cc:553]") that rich would read as markup.
             self.console.print(Panel(Text(text), title=f"rank {rank} failed", border_style="red", expand=False))
-        if not self.model.summary:
+        if not self.view.summary:
             return
         table = Table(title="summary")
         for header in ("rank", "steps", "samples/s", "peak MB", "final loss", "status"):
             table.add_column(header, justify="right")
-        for row in summary_rows(self.model):
+        for row in summary_rows(self.view):
             table.add_row(*row)
         self.console.print(table)
-        for line in summary_footer(self.model):
+        for line in summary_footer(self.view):
             self.console.print(line, highlight=False, markup=False)
 
 
@@ -240,7 +240,7 @@ def make_display(log_format: str, *, quiet: bool = False, script: bool = False):
         log_format = "rich" if sys.stdout.isatty() else "plain"
     rich = log_format == "rich" and not quiet
     display = JsonDisplay() if log_format == "json" else RichDisplay(live=False) if rich else PlainDisplay(quiet=quiet)
-    display.model.script = script
+    display.view.script = script
     if isinstance(display, RichDisplay):
         display.start()  # after `script` is set: the first frame already has the script's table
     return display

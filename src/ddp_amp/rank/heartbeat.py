@@ -26,7 +26,7 @@ class Heartbeat:
     """Sends the trainer's position (step, micro-step, phase) every HEARTBEAT_S.
 
     A loop that stands still while its heartbeat goes on is stuck: in a hung user function, or in a collective
-    waiting for a rank that is. The launcher compares the ranks' positions to tell which (see ProgressModel).
+    waiting for a rank that is. The launcher compares the ranks' positions to tell which (see ProgressState).
     A loop that has stood still for `stall_after` seconds also writes this rank's flight record (once per
     stall): the stuck main thread cannot, and the run may end before it could.
     """

@@ -24,7 +24,7 @@ from ddp_amp.errors import RankSetupError, RankUsageError
 from ddp_amp.parallel import MODES
 from ddp_amp.parallel.base import on_meta_device
 from ddp_amp.precision import Precision, cuda_has_native_bf16, resolve_precision
-from ddp_amp.progress.session import LOG_DIR_VAR
+from ddp_amp.progress.live import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
 from ddp_amp.train.data import is_iterable
 

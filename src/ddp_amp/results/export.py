@@ -17,25 +17,25 @@ WHICH = ("auto", "best", "last")
 def choose_source(source: Path, which: str) -> tuple[Path, dict[str, Any] | None]:
     """(the weights file to export, the run's config where one is known). A run directory gives its best
     (model_best.pt), its last (model.pt, else its newest checkpoint), or with auto the best where it kept one."""
-    from ddp_amp.checkpoint import fileformat
+    from ddp_amp.checkpoint import storage
 
     if not source.exists():
         raise UsageError(f"export: {str(source)!r} does not exist")
     if source.is_dir() and (source / CONFIG_FILE).is_file():
         config = json.loads((source / CONFIG_FILE).read_text())
         best, last = source / BEST_MODEL_FILE, source / MODEL_FILE
-        newest = next(iter(fileformat.checkpoints(source)), None)
+        newest = next(iter(storage.checkpoints(source)), None)
         if which == "best" and not best.exists():
             raise UsageError(f"export --which best: {str(source)!r} kept no {BEST_MODEL_FILE} (train with --keep-best)")
         chosen = best if which == "best" or (which == "auto" and best.exists()) else last if last.exists() else newest
         if chosen is None or not chosen.exists():
             raise UsageError(f"export: {str(source)!r} holds no weights yet (no {MODEL_FILE}, no checkpoint)")
         return chosen, config
-    if source.is_dir() and not fileformat.sharded.is_complete(source):
+    if source.is_dir() and not storage.sharded.is_complete(source):
         return source, None  # a save_pretrained directory
     try:
-        config = fileformat.read_metadata(source)["config"]  # a checkpoint knows its run
-    except fileformat.CheckpointError:
+        config = storage.read_metadata(source)["config"]  # a checkpoint knows its run
+    except storage.CheckpointError:
         config = None
     return source, config
 

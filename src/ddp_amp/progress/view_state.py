@@ -46,7 +46,7 @@ class RankState:
 
 
 @dataclass
-class ProgressModel:
+class ProgressState:
     """Everything the displays show, folded from events. Knows nothing about rendering."""
 
     clock: Callable[[], float] = time.monotonic

@@ -12,8 +12,8 @@ from ddp_amp.progress.output import OutputServer
 LOG_DIR_VAR = "DDP_AMP_WORKER_LOG_DIR"
 
 
-class ProgressSession:
-    """`with ProgressSession(display, run_dir) as session:` launch ranks with `session.environment()`."""
+class LiveProgress:
+    """`with LiveProgress(display, run_dir) as session:` launch ranks with `session.environment()`."""
 
     def __init__(self, display, run_dir: Path, *, capture_output: bool = False) -> None:
         """capture_output: the ranks run a user's script, whose stdout and stderr come here line by line
@@ -33,29 +33,29 @@ class ProgressSession:
         return {**self._server.environment(), LOG_DIR_VAR: str(self.log_dir)}
 
     def failure_shown(self) -> bool:
-        return bool(self.display.model.failures())
+        return bool(self.display.view.failures())
 
     def first_failure(self) -> tuple[int, str] | None:
         """(rank, traceback) of the failure that reached the display first (its error event's time), if any."""
-        failures = self.display.model.failures()
+        failures = self.display.view.failures()
         return (failures[0].rank, failures[0].traceback) if failures else None
 
     def failed_for_usage(self) -> bool:
         """A rank failed for a flag that does not fit what only a rank can see (its error event's kind)."""
-        return any(state.failure_kind == "usage" for state in self.display.model.failures())
+        return any(state.failure_kind == "usage" for state in self.display.view.failures())
 
     def rank_pids(self) -> list[int]:
         """The process ids of this node's ranks that have reported (for a graceful stop)."""
-        return [state.pid for state in self.display.model.ranks.values()
+        return [state.pid for state in self.display.view.ranks.values()
                 if state.pid and state.status not in ("done", "stopped", "failed")]
 
     def stalled(self) -> list:
-        return self.display.model.stalled()
+        return self.display.view.stalled()
 
     def _pump(self) -> None:
         while not self._stop.is_set():
             self._drain(timeout=0.1)
-            for event in self.display.model.stalls():
+            for event in self.display.view.stalls():
                 self.display.handle(event)
 
     def _drain(self, timeout: float = 0.0) -> None:
@@ -72,7 +72,7 @@ class ProgressSession:
         if flush is not None:
             flush()  # a script's lines are written as they come, and flushed once per batch
 
-    def __enter__(self) -> ProgressSession:
+    def __enter__(self) -> LiveProgress:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._server.__enter__()
         if self._output is not None:

@@ -1,5 +1,7 @@
-"""The checkpoint file: everything needed to continue a run bit for bit, as tensors and plain types only,
-written atomically; finding the newest one that loads, pruning, and what a resume must share with it."""
+"""Checkpoints on disk (checkpoint.formats says how each format stages and writes one; this module, what both
+share): the checkpoints directory and its names, the sidecar of metadata beside each, the single file written
+atomically and loaded weights-only (tensors and plain types only), finding the newest one that loads, pruning,
+the random states, and what a resume must share with the run that saved it."""
 
 from __future__ import annotations
 
