@@ -52,7 +52,7 @@ def test_clipping_reads_the_unscaled_norm_and_steps_with_the_clipped_gradients(o
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[-0.6, -0.8]]))  # clipped to norm 1
 
 
-def test_the_ddp_strategys_no_sync_skips_the_all_reduce_of_a_backward_whose_forward_ran_inside_it(one_rank_group):
+def test_the_strategys_no_backward_sync_skips_the_all_reduce_of_a_backward_whose_forward_ran_inside_it(one_rank_group):
     strategy = strategy_for(TrainConfig(), CPU)
     model = strategy.setup_module(nn.Linear(3, 1))
     reduced = []
@@ -62,10 +62,11 @@ def test_the_ddp_strategys_no_sync_skips_the_all_reduce_of_a_backward_whose_forw
         return default_hooks.allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, counted)
-    with strategy.no_sync(model):
+    with strategy.no_backward_sync(model, enabled=True):  # a micro-step that is not the step's last
         model(torch.ones(2, 3)).sum().backward()
     assert reduced == []
-    model(torch.ones(2, 3)).sum().backward()
+    with strategy.no_backward_sync(model, enabled=False):  # the last: its backward reduces what accumulated
+        model(torch.ones(2, 3)).sum().backward()
     assert reduced == [1]
 
 

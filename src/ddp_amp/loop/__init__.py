@@ -201,7 +201,7 @@ class Loop:
         wrapped = self._the_model(model, "accumulate")
         for index in range(self.grad_accum):
             last = index == self.grad_accum - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(wrapped):
+            with self.strategy.no_backward_sync(wrapped, enabled=not last):
                 self._sync_chosen.add(id(wrapped))
                 try:
                     yield index if data is None else data.next_batch() if isinstance(data, RankData) else next(data)
@@ -224,7 +224,7 @@ class Loop:
         self._backwards[id(model)] = count
         scaled = self.scaler.scale(loss if self.grad_accum == 1 else loss / self.grad_accum)
         # The backward too: FSDP2 decides its reduce-scatter in the backward, DDP in the forward.
-        with contextlib.nullcontext() if count == self.grad_accum else self.strategy.no_sync(model):
+        with self.strategy.no_backward_sync(model, enabled=count < self.grad_accum):
             scaled.backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *schedulers: Any, clip_grad: float | None = None) -> bool:

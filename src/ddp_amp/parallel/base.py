@@ -3,6 +3,7 @@ they share. Every method that gathers or loads state is collective: every rank c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -68,6 +69,12 @@ class Strategy:
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """The backward passes inside accumulate their gradients locally; the one after reduces them all."""
         return model.no_sync()
+
+    def no_backward_sync(self, model: nn.Module, enabled: bool) -> AbstractContextManager:
+        """no_sync where `enabled` (a micro-step that is not the step's last), else nothing (Fabric's
+        no_backward_sync(module, enabled)): the one place both loops choose whether a backward reduces. Under DDP
+        the choice must hold the forward (DDP decides there); under FSDP2, the backward."""
+        return self.no_sync(model) if enabled else contextlib.nullcontext()
 
     def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                    writers: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -12,7 +12,6 @@ returned as device tensors, for the metrics to read at log intervals.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -177,7 +176,7 @@ class AmpStep:
         (--micro-batch). Returns the loss, detached, fp32, on the device, unweighted."""
         if self.device.type != "cpu":
             batch = to_device(batch, self.device)
-        with contextlib.nullcontext() if sync else self.strategy.no_sync(self.model):
+        with self.strategy.no_backward_sync(self.model, enabled=not sync):
             self.position = (step, index, FORWARD)
             with autocast(self.precision, self.device.type):
                 loss = batch_loss(self.model, batch, self.loss_fn, self.task, self.every_field)
