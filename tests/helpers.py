@@ -213,16 +213,28 @@ class LongRun:
         return left
 
 
+def start_launch(run_dir: Path, *args: str, command: str = "spawn", nproc: int = 2, env: dict | None = None,
+                 mark: str | None = None, own_session: bool = False, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """A launch as a user types it (`ddp-amp COMMAND -n NPROC --run-dir RUN_DIR ARGS`; ARGS may end with a script
+    and its arguments), started and not waited for: the test signals it, kills it or waits itself. `mark`: put
+    in its environment, so run_processes(mark) finds everything it started; `own_session`: in a session and
+    process group of its own, as `setsid` starts it. Its stderr is a pipe; stdout a pipe unless DEVNULL is asked
+    for (a long run whose output the test does not read must not fill a pipe)."""
+    extra = {MARK_VAR: mark} if mark else {}
+    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", str(nproc), "--run-dir", str(run_dir),
+                             *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            start_new_session=own_session,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), **extra})
+
+
 def launch_until(run_dir: Path, *args: str, command: str = "spawn", nproc: int = 2,
                  until: int | Callable[[], bool] = 1, deliver: Callable[[subprocess.Popen], None] | None = None,
                  env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """A launch (`ddp-amp COMMAND -n NPROC ARGS`, --run-dir RUN_DIR first, so ARGS may end with a script and its
-    arguments) stopped once it got as far as `until` says (a number: metrics.jsonl holds that many lines; else
-    a condition to poll): `deliver(process)` (default SIGTERM to the launcher, as a terminal's or a scheduler's
-    stop reaches it), then waited for; its output captured. Fails the test when the launch ended first."""
-    process = subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", str(nproc), "--run-dir",
-                                str(run_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    """A launch (start_launch's) stopped once it got as far as `until` says (a number: metrics.jsonl holds that
+    many lines; else a condition to poll): `deliver(process)` (default SIGTERM to the launcher, as a terminal's
+    or a scheduler's stop reaches it), then waited for; its output captured. Fails the test when the launch
+    ended first."""
+    process = start_launch(run_dir, *args, command=command, nproc=nproc, env=env)
     metrics = run_dir / "metrics.jsonl"
     reached = until if callable(until) else \
         lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= until

@@ -6,12 +6,11 @@ signals to the run's whole process group."""
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from helpers import USER_TASKS, assert_ok, launch, read_metrics, read_summary
+from helpers import USER_TASKS, assert_ok, launch, read_metrics, read_summary, start_launch
 
 from ddp_amp.checkpoint.storage import checkpoints, load_checkpoint
 
@@ -24,9 +23,7 @@ HEAVY = ["--device", "cpu", "--amp", "off", "--task", f"{USER_TASKS}:sized", "--
 def spawn(run_dir, *args, wait: bool = True):
     if wait:
         return launch(run_dir, *args, "--log-format", "plain", own_session=True)
-    return subprocess.Popen([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *args, "--log-format", "plain",
-                             "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return start_launch(run_dir, *args, "--log-format", "plain", own_session=True, stdout=subprocess.DEVNULL)
 
 
 def temporary_files(run_dir):

@@ -1,14 +1,12 @@
 """Checkpoints and resume with real processes and real signals: the resumed run's weights equal, bit for bit,
 those of a run that was never interrupted."""
 
-import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from helpers import HELPER_TASKS, assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli
+from helpers import HELPER_TASKS, assert_ok, last_line, load_weights, read_metrics, read_summary, run_cli, start_launch
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +46,8 @@ def assert_bit_identical(a, b) -> None:
 
 def start(command: str, run_dir, precision: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     """A 2-rank launch of this file's run in `precision`, not waited for (the test signals it)."""
-    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", "2", *ARGS, *PRECISIONS[precision],
-                             *extra, "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **env_for(precision, **SLOW), **(env or {})})
-
+    return start_launch(run_dir, *ARGS, *PRECISIONS[precision], *extra, command=command,
+                        env={**env_for(precision, **SLOW), **(env or {})}, stdout=subprocess.DEVNULL)
 
 def wait_for(path, process: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s

@@ -14,13 +14,13 @@ import pytest
 import torch
 from helpers import (
     CHECKS_SCRIPT,
-    MARK_VAR,
     ORIGIN_SCRIPT,
     TASKS,
     last_line,
     launch_script,
     read_summary,
     run_processes,
+    start_launch,
 )
 
 pytestmark = pytest.mark.slow
@@ -145,11 +145,8 @@ def test_of_two_ranks_that_raise_the_verdict_names_the_first(command, tmp_path):
 def _start(command: str, run_dir, *script_args: str, mark: str, options: list[str] = ()) -> subprocess.Popen:
     # run with restarts to spare: a stop must still end the job, not restart the ranks it ended
     restarts = ["--max-restarts", "2"] if command == "run" else []
-    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", "2", *restarts, *options, "--log-format",
-                             "plain", "--run-dir", str(run_dir), str(CHECKS_SCRIPT), *script_args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, MARK_VAR: mark})
-
+    return start_launch(run_dir, *restarts, *options, "--log-format", "plain", str(CHECKS_SCRIPT), *script_args,
+                        command=command, mark=mark, own_session=True)
 
 def test_a_rank_that_holds_the_others_back_is_marked_stalled_and_named_when_stopped(tmp_path):
     """Rank 1 sleeps where rank 0 enters its third all-reduce (the script's own timeout 60 s away): the live

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import MARK_VAR, last_line, read_summary, run_processes
+from helpers import last_line, read_summary, run_processes, start_launch
 
 # serial: signals timed to the millisecond after a fork: alone, so that another test's load does not
 # stretch the delays they aim at.
@@ -72,10 +72,7 @@ def _alive(pid: int) -> bool:
 
 def _launch(command: str, run_dir: Path, mark: str) -> subprocess.Popen:
     extra = ["--max-restarts", "2"] if command == "run" else []
-    return subprocess.Popen([sys.executable, "-m", "ddp_amp", command, "-n", "2", *RUN, *extra, "--run-dir",
-                             str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, MARK_VAR: mark})
-
+    return start_launch(run_dir, *RUN, *extra, command=command, mark=mark, own_session=True, stdout=subprocess.DEVNULL)
 
 def _signal_in_the_window(process: subprocess.Popen, run_dir: Path, delay_s: float, deliver) -> None:
     deadline = time.monotonic() + 120
