@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ddp_amp.commands import bench, doctor, export, inspect, train
+from ddp_amp.commands import bench, doctor, export, inspect, train, verify
 from ddp_amp.errors import RunFailed, UsageError
 from ddp_amp.process import StopSignal, stop_signals_raise
 
@@ -33,6 +33,7 @@ COMMANDS = (
     inspect.diagnose,
     inspect.env,
     export.export,
+    verify.verify,
 )
 """In the order --help lists them."""
 SCRIPT_CONTEXT = {"allow_interspersed_args": False}

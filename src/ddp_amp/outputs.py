@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.files import atomic_write
+from ddp_amp.files import atomic_write, write_checksum
 
 MODEL_FILE = "model.pt"
 SUMMARY_FILE = "summary.json"
@@ -40,7 +40,7 @@ def save_weights(run_dir: Path, state_dict: dict[str, Any], name: str = MODEL_FI
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = run_dir / name
-    atomic_write(path, buffer.getvalue())
+    write_checksum(path, atomic_write(path, buffer.getbuffer(), checksum=True))  # model.pt.checksum
     return path
 
 

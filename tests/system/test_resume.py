@@ -148,6 +148,57 @@ def test_a_corrupt_newest_checkpoint_is_skipped(tmp_path, uninterrupted):
     assert_bit_identical(tmp_path, uninterrupted["fp32"])
 
 
+SHARDED = ("--checkpoint-format", "sharded")
+FLIPS = [pytest.param("flip-model", (), id="single-model-tensor"),
+         pytest.param("flip-optimizer", (), id="single-optimizer-state"),
+         pytest.param("flip-part", SHARDED, id="sharded-part"),
+         pytest.param("flip-metadata", SHARDED, id="sharded-metadata")]
+
+
+@pytest.mark.parametrize("damage, options", FLIPS)
+def test_a_byte_flipped_in_the_newest_checkpoint_is_caught_by_its_checksum_and_skipped(damage, options, tmp_path,
+                                                                                       uninterrupted):
+    """A run killed after its step-20 checkpoint; then one byte inverted inside the newest checkpoint (a model
+    tensor's or an optimizer state's storage in a single file, a rank's part or DCP's metadata in a sharded one),
+    the file's size unchanged: it still loads. `--resume auto` says once that it skips it, naming the file and
+    its checksum, continues from the one before, and ends on the uninterrupted run's weights bit for bit."""
+    import helper_tasks
+
+    process = start("spawn", tmp_path, "fp32", *options)
+    wait_for(tmp_path / "checkpoints" / "step-20.json", process)
+    process.kill()
+    process.wait()
+    newest = max((path for path in (tmp_path / "checkpoints").glob("step-*") if path.suffix != ".json"),
+                 key=lambda path: int(path.name.split("-")[1].removesuffix(".pt")))
+    helper_tasks.DAMAGES[damage](newest)
+    result = run_cli("spawn", "-n", "2", *ARGS, "--amp", "off", *options, "--resume", "auto", "--run-dir",
+                     str(tmp_path))
+    assert_ok(result)
+    warnings = [line for line in result.stderr.splitlines() if "skipping checkpoint" in line]
+    named = {"flip-part": "__1_0.distcp: ", "flip-metadata": ".metadata: "}.get(damage, "")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"ddp-amp: warning: skipping checkpoint {newest}: damaged, {named}its crc32 is "), result.stderr
+    assert read_summary(tmp_path)["resumed_from_step"] < int(newest.name.split("-")[1].removesuffix(".pt"))
+    assert_bit_identical(tmp_path, uninterrupted["fp32"])
+
+
+@pytest.mark.parametrize("damage, options", [FLIPS[0], FLIPS[2]])
+def test_a_restart_skips_a_checkpoint_whose_checksum_does_not_match(damage, options, tmp_path, uninterrupted):
+    """Under `run --max-restarts 1`: at step 25 rank 1 inverts a byte of step-20 (a model tensor's in a single
+    file, a part of a sharded one) and SIGKILLs itself. The restarted group skips step-20, says why in the
+    console and summary.json's checkpoints_skipped, continues from step 10 and ends on the uninterrupted
+    weights."""
+    step_20 = tmp_path / "checkpoints" / ("step-20" if options else "step-20.pt")
+    result = run_cli("run", "-n", "2", *ARGS, "--amp", "off", *options, "--max-restarts", "1", "--run-dir",
+                     str(tmp_path), env={"DDP_AMP_TEST_KILL_AT": "25", "DDP_AMP_TEST_DAMAGE": f"{damage}:{step_20}"})
+    assert_ok(result)
+    summary = read_summary(tmp_path)
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 10
+    assert [line.split(": damaged, ")[0] for line in summary["checkpoints_skipped"]] == [str(step_20)], summary
+    assert f"ddp-amp: warning: the restart skipped checkpoint {step_20}: damaged, " in result.stderr, result.stderr
+    assert_bit_identical(tmp_path, uninterrupted["fp32"])
+
+
 # The flags docs/checkpoints.md says a resume must share with its checkpoint, with another value each: written
 # out here, not read from the code's own list.
 MUST_MATCH_IN_DOCS = {"--batch-size": "32", "--grad-accum": "2", "--task": "linear", "--schedule": "step",

@@ -277,16 +277,54 @@ def _truncate_a_part(step: Path) -> None:
     part.write_bytes(part.read_bytes()[:100])
 
 
-# The ways a copy or a kill leaves a 2-rank sharded checkpoint directory damaged.
+def flip_byte(path: Path, offset: int) -> None:
+    """One byte of the file inverted in place: its size unchanged, as a failing disk or bit rot leaves it."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _flip_in_tensor(checkpoint: Path, pick) -> None:
+    """A byte flipped in the middle of the storage of the tensor `pick(state)` of a single-file checkpoint, found
+    by its bytes in the file: the file still unpickles, and holds other numbers there."""
+    tensor = pick(torch.load(checkpoint, map_location="cpu", weights_only=True)["trainer"])
+    data, wanted = checkpoint.read_bytes(), tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    offset = data.find(wanted)
+    assert offset >= 0 and data.find(wanted, offset + 1) < 0, "the tensor's bytes are not found once in the file"
+    flip_byte(checkpoint, offset + len(wanted) // 2)
+
+
+def _flip_in_model(checkpoint: Path) -> None:
+    _flip_in_tensor(checkpoint, lambda trainer: next(iter(trainer["model"].values())))
+
+
+def _flip_in_optimizer(checkpoint: Path) -> None:
+    _flip_in_tensor(checkpoint, lambda trainer: trainer["optimizer"]["state"][0]["exp_avg"])
+
+
+def _flip_in_a_part(step: Path) -> None:
+    part = step / "__1_0.distcp"
+    flip_byte(part, part.stat().st_size // 2)
+
+
+def _flip_in_metadata(step: Path) -> None:
+    flip_byte(step / ".metadata", (step / ".metadata").stat().st_size // 2)
+
+
+# The ways a copy or a kill leaves a 2-rank sharded checkpoint directory damaged, and a byte flipped in place
+# (a failing disk, a copy from object storage gone wrong, bit rot) in a single file or a sharded directory.
 DAMAGES = {"metadata-missing": _lose_metadata, "metadata-truncated": _truncate_metadata,
-           "part-missing": _lose_a_part, "part-truncated": _truncate_a_part}
+           "part-missing": _lose_a_part, "part-truncated": _truncate_a_part, "flip-model": _flip_in_model,
+           "flip-optimizer": _flip_in_optimizer, "flip-part": _flip_in_a_part, "flip-metadata": _flip_in_metadata}
 
 
 def damage_when_written(kind: str, step: Path, timeout_s: float = 60) -> None:
-    """Damages the sharded checkpoint `step` in the way DAMAGES names `kind`, once its sidecar says the
-    background write is done."""
+    """Damages the checkpoint `step` (step-N/ or step-N.pt) in the way DAMAGES names `kind`, once its sidecar says
+    the background write is done."""
     deadline = time.monotonic() + timeout_s
-    while not step.with_name(step.name + ".json").exists():
+    while not step.with_name(step.name.removesuffix(".pt") + ".json").exists():
         assert time.monotonic() < deadline, f"{step} was never written"
         time.sleep(0.05)
     DAMAGES[kind](step)

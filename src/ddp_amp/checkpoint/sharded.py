@@ -18,6 +18,7 @@ every rank writes its own part of, and that any world size reads back (DCP resha
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -28,10 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_amp.files import atomic_write, writer_tag
+from ddp_amp.files import atomic_write, checksum_record, file_checksum, writer_tag
 
 EXTRAS_FILE = "extras.pt"
 DCP_METADATA_FILE = ".metadata"
+CHECKSUMS_FILE = "checksums.json"
+"""Inside step-<N>/: every other file's checksum record (files.checksum_record), by its name, written last before
+the rename (a checkpoint written before checksums has none, and is read without)."""
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -182,9 +186,31 @@ def write(directory: Path, step: int, writer_tag: str, staged: dict[str, Any], e
     buffer = io.BytesIO()
     torch.save(extras, buffer)
     atomic_write(partial / EXTRAS_FILE, buffer.getbuffer())
+    write_checksums(partial, {EXTRAS_FILE: checksum_record(buffer.getbuffer())})
     final = directory / f"step-{step}"
     _replace_directory(partial, final)
     return final
+
+
+def write_checksums(path: Path, known: dict[str, dict[str, Any]]) -> None:
+    """The manifest of the directory's files (their checksums; `known`: those computed already, from the bytes
+    before they were written): every rank's parts and DCP's metadata are read back (on the background writer,
+    off the training thread; mostly from the page cache, just written)."""
+    records = {name: known.get(name) or file_checksum(path / name) for name in sorted(os.listdir(path))
+               if name != CHECKSUMS_FILE and (path / name).is_file()}
+    atomic_write(path / CHECKSUMS_FILE, json.dumps(records, indent=1, sort_keys=True).encode())
+
+
+def read_checksums(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The manifest written with a sharded checkpoint: {} without one (written before checksums: read without),
+    None where it is there and cannot be read (damaged itself)."""
+    try:
+        records = json.loads((path / CHECKSUMS_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+    return records if isinstance(records, dict) and all(isinstance(r, dict) for r in records.values()) else None
 
 
 def _replace_directory(source: Path, target: Path) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ddp_amp.checkpoint import sharded
-from ddp_amp.files import atomic_write
+from ddp_amp.files import atomic_write, checksum_mismatch
 
 CHECKPOINT_DIR = "checkpoints"
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
@@ -68,23 +68,27 @@ def metadata_of(state: dict[str, Any]) -> dict[str, Any]:
     return {key: state.get(key) for key in METADATA}
 
 
-def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int, protect_step: int | None = None) -> Path:
+def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int, protect_step: int | None = None, *,
+                    checksum: bool = True) -> Path:
     """Write step-<N>.pt atomically (temporary file, fsync, rename: a kill at any instant leaves the previous
-    checkpoint whole) and its metadata beside it, then prune to `keep` (see prune)."""
+    checkpoint whole) and its metadata beside it, with the file's checksum (computed while it is written), then
+    prune to `keep` (see prune). `checksum` False: none (benchmarks/checksums.py's baseline)."""
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = directory / f"step-{state['step']}.pt"
-    atomic_write(path, buffer.getbuffer())
-    write_sidecar(path, state)
+    record = atomic_write(path, buffer.getbuffer(), checksum=checksum)
+    write_sidecar(path, state, {"checksum": record} if record else {})
     drop_other_format(path)
     prune(run_dir, keep, state["config"].get("launch_time"), protect_step)
     return path
 
 
-def write_sidecar(path: Path, state: dict[str, Any]) -> None:
-    atomic_write(sidecar(path), json.dumps(metadata_of(state), sort_keys=True).encode())
+def write_sidecar(path: Path, state: dict[str, Any], checksums: dict[str, Any] | None = None) -> None:
+    """The metadata, and `checksums`: {"checksum": record} of a single file (a sharded checkpoint keeps its
+    files' in its own manifest, sharded.CHECKSUMS_FILE)."""
+    atomic_write(sidecar(path), json.dumps({**metadata_of(state), **(checksums or {})}, sort_keys=True).encode())
 
 
 def drop_other_format(path: Path) -> None:
@@ -132,13 +136,19 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return metadata_of(state)
 
 
-def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, *, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
     """torch.load with weights_only=True: tensors and plain types only. Anything else (a pickled object, whose
     code would run on loading) is refused, never unpickled. mmap: tensors stay on disk until used.
+
+    `verify` (and not mmap, which reads metadata only): the checkpoint's files are first checked against the
+    checksums written with them (damage_of); a mismatch is a CheckpointError naming the file, as a torn file is.
+    A checkpoint written before checksums is loaded without.
 
     A sharded checkpoint (a directory) gives its extras: everything but the model and the optimizer, which the
     ranks read together (sharded.load_local_state); state["format"] is "sharded" then."""
     path = Path(path)
+    if verify and not mmap and (damage := damage_of(path)):  # first: damage can also make a file unreadable
+        raise CheckpointError(damage)
     if sharded.is_sharded_checkpoint(path):
         if not sharded.is_complete(path):
             raise CheckpointError(f"{path}: incomplete (no {sharded.DCP_METADATA_FILE} or {sharded.EXTRAS_FILE})")
@@ -157,6 +167,34 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     if not isinstance(state, dict) or not {"step", "trainer", "rng", "config", "world_size"} <= state.keys():
         raise CheckpointError(f"{path}: not a ddp-amp checkpoint")
     return state
+
+
+def damage_of(path: Path) -> str | None:
+    """Why a checkpoint's bytes are not those written ("PATH: damaged, ..." naming the file that differs and
+    how), from the checksums written with it: a single file's in its sidecar, a sharded one's in its manifest.
+    None when every file matches, or when it carries no checksum (written before checksums were)."""
+    if sharded.is_sharded_checkpoint(path):
+        if (records := sharded.read_checksums(path)) is None:
+            return f"{path}: damaged, its {sharded.CHECKSUMS_FILE} is unreadable"
+        for name, recorded in records.items():
+            if not (path / name).is_file():
+                return f"{path}: damaged, its part {name} is missing"
+            if mismatch := checksum_mismatch(path / name, recorded):
+                return f"{path}: damaged, {name}: {mismatch}"
+        return None
+    recorded = read_sidecar_checksum(path)
+    if recorded is None or not path.is_file():
+        return None
+    return f"{path}: damaged, {mismatch}" if (mismatch := checksum_mismatch(path, recorded)) else None
+
+
+def read_sidecar_checksum(path: Path) -> dict[str, Any] | None:
+    """A single-file checkpoint's checksum record, from its sidecar; None without one."""
+    try:
+        recorded = json.loads(sidecar(path).read_text()).get("checksum")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def nonfinite_tensors(state: Any, where: str = "") -> list[str]:

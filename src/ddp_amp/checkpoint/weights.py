@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import sharded
+from ddp_amp import files
+from ddp_amp.checkpoint import sharded, storage
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 PRETRAINED_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -51,6 +52,10 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.exists():
         raise WeightsError(f"{path}: no such file or directory")
+    # The bytes against the checksum written with them (a checkpoint's, in its sidecar or manifest; model.pt's
+    # beside it), before anything is read: a damaged file loads as well as a whole one.
+    if damage := storage.damage_of(path) or files.damage_of(path):
+        raise WeightsError(damage)
     if path.is_dir():
         state: dict[str, torch.Tensor] = {}
         if sharded.is_complete(path):  # a sharded ddp-amp checkpoint (a DCP directory)
@@ -150,13 +155,16 @@ def save_weights_file(state: dict[str, torch.Tensor], path: Path) -> None:
         except ImportError:
             raise WeightsError(f"{path}: writing .safetensors needs the safetensors package") from None
         # safetensors refuses tensors that share memory (tied weights): store each once, as its own copy.
-        atomic_write(path, save({name: tensor.clone() for name, tensor in state.items()}))
+        data = save({name: tensor.clone() for name, tensor in state.items()})
+        atomic_write(path, data)
+        files.write_checksum(path, files.checksum_record(data))
         return
     import io
 
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write(path, buffer.getvalue())
+    files.write_checksum(path, files.checksum_record(buffer.getbuffer()))
 
 
 def pretrained_of(model: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
-from ddp_amp.files import LOCK_FILE, DirectoryInUse, DirectoryLock, remove_partial_writes
+from ddp_amp.files import CHECKSUM_SUFFIX, LOCK_FILE, DirectoryInUse, DirectoryLock, remove_partial_writes
 from ddp_amp.outputs import (
     BEST_MODEL_FILE,
     DOCTOR_FILE,
@@ -45,7 +45,7 @@ class PreparedRunDir:
 
 
 EARLIER_RUN_FILES = (MODEL_FILE, METRICS_FILE, SUMMARY_FILE, STEP_TIMES_FILE, BEST_MODEL_FILE, TRACKERS_FILE,
-                     LOOP_RECORD_FILE, DOCTOR_FILE)
+                     LOOP_RECORD_FILE, DOCTOR_FILE, MODEL_FILE + CHECKSUM_SUFFIX, BEST_MODEL_FILE + CHECKSUM_SUFFIX)
 # checkpoint.storage, rank.reporter, profiling, the pretrained format, W&B's files (rank.tracker_runs), the
 # ranks' output (progress.output), their flight records (rank.flight_recorder)
 EARLIER_RUN_DIRS = ("checkpoints", "tensorboard", "profile", PRETRAINED_DIR, "wandb", "logs", DUMP_DIR)

@@ -1,0 +1,99 @@
+"""Checkpoints and weights files that prove what they hold: the checksum written with each, checked before
+anything loads it, and `ddp-amp verify`. Real files, bytes flipped in place as a failing disk leaves them."""
+
+import json
+import zlib
+
+import pytest
+import torch
+from helpers import USER_TASKS, one_line, run_main
+
+from ddp_amp.checkpoint import storage
+from ddp_amp.files import atomic_write, checksum_mismatch, file_checksum
+from ddp_amp.outputs import save_weights
+
+from helper_tasks import flip_byte
+
+FP32_SGD = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant"]
+
+
+def _state(step: int, seed: int = 0) -> dict:
+    """A checkpoint's state as the manager writes one (what load_checkpoint checks it holds)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {"0.weight": torch.randn(64, 8, generator=generator), "0.bias": torch.randn(64, generator=generator)}
+    return {"step": step, "trainer": {"model": weights, "optimizer": {}}, "rng": [], "world_size": 2,
+            "config": {"launch_time": 1.0}, "saved_at": float(step)}
+
+
+def _middle_of(path, tensor: torch.Tensor) -> int:
+    data, wanted = path.read_bytes(), tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    return data.index(wanted) + len(wanted) // 2
+
+
+def test_the_checksum_is_of_the_bytes_written_and_names_what_differs_after_a_byte_flips(tmp_path):
+    data = bytes(range(256)) * 4096
+    record = atomic_write(tmp_path / "f", data, checksum=True)
+    assert record == {"algorithm": "crc32", "value": f"{zlib.crc32(data):08x}", "bytes": len(data)}
+    assert file_checksum(tmp_path / "f") == record and checksum_mismatch(tmp_path / "f", record) is None
+    flip_byte(tmp_path / "f", 1000)
+    damaged = bytearray(data)
+    damaged[1000] ^= 0xFF
+    assert checksum_mismatch(tmp_path / "f", record) == (f"its crc32 is {zlib.crc32(damaged):08x}, "
+                                                        f"{record['value']} recorded")
+    assert checksum_mismatch(tmp_path / "f", {**record, "bytes": 5}) == f"{len(data)} bytes, 5 recorded"
+
+
+def test_a_checkpoint_with_a_flipped_byte_is_skipped_for_the_one_before_with_one_warning(tmp_path):
+    for step in (10, 20):
+        storage.save_checkpoint(tmp_path, _state(step, seed=step), keep=5)
+    newest = tmp_path / "checkpoints" / "step-20.pt"
+    assert torch.load(newest, weights_only=True)["step"] == 20
+    flip_byte(newest, _middle_of(newest, _state(20, seed=20)["trainer"]["model"]["0.weight"]))
+    torch.load(newest, weights_only=True)  # it still loads: only the checksum tells
+    with pytest.raises(storage.CheckpointError, match=f"^{newest}: damaged, its crc32 is [0-9a-f]{{8}}, "
+                                                      "[0-9a-f]{8} recorded$"):
+        storage.load_checkpoint(newest)
+    warnings = []
+    path, state = storage.newest_valid_checkpoint(tmp_path, warn=warnings.append)
+    assert (path.name, state["step"]) == ("step-10.pt", 10)
+    assert len(warnings) == 1 and warnings[0].startswith(f"skipping checkpoint {newest}: damaged, its crc32 is ")
+
+
+def test_a_checkpoint_written_before_checksums_loads_and_says_nothing(tmp_path, capsys):
+    path = storage.save_checkpoint(tmp_path, _state(10), keep=2, checksum=False)
+    assert "checksum" not in json.loads(storage.sidecar(path).read_text())
+    warnings = []
+    assert storage.newest_valid_checkpoint(tmp_path, warn=warnings.append)[0] == path and warnings == []
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 0 and out.splitlines() == [
+        f"unchecked  {path}: no checksum recorded (written before checksums)", "1 file: 0 ok, 1 unchecked"]
+
+
+def test_verify_checks_a_runs_checkpoints_and_weights_without_training(tmp_path, capsys):
+    for step in (10, 20):
+        storage.save_checkpoint(tmp_path, _state(step, seed=step), keep=5)
+    weights = _state(0, seed=3)["trainer"]["model"]
+    model = save_weights(tmp_path, weights)
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    checkpoints = tmp_path / "checkpoints"
+    assert code == 0 and out.splitlines() == [f"ok         {checkpoints / 'step-20.pt'}",
+                                              f"ok         {checkpoints / 'step-10.pt'}", f"ok         {model}",
+                                              "3 files: 3 ok"]
+    flip_byte(model, _middle_of(model, weights["0.bias"]))
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 1 and out.splitlines()[2].startswith(f"damaged    {model}: its crc32 is ")
+    assert out.splitlines()[-1] == "3 files: 2 ok, 1 damaged"
+    code, _, err = run_main(["verify", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and one_line(err) == f"ddp-amp: error: verify {tmp_path / 'nothing'}: no such file or directory"
+
+
+def test_init_from_a_model_pt_whose_checksum_does_not_match_is_refused_before_launch(tmp_path, capsys):
+    weights = {"0.weight": torch.randn(5, 8), "0.bias": torch.randn(5), "2.weight": torch.randn(1, 5),
+               "2.bias": torch.randn(1)}
+    model = save_weights(tmp_path, weights)
+    flip_byte(model, _middle_of(model, weights["0.weight"]))
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--steps", "1", "--init-from", str(model), "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert one_line(err).startswith(f"ddp-amp: error: --init-from {model}: damaged, its crc32 is "), err
+    assert not (tmp_path / "run").exists()
