@@ -9,6 +9,7 @@ from typing import Any
 
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
+from ddp_amp.files import checksum_file_of
 from ddp_amp.outputs import BEST_MODEL_FILE, MODEL_FILE
 
 WHICH = ("auto", "best", "last")
@@ -51,6 +52,10 @@ def export(source: Path, *, output: Path | None, hf: Path | None, which: str = "
     for flag, path in (("-o", output), ("--hf", hf)):
         if path is not None and path.exists():
             raise UsageError(f"{flag} {str(path)!r} already exists; remove it or choose another name")
+    if output is not None and checksum_file_of(output).exists():  # written beside the file: never another's replaced
+        raise UsageError(f"-o {str(output)!r}: {str(checksum_file_of(output))!r} (where its checksum goes) already "
+                         "exists; remove it or choose another name")
+    for flag, path in (("-o", output), ("--hf", hf)):
         if path is not None and not path.resolve().parent.is_dir():
             raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
     chosen, config = choose_source(source, which)
