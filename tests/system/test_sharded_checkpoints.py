@@ -16,7 +16,7 @@ from helpers import HELPER_TASKS, assert_ok, free_port, launch, read_summary, ru
 
 from ddp_amp.checkpoint.storage import checkpoints, load_checkpoint, read_metadata
 
-from helper_tasks import DAMAGES
+from helper_tasks import SHARDED_DAMAGES
 
 pytestmark = pytest.mark.slow
 ARGS = ["--device", "cpu", "--task", "mlp", "--amp", "off", "--optimizer", "adamw", "--batch-size", "16",
@@ -126,15 +126,15 @@ def sharded_every_10(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("damage", list(SHARDED_DAMAGES))
 def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_export(damage, tmp_path,
                                                                                       sharded_every_10):
-    """The newest step-N/ damaged as a copy or a kill leaves it: `--resume auto` says in the console that it
-    skips it and why, and resumes from the complete one before it; export and --init-from of the damaged one are
-    one line, exit 2."""
+    """The newest step-N/ damaged as a copy or a kill leaves it, or a byte flipped inside: `--resume auto` says in
+    the console that it skips it and why (its checksums name the file that differs), and resumes from the complete
+    one before it; export and --init-from of the damaged one are one line, exit 2."""
     run = tmp_path / "run"
     shutil.copytree(sharded_every_10, run)
-    DAMAGES[damage](run / "checkpoints" / "step-20")
+    SHARDED_DAMAGES[damage](run / "checkpoints" / "step-20")
     (run / "model.pt").unlink()  # as if it had stopped at step 20
     result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(run), "--resume", "auto",
                      "--checkpoint-format", "sharded", timeout=300)
@@ -149,7 +149,7 @@ def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_e
     initialised = run_cli("spawn", "-n", "2", *ARGS, "--init-from", str(step_20), "--run-dir", str(tmp_path / "init"))
     lines = initialised.stderr.strip().splitlines()
     assert initialised.returncode == 2 and len(lines) == 1, initialised.stderr
-    assert lines[0].startswith(f"ddp-amp: error: --init-from {step_20}: a sharded checkpoint that cannot be read")
+    assert lines[0].startswith(f"ddp-amp: error: --init-from {step_20}: damaged, "), lines
     assert not (tmp_path / "init").exists()
 
 

@@ -313,11 +313,13 @@ def _flip_in_metadata(step: Path) -> None:
     flip_byte(step / ".metadata", (step / ".metadata").stat().st_size // 2)
 
 
-# The ways a copy or a kill leaves a 2-rank sharded checkpoint directory damaged, and a byte flipped in place
-# (a failing disk, a copy from object storage gone wrong, bit rot) in a single file or a sharded directory.
-DAMAGES = {"metadata-missing": _lose_metadata, "metadata-truncated": _truncate_metadata,
-           "part-missing": _lose_a_part, "part-truncated": _truncate_a_part, "flip-model": _flip_in_model,
-           "flip-optimizer": _flip_in_optimizer, "flip-part": _flip_in_a_part, "flip-metadata": _flip_in_metadata}
+# The ways a copy or a kill leaves a 2-rank sharded checkpoint directory damaged, or a byte flipped in place in
+# it (a failing disk, a copy from object storage gone wrong, bit rot); and a byte flipped in a single file.
+SHARDED_DAMAGES = {"metadata-missing": _lose_metadata, "metadata-truncated": _truncate_metadata,
+                   "part-missing": _lose_a_part, "part-truncated": _truncate_a_part, "flip-part": _flip_in_a_part,
+                   "flip-metadata": _flip_in_metadata}
+SINGLE_FILE_DAMAGES = {"flip-model": _flip_in_model, "flip-optimizer": _flip_in_optimizer}
+DAMAGES = {**SHARDED_DAMAGES, **SINGLE_FILE_DAMAGES}
 
 
 def damage_when_written(kind: str, step: Path, timeout_s: float = 60) -> None:
