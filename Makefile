@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/progress_overhead.py --repeats 5
 	$(BIN)/python benchmarks/fp16_skip_sync.py --repeats 5 --steps 60
 	$(BIN)/python benchmarks/checkpoint_cost.py --repeats 3
+	$(BIN)/python benchmarks/checksums.py --repeats 5
 	$(BIN)/python benchmarks/resume_memory.py --keep 3 --repeats 3
 	$(BIN)/python benchmarks/gemm_limit.py --repeats 3 --profile
 	$(BIN)/python benchmarks/bf16_true.py --repeats 3

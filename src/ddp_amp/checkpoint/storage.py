@@ -10,6 +10,7 @@ import json
 import pickle
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,9 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False, verify: bool = True
     A sharded checkpoint (a directory) gives its extras: everything but the model and the optimizer, which the
     ranks read together (sharded.load_local_state); state["format"] is "sharded" then."""
     path = Path(path)
+    if verify and not mmap and not sharded.is_sharded_checkpoint(path) and \
+            (recorded := read_sidecar_checksum(path)) is not None:
+        return _load_verified(path, recorded)
     if verify and not mmap and (damage := damage_of(path)):  # first: damage can also make a file unreadable
         raise CheckpointError(damage)
     if sharded.is_sharded_checkpoint(path):
@@ -166,6 +170,24 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False, verify: bool = True
         raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or not {"step", "trainer", "rng", "config", "world_size"} <= state.keys():
         raise CheckpointError(f"{path}: not a ddp-amp checkpoint")
+    return state
+
+
+def _load_verified(path: Path, recorded: dict[str, Any]) -> dict[str, Any]:
+    """A single file loaded while its checksum is computed on another thread (zlib's CRC and the reads release
+    the GIL; both read the same pages), so that the check costs a resume little beside the load itself; the
+    state is returned only once the bytes matched. A damaged file is named as damaged, whatever the load made
+    of its bytes."""
+    with ThreadPoolExecutor(1, thread_name_prefix="ddp-amp-checksum") as pool:
+        checking = pool.submit(checksum_mismatch, path, recorded)
+        try:
+            state = load_checkpoint(path, verify=False)
+        except CheckpointError:
+            if mismatch := checking.result():
+                raise CheckpointError(f"{path}: damaged, {mismatch}") from None
+            raise
+        if mismatch := checking.result():
+            raise CheckpointError(f"{path}: damaged, {mismatch}")
     return state
 
 
