@@ -34,7 +34,7 @@ class Quiet:
 def scale_reading_step(step: AmpStep):
     """The previous detection: compare the scale around update() (each get_scale() waits for the device)."""
 
-    def optimizer_step() -> bool:
+    def optimizer_step() -> bool:  # in place of train.update.OptimizerUpdate.step
         scale_before = step.scaler.get_scale()
         step.scaler.step(step.optimizer)
         step.scaler.update()
@@ -49,7 +49,7 @@ def steps_per_s(read_scale: bool, device: torch.device, env: DistEnv, steps: int
     torch.manual_seed(0)
     trainer = Trainer(config, env, device, Precision("fp16"), build_task("mlp"), Quiet())
     if read_scale:
-        trainer.step.optimizer_step = scale_reading_step(trainer.step)
+        trainer.step.update.step = scale_reading_step(trainer.step)
     summary = trainer.train().summary  # steady state: the first steps (DDP's bucket rebuild...) excluded
     trainer.close()
     return summary["rank_samples_per_s"] / config.batch_size

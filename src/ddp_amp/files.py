@@ -102,7 +102,10 @@ def checksum_mismatch(path: Path, recorded: dict[str, Any]) -> str | None:
     (or when the record is of an algorithm this version does not know: nothing can be said)."""
     if recorded.get("algorithm") != CHECKSUM_ALGORITHM:
         return None
-    found = file_checksum(path)
+    try:
+        found = file_checksum(path)
+    except OSError as exc:  # a failing disk's EIO is what checksums are for: the file is not what was written
+        return f"unreadable ({exc.strerror or type(exc).__name__})"
     if found["bytes"] != recorded.get("bytes"):
         return f"{found['bytes']} bytes, {recorded.get('bytes')} recorded"
     if found["value"] != recorded.get("value"):
@@ -119,14 +122,21 @@ def write_checksum(path: Path, record: dict[str, Any]) -> None:
     atomic_write(checksum_file_of(path), (json.dumps(record, sort_keys=True) + "\n").encode())
 
 
+UNREADABLE_RECORD: dict[str, Any] = {"algorithm": "unreadable"}
+"""What recorded_checksum gives for a record that is there and does not parse: damaged itself (it is written
+atomically, so a kill never leaves it half written)."""
+
+
 def recorded_checksum(path: Path) -> dict[str, Any] | None:
-    """The checksum record written beside `path`, None without one (a file written before checksums, or by
-    someone else) or when it cannot be read."""
+    """The checksum record written beside `path`; None without one (a file written before checksums, or by
+    someone else); UNREADABLE_RECORD when it is there and cannot be read as one."""
     try:
         record = json.loads(checksum_file_of(path).read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
-    return record if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return UNREADABLE_RECORD
+    return record if isinstance(record, dict) else UNREADABLE_RECORD
 
 
 def damage_of(path: Path) -> str | None:
@@ -135,6 +145,8 @@ def damage_of(path: Path) -> str | None:
     recorded = recorded_checksum(path)
     if recorded is None or not path.is_file():
         return None
+    if recorded is UNREADABLE_RECORD:
+        return f"{path}: damaged, its {checksum_file_of(path).name} is unreadable"
     return f"{path}: damaged, {mismatch}" if (mismatch := checksum_mismatch(path, recorded)) else None
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.files import atomic_write, write_checksum
+from ddp_amp.files import atomic_write, checksum_file_of, write_checksum
 
 MODEL_FILE = "model.pt"
 SUMMARY_FILE = "summary.json"
@@ -40,6 +40,7 @@ def save_weights(run_dir: Path, state_dict: dict[str, Any], name: str = MODEL_FI
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = run_dir / name
+    checksum_file_of(path).unlink(missing_ok=True)  # a kill before the new one is written: unchecked, not damaged
     write_checksum(path, atomic_write(path, buffer.getbuffer(), checksum=True))  # model.pt.checksum
     return path
 

@@ -97,3 +97,14 @@ def test_init_from_a_model_pt_whose_checksum_does_not_match_is_refused_before_la
     assert code == 2
     assert one_line(err).startswith(f"ddp-amp: error: --init-from {model}: damaged, its crc32 is "), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sidecar_that_no_longer_parses_makes_its_checkpoint_damaged_not_unchecked(tmp_path):
+    """A sidecar is written atomically: one that does not parse was damaged after, and with it the record of
+    what the checkpoint holds; the checkpoint is skipped, not loaded unchecked."""
+    path = storage.save_checkpoint(tmp_path, _state(10), keep=2)
+    text = storage.sidecar(path).read_text()
+    storage.sidecar(path).write_text(text[:20] + "\x00" + text[21:])
+    with pytest.raises(storage.CheckpointError, match="damaged, its sidecar step-10.json is unreadable$"):
+        storage.load_checkpoint(path)
+

@@ -148,3 +148,26 @@ def test_a_checkpoint_without_a_part_the_loop_registered_is_refused_naming_it(on
         CheckpointManager(config, one_rank_group, tmp_path, CPU).load(more, writers=[0])
     assert str(refused.value) == (f"--resume {tmp_path / 'checkpoints' / 'step-1.pt'}: no ema in it (it holds data, "
                                   "net, opt, sched)")
+
+
+def test_a_checkpoint_of_the_loop_before_it_ran_on_the_core_manager_still_resumes(one_rank_group, tmp_path):
+    """What ddp_amp.loop wrote before: its names' states, the scaler under "_scaler", the loader's position as
+    batches taken, a config of the loop's five settings. The core manager continues it: the weights, and the
+    data position as a cursor (2 batches of 4 on 1 rank: sample 8 of the epoch's order next)."""
+    from ddp_amp.checkpoint import storage
+
+    saved = _named_parts(seed=0)
+    _train(saved, 2)
+    old = {"step": 2, "saved_at": 1.0, "world_size": 1, "rng": [storage.rng_state(CPU)],
+           "config": {"amp": "auto", "dtype": "auto", "grad_accum": 1, "shard": "none", "seed": 0,
+                      "launch_time": 0.5, "launch": "process:0.5", "loop": True},
+           "trainer": {"net": saved.models["net"].state_dict(), "opt": saved.optimizers["opt"][1].state_dict(),
+                       "sched": saved.others["sched"].state_dict(), "data": {"epoch": 0, "taken": 2},
+                       "_scaler": {}}}
+    path = storage.save_checkpoint(tmp_path, old, keep=2, checksum=False)
+    config = TrainConfig(launch_time=1.0, resume=str(path))
+    fresh = _named_parts(seed=1)
+    assert CheckpointManager(config, one_rank_group, tmp_path, CPU).load(fresh, writers=[0]).step == 2
+    assert all(torch.equal(a, b) for a, b in zip(saved.models["net"].state_dict().values(),
+                                                  fresh.models["net"].state_dict().values()))
+    assert fresh.others["data"].state_dict()["cursor"] == 8

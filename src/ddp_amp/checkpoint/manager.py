@@ -144,9 +144,12 @@ class CheckpointManager:
             raise error
 
     def close(self) -> None:
-        """Wait for the write in flight; then the format's own resources (a sharded format's group)."""
-        self.wait()
-        self.format.close()
+        """Wait for the write in flight; then the format's own resources (a sharded format's group), also when
+        the write failed (its error is raised after)."""
+        try:
+            self.wait()
+        finally:
+            self.format.close()
 
     def figures(self) -> dict[str, Any]:
         """summary.json's account of the saves (after close): the loop's blocked seconds per checkpoint (mean and
@@ -163,20 +166,24 @@ class CheckpointManager:
         """Continue from the newest checkpoint this launch wrote (after torchrun restarted the workers, for a
         failure or because an elastic job's membership changed: torchrun does not count the latter as a
         restart), else from config.resume. Every rank ends up with the same state: the ranks agree on the
-        newest checkpoint any of them can read, and ranks that cannot read it (a node that joined later,
-        without a shared file system) receive it from one that can. `writers`: the ranks that write the run
-        dir. None for a fresh start."""
+        newest checkpoint the run dir's writers found whole (checksums and all), and ranks that cannot read it
+        (a node that joined later, without a shared file system) receive it from one that can. `writers`: the
+        ranks that write the run dir. None for a fresh start."""
         config, env = self.config, self.env
         self.format.check_writers(writers)
-        found = checkpoint_to_continue(config, self.run_dir, skipped=self.skipped)
+        # The ranks that write the run dir check the checksums (every file of a sharded checkpoint: read by each
+        # rank, it would be read world-size times); the others take their choice.
+        found = checkpoint_to_continue(config, self.run_dir, skipped=self.skipped, verify=env.writes_run_dir)
         views = [None] * env.world_size
-        dist.all_gather_object(views, found[1]["step"] if found else None)
-        steps = [step for step in views if step is not None]
+        dist.all_gather_object(views, (found[1]["step"] if found else None, env.writes_run_dir))
+        checked = [step for step, writes in views if writes and step is not None]
+        steps = checked or [step for step, _ in views if step is not None]
         if not steps:
             return None
         newest = max(steps)
-        if any(step != newest for step in views):
-            source = views.index(newest)
+        if any(step != newest for step, _ in views):
+            source = next(rank for rank, (step, writes) in enumerate(views)
+                          if step == newest and (writes or not checked))
             shipped = [found if env.rank == source else None]
             dist.broadcast_object_list(shipped, src=source)
             found = shipped[0]
@@ -196,8 +203,8 @@ class CheckpointManager:
         return Restored(Path(path), state["step"], state["world_size"])
 
 
-def checkpoint_to_continue(config: TrainConfig, run_dir: Path, skipped: list[str] | None = None
-                           ) -> tuple[Path, dict] | None:
+def checkpoint_to_continue(config: TrainConfig, run_dir: Path, skipped: list[str] | None = None, *,
+                           verify: bool = True) -> tuple[Path, dict] | None:
     """This rank's own view: (path, state) of the checkpoint it would continue from, or None. Each checkpoint
     passed over is warned of in the rank's log and added to `skipped`.
 
@@ -210,13 +217,13 @@ def checkpoint_to_continue(config: TrainConfig, run_dir: Path, skipped: list[str
             skipped.append(line.removeprefix("skipping checkpoint "))
 
     found = storage.newest_valid_checkpoint(
-        run_dir, warn=warn,
+        run_dir, warn=warn, verify=verify,
         accept=lambda metadata: metadata["config"].get("launch_time") == config.launch_time)
     if found is not None or config.resume is None:
         return found
     path = Path(config.resume)
     try:
-        return path, storage.load_checkpoint(path)
+        return path, storage.load_checkpoint(path, verify=verify)
     except storage.CheckpointError as exc:
         if config.elastic:
             return None  # a node without the file: it receives the state from a rank that has it

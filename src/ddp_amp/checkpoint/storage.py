@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ddp_amp.checkpoint import sharded
-from ddp_amp.files import atomic_write, checksum_mismatch
+from ddp_amp.files import UNREADABLE_RECORD, atomic_write, checksum_mismatch
 
 CHECKPOINT_DIR = "checkpoints"
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
@@ -79,6 +79,10 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int, prote
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = directory / f"step-{state['step']}.pt"
+    # An earlier sidecar of this step (another launch's) goes first: a kill between the new file and its
+    # sidecar must leave a file without a checksum (read as one written before checksums), never one beside
+    # another file's checksum (read as damaged).
+    sidecar(path).unlink(missing_ok=True)
     record = atomic_write(path, buffer.getbuffer(), checksum=checksum)
     write_sidecar(path, state, {"checksum": record} if record else {})
     drop_other_format(path)
@@ -178,6 +182,8 @@ def _load_verified(path: Path, recorded: dict[str, Any]) -> dict[str, Any]:
     the GIL; both read the same pages), so that the check costs a resume little beside the load itself; the
     state is returned only once the bytes matched. A damaged file is named as damaged, whatever the load made
     of its bytes."""
+    if recorded is UNREADABLE_RECORD:
+        raise CheckpointError(f"{path}: damaged, its sidecar {sidecar(path).name} is unreadable")
     with ThreadPoolExecutor(1, thread_name_prefix="ddp-amp-checksum") as pool:
         checking = pool.submit(checksum_mismatch, path, recorded)
         try:
@@ -207,16 +213,23 @@ def damage_of(path: Path) -> str | None:
     recorded = read_sidecar_checksum(path)
     if recorded is None or not path.is_file():
         return None
+    if recorded is UNREADABLE_RECORD:
+        return f"{path}: damaged, its sidecar {sidecar(path).name} is unreadable"
     return f"{path}: damaged, {mismatch}" if (mismatch := checksum_mismatch(path, recorded)) else None
 
 
 def read_sidecar_checksum(path: Path) -> dict[str, Any] | None:
-    """A single-file checkpoint's checksum record, from its sidecar; None without one."""
+    """A single-file checkpoint's checksum record, from its sidecar; None without one (no sidecar: a kill
+    between the file and its sidecar, or one written before sidecars; or a sidecar without a checksum, written
+    before checksums); UNREADABLE_RECORD for a sidecar that is there and does not parse (written atomically, it
+    is damaged)."""
     try:
         recorded = json.loads(sidecar(path).read_text()).get("checksum")
-    except (OSError, ValueError, AttributeError):
+    except FileNotFoundError:
         return None
-    return recorded if isinstance(recorded, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return UNREADABLE_RECORD
+    return recorded if isinstance(recorded, dict) or recorded is None else UNREADABLE_RECORD
 
 
 def nonfinite_tensors(state: Any, where: str = "") -> list[str]:
@@ -230,7 +243,7 @@ def nonfinite_tensors(state: Any, where: str = "") -> list[str]:
     return []
 
 
-def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda metadata: True
+def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda metadata: True, *, verify: bool = True
                             ) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint whose metadata `accept` takes and that loads whole and finite; newer ones that do
     not load (a write cut short) or hold inf/NaN are skipped with a warning. Only metadata is read to choose,
@@ -239,7 +252,7 @@ def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda metad
         try:
             if not accept(read_metadata(path)):
                 continue
-            state = load_checkpoint(path)
+            state = load_checkpoint(path, verify=verify)
         except CheckpointError as exc:
             warn(f"skipping checkpoint {exc}")
             continue
@@ -255,6 +268,8 @@ def mismatches(checkpoint_config: dict[str, Any], config: dict[str, Any]) -> lis
     (checkpoint: 32)"). The world size may differ: the data and the schedule follow (train.data, Trainer)."""
     differ = []
     for name in MUST_MATCH:
+        if name not in checkpoint_config:  # not recorded (a script loop's before it had the core's config)
+            continue
         if config.get(name) != checkpoint_config.get(name):
             differ.append(f"--{name.replace('_', '-')} {config.get(name)} (checkpoint: {checkpoint_config.get(name)})")
     return differ

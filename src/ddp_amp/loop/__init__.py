@@ -199,12 +199,20 @@ class Loop:
         accumulated gradients once (Fabric's no_backward_sync, chosen for you). Yields the next batch of
         `data` (loader()'s, or any iterator) for each, or the micro-step's index without it."""
         wrapped = self._the_model(model, "accumulate")
+        if data is not None and not isinstance(data, RankData) and not hasattr(data, "__next__"):
+            raise LoopError(f"accumulate(): data={type(data).__name__} is neither loader()'s nor an iterator; pass "
+                            "loader()'s, or iter(...) of yours")
         for index in range(self.grad_accum):
             last = index == self.grad_accum - 1
+            try:
+                batch = index if data is None else data.next_batch() if isinstance(data, RankData) else next(data)
+            except StopIteration:
+                raise LoopError(f"accumulate(): the data ran out after {index} of {self.grad_accum} micro-steps") \
+                    from None
             with self.strategy.no_backward_sync(wrapped, enabled=not last):
                 self._sync_chosen.add(id(wrapped))
                 try:
-                    yield index if data is None else data.next_batch() if isinstance(data, RankData) else next(data)
+                    yield batch
                 finally:
                     self._sync_chosen.discard(id(wrapped))
 
@@ -267,10 +275,12 @@ class Loop:
         to steps() or restore() so that a resumed run continues with the next batch (loader_options:
         DataLoader's)."""
         try:
-            len(dataset)
+            size = len(dataset)
         except TypeError:
             raise LoopError("loader(): the data set has no len(): give a map-style data set (an iterable one "
                             "shards and resumes as its own code says)") from None
+        if size == 0:
+            raise LoopError("loader(): the data set is empty")
         env = DistEnv(self.rank, self.local_rank, self.world_size, 1, "", 0)
         return RankData(dataset, env, self.device, batch_size=batch_size, seed=self.settings.seed,
                         workers=num_workers, collate_fn=collate_fn, shuffle=shuffle, on_device=True,
@@ -307,12 +317,13 @@ class Loop:
         every = self.settings.checkpoint_every
         return bool(every) and step % every == 0
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> Path | None:
         """Every rank: a checkpoint of the state restore() (or steps()) registered after optimizer step `step`
         (every rank's random state included), in --checkpoint-format, written in the background unless
         --no-async-checkpoint (the loop waits only for the copy to host memory), the newest --keep kept; none
-        when the state holds inf/NaN (a warning; the last good checkpoint stays). steps() calls it itself."""
-        self._checkpoints.save(step)
+        when the state holds inf/NaN (a warning; the last good checkpoint stays). steps() calls it itself. The
+        path it is written to, on rank 0 (None elsewhere)."""
+        return self._checkpoints.save(step)
 
     def should_stop(self, step: int) -> bool:
         """Call after every optimizer step `step`, on every rank: True on every rank at the same step once any rank

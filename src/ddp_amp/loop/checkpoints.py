@@ -124,11 +124,16 @@ class LoopCheckpoints:
     def _warn(self, line: str) -> None:
         print(f"warning: {line}", flush=True)
 
-    def save(self, step: int) -> None:
-        """Every rank (gathering the random states, and a sharded model's weights, are collective)."""
+    def save(self, step: int) -> Path | None:
+        """Every rank (gathering the random states, and a sharded model's weights, are collective); the path on
+        rank 0, which writes it (in the background: there once the write is done)."""
         if self.parts is None:
             raise LoopError("save(): nothing to save; register the state with restore(model=..., optimizer=...) first")
         self.manager.save(self.parts, step)
+        if self.run.rank != 0:
+            return None
+        name = f"step-{step}" if self.manager.config.checkpoint_format == "sharded" else f"step-{step}.pt"
+        return storage.checkpoint_dir(self.run.run_dir) / name
 
     def close(self) -> None:
         """The write in flight finished (its error raised here), the format's resources released."""
