@@ -127,26 +127,40 @@ UNREADABLE_RECORD: dict[str, Any] = {"algorithm": "unreadable"}
 atomically, so a kill never leaves it half written)."""
 
 
-def recorded_checksum(path: Path) -> dict[str, Any] | None:
-    """The checksum record written beside `path`; None without one (a file written before checksums, or by
-    someone else); UNREADABLE_RECORD when it is there and cannot be read as one."""
+def read_checksum_record(record_file: Path, key: str | None = None) -> dict[str, Any] | None:
+    """A checksum record from the JSON file `record_file` (itself, or its `key`: a checkpoint's sidecar holds it
+    under "checksum"); None where there is none (no such file, or no such key: written before checksums);
+    UNREADABLE_RECORD where the file is there and does not parse as one (written atomically, it is damaged)."""
     try:
-        record = json.loads(checksum_file_of(path).read_text())
+        held = json.loads(record_file.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
         return UNREADABLE_RECORD
-    return record if isinstance(record, dict) else UNREADABLE_RECORD
+    if key is not None:
+        if not isinstance(held, dict):
+            return UNREADABLE_RECORD
+        held = held.get(key)
+        if held is None:
+            return None
+    return held if isinstance(held, dict) else UNREADABLE_RECORD
 
 
-def damage_of(path: Path) -> str | None:
-    """Why the weights file at `path` is damaged (its bytes do not match the checksum recorded beside it), in
-    words naming it; None when it matches or no checksum was recorded."""
-    recorded = recorded_checksum(path)
+def recorded_checksum(path: Path) -> dict[str, Any] | None:
+    """The checksum record written beside the weights file `path` (read_checksum_record's answers)."""
+    return read_checksum_record(checksum_file_of(path))
+
+
+def damage_of(path: Path, record_file: Path | None = None, key: str | None = None) -> str | None:
+    """Why the file at `path` is damaged (its bytes do not match the checksum recorded for it, or the record is
+    unreadable), in words naming it; None when it matches or no checksum was recorded. The record: in
+    `record_file` (under `key`), by default a weights file's own beside it (model.pt.checksum)."""
+    record_file = record_file or checksum_file_of(path)
+    recorded = read_checksum_record(record_file, key)
     if recorded is None or not path.is_file():
         return None
     if recorded is UNREADABLE_RECORD:
-        return f"{path}: damaged, its {checksum_file_of(path).name} is unreadable"
+        return f"{path}: damaged, its {record_file.name} is unreadable"
     return f"{path}: damaged, {mismatch}" if (mismatch := checksum_mismatch(path, recorded)) else None
 
 

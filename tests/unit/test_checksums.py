@@ -105,6 +105,6 @@ def test_a_sidecar_that_no_longer_parses_makes_its_checkpoint_damaged_not_unchec
     path = storage.save_checkpoint(tmp_path, _state(10), keep=2)
     text = storage.sidecar(path).read_text()
     storage.sidecar(path).write_text(text[:20] + "\x00" + text[21:])
-    with pytest.raises(storage.CheckpointError, match="damaged, its sidecar step-10.json is unreadable$"):
+    with pytest.raises(storage.CheckpointError, match="damaged, its step-10.json is unreadable$"):
         storage.load_checkpoint(path)
 

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from ddp_amp.checkpoint import sharded
-from ddp_amp.files import UNREADABLE_RECORD, atomic_write, checksum_mismatch
+from ddp_amp.files import UNREADABLE_RECORD, atomic_write, checksum_mismatch, read_checksum_record
+from ddp_amp.files import damage_of as file_damage
 
 CHECKPOINT_DIR = "checkpoints"
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
@@ -183,7 +184,7 @@ def _load_verified(path: Path, recorded: dict[str, Any]) -> dict[str, Any]:
     state is returned only once the bytes matched. A damaged file is named as damaged, whatever the load made
     of its bytes."""
     if recorded is UNREADABLE_RECORD:
-        raise CheckpointError(f"{path}: damaged, its sidecar {sidecar(path).name} is unreadable")
+        raise CheckpointError(f"{path}: damaged, its {sidecar(path).name} is unreadable")
     with ThreadPoolExecutor(1, thread_name_prefix="ddp-amp-checksum") as pool:
         checking = pool.submit(checksum_mismatch, path, recorded)
         try:
@@ -210,26 +211,13 @@ def damage_of(path: Path) -> str | None:
             if mismatch := checksum_mismatch(path / name, recorded):
                 return f"{path}: damaged, {name}: {mismatch}"
         return None
-    recorded = read_sidecar_checksum(path)
-    if recorded is None or not path.is_file():
-        return None
-    if recorded is UNREADABLE_RECORD:
-        return f"{path}: damaged, its sidecar {sidecar(path).name} is unreadable"
-    return f"{path}: damaged, {mismatch}" if (mismatch := checksum_mismatch(path, recorded)) else None
+    return file_damage(path, sidecar(path), key="checksum")
 
 
 def read_sidecar_checksum(path: Path) -> dict[str, Any] | None:
-    """A single-file checkpoint's checksum record, from its sidecar; None without one (no sidecar: a kill
-    between the file and its sidecar, or one written before sidecars; or a sidecar without a checksum, written
-    before checksums); UNREADABLE_RECORD for a sidecar that is there and does not parse (written atomically, it
-    is damaged)."""
-    try:
-        recorded = json.loads(sidecar(path).read_text()).get("checksum")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError):
-        return UNREADABLE_RECORD
-    return recorded if isinstance(recorded, dict) or recorded is None else UNREADABLE_RECORD
+    """A single-file checkpoint's checksum record, from its sidecar (files.read_checksum_record's answers: None
+    also where the sidecar is missing, a kill between the file and its sidecar)."""
+    return read_checksum_record(sidecar(path), key="checksum")
 
 
 def nonfinite_tensors(state: Any, where: str = "") -> list[str]:

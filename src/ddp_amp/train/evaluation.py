@@ -28,7 +28,8 @@ from ddp_amp.errors import RankUsageError
 from ddp_amp.precision import Precision, autocast
 from ddp_amp.tasks import Task
 from ddp_amp.tasks.batches import forward, output_loss
-from ddp_amp.train.data import IterableShard, is_iterable, shards_itself, to_device
+from ddp_amp.train.data import is_iterable, to_device
+from ddp_amp.train.iterable_data import IterableShard, shards_itself
 from ddp_amp.train.microbatch import batch_length
 
 

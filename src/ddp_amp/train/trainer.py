@@ -29,9 +29,10 @@ from ddp_amp.precision import Precision
 from ddp_amp.tasks import Task
 from ddp_amp.tasks.batches import loss_items_counter
 from ddp_amp.train.batch_search import largest_batch, one_trial
-from ddp_amp.train.data import IterableRankData, RankData, is_iterable, loader_workers
+from ddp_amp.train.data import RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.evaluation import BestKeeper, Validation
+from ddp_amp.train.iterable_data import IterableRankData
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts
