@@ -334,3 +334,23 @@ def test_under_plain_torchrun_a_restart_continues_from_this_launchs_checkpoint(t
     record = json.loads((tmp_path / "ddp-amp-loop" / "loop.json").read_text())
     assert record["restarts"] == 1 and record["resumed_from_step"] in (4, 6)
 
+
+def test_a_loop_resumed_past_a_checkpoint_whose_bytes_changed_continues_from_the_one_before(tmp_path):
+    """The loop's checkpoints are the core manager's, checksums included: a byte flipped inside the model of the
+    newest (its size unchanged, it still loads) is skipped with one warning naming it, and the loop continues
+    from the one before."""
+    import helper_tasks
+
+    run = tmp_path / "run"
+    code, _, err = _stopped(run, "--steps", "100000", "--step-s", "0.02", once=5, options=("--keep", "1000"))
+    assert code == 143, err
+    stopped = read_summary(run)["loop"]["stopped_at_step"]
+    newest = run / "checkpoints" / f"step-{stopped}.pt"
+    before = max(int(path.stem.split("-")[1]) for path in (run / "checkpoints").glob("step-*.pt")
+                 if path != newest)
+    helper_tasks.DAMAGES["flip-model"](newest)
+    resumed = launch_script(run, LOOP_FAILS, "--steps", str(stopped + 2), options=("--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    warnings = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "skipping checkpoint" in line]
+    assert len(warnings) == 1 and f"skipping checkpoint {newest}: damaged, its crc32 is " in warnings[0], warnings
+    assert read_summary(run)["loop"]["resumed_from_step"] == before
