@@ -15,7 +15,7 @@ from ddp_amp.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
 AMP_MODES = ("auto", "on", "off")
-DTYPES = ("auto", "bf16", "fp16", "bf16-true")
+DTYPES = ("auto", "bf16", "fp16", "bf16-true", "fp8", "fp8-rowwise")
 TRACKERS = ("mlflow", "wandb")
 SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
 OPTIMIZERS = ("adamw", "sgd")
@@ -67,7 +67,8 @@ class TrainConfig:
     """Mixed precision: auto (on where the device computes bf16 natively), on, or off (fp32)."""
     dtype: str = "auto"
     """Autocast dtype when AMP is on: auto, bf16 or fp16 (fp16 trains with a GradScaler); bf16-true: the model's
-    weights in bf16 too, the optimizer updating fp32 master copies of them."""
+    weights in bf16 too, the optimizer updating fp32 master copies of them; fp8 / fp8-rowwise: torchao's float8
+    linear layers (tensorwise / rowwise scales; GPUs of compute capability 8.9+, pip install 'ddp-amp[fp8]')."""
     optimizer: str = "adamw"
     """adamw or sgd (with --momentum)."""
     lr: float = 3e-3

@@ -146,7 +146,16 @@ class RunRecord:
     threads_per_rank: int | None = _Key()
     flush_denormal: Any = _Key()
     model_flops_per_token: float | None = _Key()
+    model_flops_per_sample: float | None = _Key()
+    task_description: str | None = _Key()
+    """What was trained, in a line (Task.description: a built-in task's size)."""
     # Its figures.
+    mfu: float | None = _Key()
+    """Model FLOPs utilisation over the steady state: achieved_tflops_per_rank over peak_tflops_per_rank, the
+    peak from peak_source (a GPU's data sheet, or a matmul rate measured on the rank)."""
+    achieved_tflops_per_rank: float | None = _Key()
+    peak_tflops_per_rank: float | None = _Key()
+    peak_source: str | None = _Key()
     final_loss: float | None = _Key()
     samples_per_s: float | None = _Key()
     rank_samples_per_s: float | None = _Key()

@@ -22,7 +22,8 @@ from ddp_amp.errors import UsageError
 @dataclass(frozen=True)
 class Precision:
     name: str
-    """fp32, bf16, fp16 (autocast over fp32 weights) or bf16-true (bf16 weights, fp32 master copies): what
+    """fp32, bf16, fp16 (autocast over fp32 weights), bf16-true (bf16 weights, fp32 master copies), or fp8 /
+    fp8-rowwise (torchao's float8 linear layers, their recipe tensorwise or rowwise, under bf16 autocast): what
     summary.json reports."""
     warning: str | None = None
     """One line to print once, e.g. bf16 emulated on a CPU without native support."""
@@ -44,6 +45,11 @@ class Precision:
         return self.name == BF16_TRUE
 
     @property
+    def fp8_recipe(self) -> str | None:
+        """torchao's float8 recipe (tensorwise, rowwise) for fp8 precisions, else None."""
+        return FP8_RECIPES.get(self.name)
+
+    @property
     def uses_scaler(self) -> bool:
         # bf16 has fp32's exponent range: gradients do not underflow, so only fp16 needs loss scaling.
         return self.name == "fp16"
@@ -51,13 +57,35 @@ class Precision:
     def torch_dtype(self):
         import torch
 
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, BF16_TRUE: torch.bfloat16}[
-            self.name]
+        # fp8: the float8 layers' matmuls are fp8; everything around them runs under bf16 autocast (torchtitan's
+        # choice: FSDP2's bf16 parameters); the weights stay fp32.
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, BF16_TRUE: torch.bfloat16}.get(
+            self.name, torch.bfloat16)
 
 
 BF16_TRUE = "bf16-true"
 """Lightning's name for a model that computes in bf16 (theirs keeps no fp32 copy; this one does, as DeepSpeed's
 bf16 and torchtitan's FSDP2 mixed precision do, so an update below a bf16 ulp of a weight is not lost)."""
+
+
+FP8_RECIPES = {"fp8": "tensorwise", "fp8-rowwise": "rowwise"}
+"""--dtype's fp8 names and torchao's float8 recipes: tensorwise (one scale per tensor: torchao's default, the
+fastest) and rowwise (a scale per row: more accurate, a little slower)."""
+FP8_CAPABILITY = (8, 9)
+"""fp8 tensor cores start with Ada (8.9) and Hopper (9.0)."""
+
+
+def fp8_refusal(device_type: str, cuda_fp8: bool) -> str | None:
+    """Why --dtype fp8 cannot run here, in one line, or None: it needs torchao and GPUs with fp8 tensor cores."""
+    import importlib.util
+
+    if device_type != "cuda" or not cuda_fp8:
+        where = "CPU ranks" if device_type != "cuda" else "these GPUs"
+        return (f"--dtype fp8 needs NVIDIA GPUs of compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or "
+                f"newer (Ada, Hopper), and {where} have no fp8 matrix units; use --dtype bf16 or bf16-true")
+    if importlib.util.find_spec("torchao") is None:
+        return "--dtype fp8 needs torchao's float8 training: pip install 'ddp-amp[fp8]' (or pip install torchao)"
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -118,6 +146,13 @@ def cuda_has_native_bf16(capability: tuple[int, int]) -> bool:
     return tuple(capability) >= NATIVE_BF16_CAPABILITY
 
 
+def cuda_devices_have_fp8(device_indices) -> bool:
+    """Whether every one of these local GPUs has fp8 tensor cores (compute capability 8.9 and newer)."""
+    import torch
+
+    return all(tuple(torch.cuda.get_device_capability(index)) >= FP8_CAPABILITY for index in device_indices)
+
+
 def cuda_devices_have_native_bf16(device_indices) -> bool:
     """Whether every one of these local GPUs computes bf16 natively (ranks must agree on one precision)."""
     import torch
@@ -126,8 +161,8 @@ def cuda_devices_have_native_bf16(device_indices) -> bool:
 
 
 def resolve_precision(
-    device_type: str, amp: str, dtype: str, *, cuda_bf16: bool = False, cpu_native_bf16: bool | None = None,
-    cpu_native_fp16: bool | None = None,
+    device_type: str, amp: str, dtype: str, *, cuda_bf16: bool = False, cuda_fp8: bool = False,
+    cpu_native_bf16: bool | None = None, cpu_native_fp16: bool | None = None,
 ) -> Precision:
     """Turn --amp/--dtype into a concrete precision for a device type ("cpu" or "cuda").
 
@@ -135,7 +170,8 @@ def resolve_precision(
     flag predicts it (avx512_bf16 without AMX measured 0.81x fp32 on one Xeon and 1.10x on an EPYC Zen 4), so
     the answer is `measured`: fp32 until rank 0's probe says otherwise. An explicit --dtype with --amp auto
     means "on with that dtype". `cuda_bf16`: every GPU of the job computes bf16 natively; `cpu_native_bf16`:
-    this CPU has bf16 instructions (no emulation warning).
+    this CPU has bf16 instructions (no emulation warning); `cuda_fp8`: every GPU has fp8 tensor cores. fp8 is
+    never chosen unasked.
     """
     if cpu_native_bf16 is None:
         cpu_native_bf16 = cpu_has_native_bf16()
@@ -143,6 +179,10 @@ def resolve_precision(
         cpu_native_fp16 = cpu_has_native_fp16()
     if amp == "off":
         return Precision("fp32")
+    if dtype in FP8_RECIPES:
+        if refusal := fp8_refusal(device_type, cuda_fp8):
+            raise UsageError(refusal)
+        return Precision(dtype)
     if device_type == "cuda":
         if dtype == "auto":
             if cuda_bf16:

@@ -117,14 +117,31 @@ def test_amp_all_compares_autocast_and_bf16_true_each_with_fp32(tmp_path, capsys
     assert "speedup bf16-true over fp32: 2.20x (per repeat 2.00x-2.50x); final losses differ by 1.00%" in out
 
 
-def test_mfu_is_per_gpu():
-    from ddp_amp.measure.gpu_peaks import mfu
+def test_mfu_is_per_rank_and_held_to_the_peak_the_ranks_reported(capsys):
+    """Eight ranks processing eight times one's samples use each rank as one alone does; the table shows it."""
+    from rich.console import Console
 
-    # 8 GPUs together process 8x the tokens of one: the utilisation of each is that of one alone.
-    one = mfu("NVIDIA H100 80GB HBM3", "bf16", tokens_per_s=1e5, flops_per_token=1e6, gpus=1)
-    eight = mfu("NVIDIA H100 80GB HBM3", "bf16", tokens_per_s=8e5, flops_per_token=1e6, gpus=8)
-    assert one == pytest.approx(1e11 / 989.4e12) and eight == pytest.approx(one)
-    assert mfu("Some Unknown GPU", "bf16", 1e5, 1e6, gpus=1) is None
+    from ddp_amp.measure.bench import Measurement, analyse
+    from ddp_amp.outputs import RunRecord
+    from ddp_amp.results.report import bench_table
+
+    def measured(world_size, step_s):
+        return Measurement("bf16", 0, {rank: [step_s] * 3 for rank in range(world_size)}, {0: 1.0},
+                           RunRecord({"global_batch_size": 8 * world_size, "final_loss": 0.5, "samples_per_s": 1.0,
+                                      "world_size": world_size, "model_flops_per_sample": 1e9,
+                                      "peak_tflops_per_rank": 0.1, "peak_source": "measured matmul, bf16"}))
+
+    one, eight = (analyse([measured(n, 0.2)])["precisions"]["bf16"] for n in (1, 8))
+    # 8 samples per rank in 0.2 s: 40 samples/s of 1 GFLOP each per rank, 40 GFLOP/s of 100: 40 %
+    assert one["mfu"] == pytest.approx(0.4) and eight["mfu"] == pytest.approx(0.4)
+    assert one["achieved_tflops_per_rank"] == pytest.approx(0.04)
+    report = analyse([measured(1, 0.2)])
+    report["environment"] = {"torch": "2.13.0", "device": "a CPU", "world_size": 1, "backend": "gloo",
+                             "threads_per_rank": 1, "cpu_native_bf16": True, "task": "GPT-2-style decoder, size tiny"}
+    Console(width=200).print(bench_table(report))
+    out = capsys.readouterr().out
+    assert "ddp-amp bench: GPT-2-style decoder, size tiny" in out
+    assert "40.0%" in out and "MFU against 0.1 TFLOP/s per rank (measured matmul, bf16)" in out
 
 
 # Names as torch.cuda.get_device_name prints them, and the model and dense peaks each must get.
@@ -146,7 +163,7 @@ def test_mfu_is_per_gpu():
     ("Tesla T4", "T4", 8.1, None, None, 65.0),
 ])
 def test_each_gpu_gets_its_own_peaks(name, model, fp32, tf32, bf16, fp16):
-    from ddp_amp.measure.gpu_peaks import gpu_model, peak_tflops
+    from ddp_amp.train.utilisation import gpu_model, peak_tflops
 
     assert gpu_model(name)[0] == model
     assert [peak_tflops(name, p) for p in ("fp32", "tf32", "bf16", "fp16")] == [fp32, tf32, bf16, fp16]
@@ -154,19 +171,21 @@ def test_each_gpu_gets_its_own_peaks(name, model, fp32, tf32, bf16, fp16):
 
 @pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GeForce RTX 4090", "NVIDIA L40G", "NVIDIA H100",
                                   "NVIDIA H800", "AMD Instinct MI300X", ""])
-def test_a_gpu_without_a_known_peak_gets_no_mfu(name):
-    from ddp_amp.measure.gpu_peaks import gpu_model, mfu
+def test_a_gpu_without_a_known_peak_has_no_table_peak(name):
+    from ddp_amp.train.utilisation import gpu_model, peak_tflops
 
     assert gpu_model(name) is None
-    assert mfu(name, "bf16", 1e5, 1e6, gpus=1) is None
+    assert peak_tflops(name, "bf16") is None
 
 
-def test_fp32_rows_are_held_to_the_fp32_or_tf32_peak():
-    from ddp_amp.measure.bench import peak_precision
+def test_each_precision_is_held_to_the_peak_of_its_matmuls():
+    from ddp_amp.train.utilisation import peak_precision
 
-    assert peak_precision("fp32", {"tf32_matmul": False}) == "fp32"
-    assert peak_precision("fp32+compile", {"tf32_matmul": True}) == "tf32"
-    assert peak_precision("bf16+compile", {"tf32_matmul": True}) == "bf16"
+    assert peak_precision("fp32", tf32=False) == "fp32"
+    assert peak_precision("fp32", tf32=True) == "tf32"
+    assert peak_precision("bf16", tf32=True) == "bf16"
+    assert peak_precision("bf16-true") == "bf16"
+    assert peak_precision("fp8-rowwise") == "fp8"
 
 
 def test_subnormals_and_collapsed_gradients_are_named_under_the_table():

@@ -9,6 +9,7 @@ import pytest
 
 from ddp_amp.progress.channel import MAX_LINE_BYTES, TOKEN_WAIT_S, EventSender, EventServer
 from ddp_amp.progress.display import PlainDisplay, RichDisplay
+from ddp_amp.progress.events import plain_line
 
 
 class FakeClock:
@@ -54,6 +55,33 @@ def test_rich_rows_and_global_line():
     assert "0.3000" in rows[1] and "running" in rows[1]
     # 40% done after 10 s: 15 s to go.
     assert "all ranks: loss 0.2500  1024 samples/s  elapsed 0:10  ETA 0:15" in text
+
+
+def test_mfu_is_in_each_ranks_row_the_global_line_the_plain_lines_and_the_summary():
+    display, console, console_file, _ = scripted_display()
+    display.handle(log_event(0, 50, 0.2, mfu=0.412, global_mfu=0.405))
+    display.handle(log_event(1, 50, 0.3, mfu=0.398, global_mfu=0.405))
+    console.print(display.render())
+    text = console_file.getvalue()
+    header = next(line for line in text.splitlines() if line.split()[:1] == ["rank"])
+    assert header.split()[-2:] == ["MFU", "status"]
+    rows = [line for line in text.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert "41.2%" in rows[0] and "39.8%" in rows[1]
+    assert "1024 samples/s  MFU 40.5%" in text
+    assert plain_line(log_event(0, 50, 0.2, mfu=0.412)).endswith("512 samples/s MFU 41.2%")
+    record = {**SUMMARY, "mfu": 0.4, "achieved_tflops_per_rank": 0.034, "peak_tflops_per_rank": 0.085,
+              "peak_source": "measured matmul, bf16, 1 thread"}
+    from ddp_amp.progress.display import summary_footer
+    from ddp_amp.progress.view_state import ProgressState
+
+    view = ProgressState(summary=record)
+    assert "MFU 40.0%: 0.034 TFLOP/s per rank of 0.085 (measured matmul, bf16, 1 thread)" in summary_footer(view)
+
+
+def test_without_a_flop_count_there_is_no_mfu_column():
+    display, console, console_file, _ = scripted_display()
+    console.print(display.render())
+    assert "MFU" not in console_file.getvalue()
 
 
 def test_rich_failed_rank_and_summary_table():

@@ -14,9 +14,10 @@ from ddp_amp.errors import UsageError
 @with_training_options(task="mlp-wide")
 def bench(
     train: dict,
-    amp: Annotated[Literal["both", "on", "off", "all"],
-                   typer.Option("--amp", help="both (off and on, interleaved), on, off, or all: fp32, autocast and "
-                                "bf16-true weights, interleaved.")] = "both",
+    amp: Annotated[Literal["auto", "both", "on", "off", "all"],
+                   typer.Option("--amp", help="auto: all on a CPU with native bf16, both elsewhere; both (off and on, "
+                                "interleaved), on, off, or all: fp32, autocast and bf16-true weights (and fp8 on GPUs "
+                                "that have it, with torchao), interleaved.")] = "auto",
     compile: Annotated[Literal["off", "on", "both"], typer.Option(
         "--compile", help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
     shard: Annotated[str, typer.Option("--shard", help="none, optimizer or full (as spawn's), or several, "
@@ -38,6 +39,8 @@ def bench(
     from ddp_amp.measure.bench import DEFAULT_STEPS, BenchOptions
 
     steps = train.pop("steps")
+    if amp == "auto" and (train["dtype"] != "auto" or max_batch):
+        amp = "both"  # a --dtype alone: that precision against fp32; --max-batch: fp32's batch against AMP's
     options = BenchOptions(amp=amp, steps=DEFAULT_STEPS if steps is None else steps, warmup=warmup,
                            repeats=repeats, launcher=launcher, compile=compile,
                            shards=tuple(mode.strip() for mode in shard.split(",")))
@@ -47,6 +50,8 @@ def bench(
         raise UsageError(f"--dtype {train['dtype']} conflicts with --amp off (fp32 alone); drop one of them")
     check_json_path(json_path)
     check_plot_path(plot)
+    if max_batch and amp == "all":
+        raise UsageError("--max-batch compares fp32 with one AMP precision: use --amp both, on or off (and --dtype)")
     if max_batch and compile != "off":
         raise UsageError("--max-batch searches eager runs; drop --compile")
     if max_batch and len(options.shards) > 1:
@@ -67,6 +72,32 @@ def bench(
         typer.echo(f"ddp-amp: wrote {plot}", err=True)
 
 
+def _for_this_machine(train: dict, options, cuda: bool, nproc: int):
+    """--amp auto resolved for this device (measure.bench.resolved_amp), whether `all` can include fp8, and each
+    variant's precision checked before the first launch (a --dtype these devices cannot run is refused now, not
+    after the fp32 runs)."""
+    import dataclasses
+
+    from ddp_amp.measure.bench import resolved_amp, variant_precision
+    from ddp_amp.precision import (
+        cpu_has_native_bf16,
+        cuda_devices_have_fp8,
+        cuda_devices_have_native_bf16,
+        fp8_refusal,
+        resolve_precision,
+    )
+
+    gpus = range(nproc) if cuda else range(0)
+    fp8 = cuda and fp8_refusal("cuda", cuda_devices_have_fp8(gpus)) is None
+    options = dataclasses.replace(options, amp=resolved_amp(options.amp, "cuda" if cuda else "cpu",
+                                                            cpu_has_native_bf16()), fp8=fp8)
+    for mode in options.modes:
+        chosen = variant_precision(train, options, mode)
+        resolve_precision("cuda" if cuda else "cpu", chosen["amp"], chosen["dtype"],
+                          cuda_bf16=cuda and cuda_devices_have_native_bf16(gpus), cuda_fp8=fp8)
+    return options
+
+
 def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, max_batch: bool) -> dict:
     """Every flag checked before anything is created; then the interleaved launches (measure.bench) or the
     batch search (measure.max_batch)."""
@@ -78,6 +109,7 @@ def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, ma
     cuda = train["device"] != "cpu" and torch.cuda.is_available()
     if nproc is None:
         nproc = torch.cuda.device_count() if cuda else 2
+    options = _for_this_machine(train, options, cuda, nproc)
     for mode in options.shards:  # every mode's combination with the other flags, before anything runs
         TrainConfig(**train, steps=options.warmup + options.steps, shard=mode)
     train["shard"] = options.shards[0]

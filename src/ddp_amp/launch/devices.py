@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_amp.precision import cuda_devices_have_native_bf16
+from ddp_amp.precision import cuda_devices_have_fp8, cuda_devices_have_native_bf16
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class DeviceFacts:
     cuda_bf16: bool = False
     """Whether the GPUs the ranks take compute bf16 natively."""
     gpu0_memory: int = 0
+    cuda_fp8: bool = False
+    """Whether they have fp8 tensor cores (--dtype fp8)."""
 
 
 def device_facts(device: str, nproc_per_node: int) -> DeviceFacts:
@@ -39,5 +41,6 @@ def _device_facts_from_torch(device: str, nproc_per_node: int) -> DeviceFacts:
     visible = torch.cuda.device_count()
     if not visible:
         return DeviceFacts("cuda")
-    return DeviceFacts("cuda", visible, cuda_devices_have_native_bf16(range(min(nproc_per_node, visible))),
-                       torch.cuda.get_device_properties(0).total_memory)
+    taken = range(min(nproc_per_node, visible))
+    return DeviceFacts("cuda", visible, cuda_devices_have_native_bf16(taken),
+                       torch.cuda.get_device_properties(0).total_memory, cuda_devices_have_fp8(taken))

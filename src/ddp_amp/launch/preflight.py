@@ -320,7 +320,8 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
                          f"{'is' if devices.visible == 1 else 'are'} visible with --device cuda; "
                          "lower it or use --device cpu")
     # What the ranks will decide on this node's GPUs (each rank checks its own device again, and all agree).
-    precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=devices.cuda_bf16)
+    precision = resolve_precision(device_type, config.amp, config.dtype, cuda_bf16=devices.cuda_bf16,
+                                   cuda_fp8=devices.cuda_fp8)
     check_ddp_options(config, device_type, precision)
     check_max_memory(config, devices)
     check_tensorboard(config)

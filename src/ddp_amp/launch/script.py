@@ -16,7 +16,7 @@ from typing import Any
 from ddp_amp.config import LOOP_OPTIONS, Script
 from ddp_amp.errors import UsageError
 from ddp_amp.outputs import LOOP_RECORD_FILE
-from ddp_amp.precision import BF16_TRUE
+from ddp_amp.precision import BF16_TRUE, FP8_RECIPES
 
 SCRIPT_TRAINING_OPTIONS = ("stop_timeout", "device")
 """The training options that apply to a script: how long ranks get to leave after a stop signal, and the devices
@@ -163,8 +163,9 @@ def refuse_loop_options(changed: list[str], script: Script, dtype: str | None = 
     `--resume auto` is every script's: it continues the run dir of an earlier launch (a plain script resumes
     from its own checkpoints; --resume PATH is ddp_amp.loop's)."""
     loop = uses_loop_module(script)
-    if dtype == BF16_TRUE:
-        raise UsageError(f"--dtype {BF16_TRUE}: a script's loop keeps its model's weights as it built them; "
+    if dtype == BF16_TRUE or dtype in FP8_RECIPES:
+        what = "keeps its model's weights" if dtype == BF16_TRUE else "keeps its model's layers"
+        raise UsageError(f"--dtype {dtype}: a script's loop {what} as it built them; "
                          + ("use --dtype bf16 (autocast), or ddp-amp's own loop with --task" if loop else
                             "use ddp-amp's own loop with --task"))
     allowed = SCRIPT_TRAINING_OPTIONS + (LOOP_OPTIONS if loop else ()) + (("resume",) if resume == "auto" else ())

@@ -15,7 +15,13 @@ import torch
 
 from ddp_amp.config import LOOP_OPTIONS, TrainConfig
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import Precision, cuda_devices_have_native_bf16, resolve_precision
+from ddp_amp.precision import (
+    BF16_TRUE,
+    FP8_RECIPES,
+    Precision,
+    cuda_devices_have_native_bf16,
+    resolve_precision,
+)
 
 RUN_DIR_VAR = "DDP_AMP_RUN_DIR"
 """Set by ddp-amp for a script's ranks (rank.script): the run directory, which holds config.json."""
@@ -75,14 +81,14 @@ class LoopSettings:
     def precision(self, device: torch.device) -> Precision:
         """--amp/--dtype by the core's rules; --amp auto on a CPU (which the core decides by measuring the task's
         own step) is fp32 for a script's loop."""
+        if self.dtype == BF16_TRUE or self.dtype in FP8_RECIPES:  # refused on the command line; setup() comes here
+            raise LoopError(f"setup(): dtype={self.dtype!r} is for ddp-amp's own loop (its fp32 master weights, its "
+                            "fp8 layers); a script's loop takes dtype='bf16' (autocast)")
         try:
             chosen = resolve_precision(device.type, self.amp, self.dtype, cuda_bf16=device.type == "cuda" and
                                        cuda_devices_have_native_bf16([device.index]))
         except UsageError as exc:  # e.g. --dtype bf16 on GPUs without it
             raise LoopError(f"setup(): {exc}") from None
-        if chosen.bf16_weights:  # the launcher refuses it on the command line; setup(dtype=...) comes here
-            raise LoopError("setup(): dtype='bf16-true' is for ddp-amp's own loop (its fp32 master weights); a "
-                            "script's loop takes dtype='bf16' (autocast)")
         if chosen.warning and int(os.environ.get("RANK", "0")) == 0:
             print(f"ddp-amp loop: warning: {chosen.warning}", flush=True)
         return chosen

@@ -79,6 +79,12 @@ def _precision_entry(runs: list[Measurement]) -> dict[str, Any]:
         entry["flush_denormal"] = first.flush_denormal
     if first.tokens_per_s is not None:
         entry["tokens_per_s"] = samples_per_s * first.tokens_per_s / first.samples_per_s
+    if first.model_flops_per_sample and first.peak_tflops_per_rank:
+        # The table's throughput in FLOP/s per rank, over the peak the ranks measured or looked up (median).
+        tflops = samples_per_s / first.world_size * first.model_flops_per_sample / 1e12
+        peak = statistics.median(m.summary.peak_tflops_per_rank for m in runs)
+        entry.update(achieved_tflops_per_rank=tflops, peak_tflops_per_rank=peak, mfu=tflops / peak,
+                     peak_source=first.peak_source)
     return entry
 
 
@@ -240,16 +246,20 @@ def environment_report() -> dict[str, Any]:
     }
 
 
-def peak_precision(label: str, env: dict[str, Any]) -> str:
-    """Which of the GPU's peaks a measured variant ("fp32", "bf16+compile"...) is held to: float32 matmuls run
-    on the tensor cores as tf32 when tf32 is on."""
-    precision = label.removesuffix(COMPILED)
-    return "tf32" if precision == "fp32" and env.get("tf32_matmul") else precision
-
-
-AMP_CHOICES = ("both", "on", "off", "all")
+AMP_CHOICES = ("auto", "both", "on", "off", "all")
 BF16_WEIGHTS = "true"
 """The variant of `--amp all` that trains with bf16 weights (--dtype bf16-true) beside fp32 and autocast."""
+FP8 = "fp8"
+"""The variant of `--amp all` that trains with torchao's float8 layers (--dtype fp8), where the GPUs have fp8."""
+
+
+def resolved_amp(amp: str, device_type: str, cpu_native_bf16: bool) -> str:
+    """--amp auto, bench's default: the comparisons a user would choose from here. On a CPU with native bf16,
+    bf16 weights (bf16-true) beside fp32 and autocast, as `all`: they are often the fastest there (2.15x fp32 on
+    an AMD Zen 5, against 1.30x for autocast); elsewhere fp32 against autocast, as `both`."""
+    if amp != "auto":
+        return amp
+    return "all" if device_type == "cpu" and cpu_native_bf16 else "both"
 COMPILE_CHOICES = ("off", "on", "both")
 COMPILED = "+compile"
 LAUNCHERS = ("spawn", "run")
@@ -259,6 +269,7 @@ DEFAULT_STEPS = 30
 @dataclass(frozen=True)
 class BenchOptions:
     amp: str = "both"
+    """Resolved: not auto (resolved_amp)."""
     steps: int = DEFAULT_STEPS
     """Timed optimizer steps per launch."""
     warmup: int = 10
@@ -269,6 +280,8 @@ class BenchOptions:
     """off, on or both (eager and compiled runs of each precision, interleaved)."""
     shards: tuple[str, ...] = ("none",)
     """The --shard modes to run, interleaved; the figures of the others are compared with the first's."""
+    fp8: bool = False
+    """The GPUs have fp8 and torchao is installed: `all` includes fp8."""
 
     def __post_init__(self) -> None:
         from ddp_amp.errors import UsageError
@@ -298,13 +311,27 @@ class BenchOptions:
 
     @property
     def modes(self) -> list[str]:
-        return {"both": ["off", "on"], "all": ["off", "on", BF16_WEIGHTS]}.get(self.amp, [self.amp])
+        every = ["off", "on", BF16_WEIGHTS, *([FP8] if self.fp8 else [])]
+        return {"both": ["off", "on"], "all": every}.get(self.amp, [self.amp])
 
     @property
     def variants(self) -> list[tuple[str, bool, str]]:
         """(AMP mode, compiled, shard mode) of each launch in one interleaved round."""
         compiled = {"off": [False], "on": [True], "both": [False, True]}[self.compile]
         return [(mode, flag, shard) for mode in self.modes for flag in compiled for shard in self.shards]
+
+
+def variant_precision(train_options: dict[str, Any], options: BenchOptions, mode: str) -> dict[str, str]:
+    """--amp and --dtype of one variant: off is fp32; on keeps the --dtype given (all's autocast variant is
+    autocast); true and fp8 train with bf16 weights and fp8 layers."""
+    dtype = train_options.get("dtype", "auto")
+    if mode == "off":
+        return {"amp": "off", "dtype": "auto"}
+    if mode in (BF16_WEIGHTS, FP8):
+        return {"amp": "on", "dtype": "bf16-true" if mode == BF16_WEIGHTS else FP8}
+    if options.amp == "all" and dtype in ("bf16-true", FP8, "fp8-rowwise"):
+        dtype = "bf16"
+    return {"amp": mode, "dtype": dtype}
 
 
 def compare_shards(by_shard: dict[str, list[Measurement]]) -> dict[str, Any]:
@@ -341,21 +368,15 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
               status=print) -> dict[str, Any]:
     """Launch every (repeat, precision) once, interleaved off, on, off, on..., and analyse the step times."""
     from ddp_amp.launch.session import launch_quietly
-    from ddp_amp.measure.gpu_peaks import mfu
 
     notes, summary, plan = [], None, None
     by_shard: dict[str, list[Measurement]] = {shard: [] for shard in options.shards}
     total = options.repeats * len(options.variants)
     for repeat in range(options.repeats):
         for mode, compiled, shard in options.variants:
-            run_options = {**train_options, "amp": mode, "steps": options.warmup + options.steps,
+            run_options = {**train_options, **variant_precision(train_options, options, mode),
+                           "steps": options.warmup + options.steps,
                            "log_every": max(1, options.warmup + options.steps), "compile": compiled, "shard": shard}
-            if mode == "off":
-                run_options["dtype"] = "auto"
-            elif mode == BF16_WEIGHTS:
-                run_options.update(amp="on", dtype="bf16-true")
-            elif options.amp == "all" and run_options.get("dtype") == "bf16-true":
-                run_options["dtype"] = "bf16"  # all's autocast variant
             sharded = "" if shard == "none" else f"-{shard}"
             run_dir = run_root / f"{mode}{'-compile' if compiled else ''}{sharded}-{repeat}"
             plan = launch_quietly(run_options, run_dir, nproc=nproc, launcher=options.launcher, kind="bench")
@@ -373,13 +394,10 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
         report["shards"] = compare_shards(by_shard)
     tf32 = train_options.get("tf32")
     env = environment(plan.device_type, nproc, summary, None if tf32 is None else tf32 == "on")
-    flops = summary.model_flops_per_token
-    if flops:
-        env["model_flops_per_token"] = flops
-        for label, entry in report["precisions"].items():
-            if "tokens_per_s" in entry:
-                entry["mfu"] = (mfu(env["device"], peak_precision(label, env), entry["tokens_per_s"], flops,
-                                    gpus=summary.world_size) if plan.device_type == "cuda" else None)
+    if summary.model_flops_per_token:
+        env["model_flops_per_token"] = summary.model_flops_per_token
+    if summary.task_description:
+        env["task"] = summary.task_description
     env["flush_denormal"] = summary.flush_denormal
     report["environment"] = env
     report["notes"] = notes + numerics_notes(report)

@@ -44,6 +44,9 @@ def summary_footer(view: ProgressState) -> list[str]:
         return []
     lines = [f"wall time {record.wall_s:.1f}s, time to first step {record.time_to_first_step_s:.1f}s, "
              f"{record.samples_per_s:.0f} samples/s global, precision {record.precision}"]
+    if record.mfu is not None:
+        lines.append(f"MFU {record.mfu:.1%}: {record.achieved_tflops_per_rank:.3g} TFLOP/s per rank of "
+                     f"{record.peak_tflops_per_rank:.3g} ({record.peak_source})")
     if record.frozen_parameters:
         lines.append(f"parameters: {record.trainable_parameters:,} trained, {record.frozen_parameters:,} "
                      "frozen (left out of the optimizer)")
@@ -163,9 +166,10 @@ class RichDisplay:
         show_node = any(s.node for s in ranks)
         show_scale = any(s.loss_scale is not None for s in ranks)  # fp16 only
         show_micro = any(s.micro_batch_size is not None for s in ranks)  # --micro-batch only
+        show_mfu = any(s.mfu is not None for s in ranks)  # where the run counts its FLOPs
         headers = ["rank", *(("node", "local") if show_node else ()), "progress", "step", "epoch", "loss", "lr",
-                   "samples/s", *(("scale", "skipped") if show_scale else ()), *(("micro",) if show_micro else ()),
-                   "status"]
+                   "samples/s", *(("MFU",) if show_mfu else ()), *(("scale", "skipped") if show_scale else ()),
+                   *(("micro",) if show_micro else ()), "status"]
         for header in headers:
             table.add_column(header, justify="left" if header in ("progress", "status") else "right")
         for state in ranks:
@@ -176,6 +180,8 @@ class RichDisplay:
             row += [ProgressBar(total=total or 1, completed=state.step if total else 0, width=12),
                     f"{state.step}/{total or '?'}", str(state.epoch), _fmt(state.loss, ".4f"), _fmt(state.lr, ".1e"),
                     _fmt(state.samples_per_s, ".0f")]
+            if show_mfu:
+                row.append(_fmt(state.mfu, ".1%"))
             if show_scale:
                 row += [_fmt(state.loss_scale, ".0f"), str(state.skipped_steps)]
             if show_micro:
@@ -187,6 +193,8 @@ class RichDisplay:
         if view.item_name != "samples":
             throughput = f"{_fmt(view.items_per_s, '.0f')} {view.item_name}/s ({throughput})"
         norm = f"grad norm {view.grad_norm:.3g}  " if view.grad_norm is not None else ""
+        if view.global_mfu is not None:
+            throughput += f"  MFU {view.global_mfu:.1%}"
         line = Text(f"all ranks: loss {_fmt(view.global_loss, '.4f')}  {norm}{throughput}  "
                     f"elapsed {_duration(view.elapsed)}  ETA {_duration(view.eta)}")
         return Group(table, line)

@@ -54,6 +54,9 @@ class LogEvent(TypedDict, total=False):
     items_per_s: float
     global_items_per_s: float
     item_name: str
+    mfu: float
+    """This rank's model FLOPs utilisation over the interval (a fraction); global_mfu: every rank's."""
+    global_mfu: float
     loss_scale: float
     skipped_steps: int
     micro_batch_size: int
@@ -145,6 +148,8 @@ def plain_line(event: dict[str, Any]) -> str | None:
                 f"lr {event['lr']:.1e} {event['samples_per_s']:.0f} samples/s")
         if event.get("item_name", "samples") != "samples":
             line += f" {event['items_per_s']:.0f} {event['item_name']}/s"
+        if "mfu" in event:
+            line += f" MFU {event['mfu']:.1%}"
         if "grad_norm" in event:
             line += f" grad norm {event['grad_norm']:.3g}"
         if "loss_scale" in event:

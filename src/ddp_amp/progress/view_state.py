@@ -24,6 +24,8 @@ class RankState:
     loss: float | None = None
     lr: float | None = None
     samples_per_s: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilisation at the last log interval (a fraction), where the run counts its FLOPs."""
     loss_scale: float | None = None
     skipped_steps: int = 0
     micro_batch_size: int | None = None
@@ -58,6 +60,7 @@ class ProgressState:
     """The global gradient norm at the last log interval (the same on every rank)."""
     item_name: str = "samples"
     items_per_s: float | None = None
+    global_mfu: float | None = None
     summary: dict[str, Any] | None = None
     restarts: int = 0
     steps_before_restart: dict[int, int] = field(default_factory=dict)
@@ -95,13 +98,14 @@ class ProgressState:
             state.step, state.reported = event["step"], event["metrics"]
         elif kind == "log":
             state.status = "slow" if event.get("slow") else "running"
-            for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "loss_scale",
+            for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "mfu", "loss_scale",
                          "skipped_steps", "micro_batch_size"):
                 if name in event:
                     setattr(state, name, event[name])
             self.global_loss = event.get("global_loss", self.global_loss)
             self.global_samples_per_s = event.get("global_samples_per_s", self.global_samples_per_s)
             self.grad_norm = event.get("grad_norm", self.grad_norm)
+            self.global_mfu = event.get("global_mfu", self.global_mfu)
             self.item_name = event.get("item_name", self.item_name)
             if "global_items_per_s" in event:
                 self.items_per_s = event["global_items_per_s"]

@@ -23,7 +23,7 @@ from ddp_amp.dist import DistEnv, resolve_device, set_cpu_threads
 from ddp_amp.errors import RankSetupError, RankUsageError
 from ddp_amp.parallel import MODES
 from ddp_amp.parallel.base import on_meta_device
-from ddp_amp.precision import Precision, cuda_has_native_bf16, resolve_precision
+from ddp_amp.precision import Precision, cuda_devices_have_fp8, cuda_has_native_bf16, resolve_precision
 from ddp_amp.progress.live import LOG_DIR_VAR
 from ddp_amp.tasks import Task, build_task
 from ddp_amp.train.data import is_iterable
@@ -97,9 +97,11 @@ def agreed_precision(config: TrainConfig, device: torch.device) -> Precision:
     same way. On CPU ranks --amp auto's answer is still `measured` (provisional): see measured_precision."""
     if device.type != "cuda":
         return resolve_precision(device.type, config.amp, config.dtype)
-    flag = torch.tensor([1.0 if gpu_bf16_is_native(device) else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # once, at start-up
-    return resolve_precision(device.type, config.amp, config.dtype, cuda_bf16=bool(flag.item()))
+    flags = torch.tensor([1.0 if gpu_bf16_is_native(device) else 0.0,
+                          1.0 if cuda_devices_have_fp8([device.index]) else 0.0], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # once, at start-up
+    bf16, fp8 = flags.tolist()
+    return resolve_precision(device.type, config.amp, config.dtype, cuda_bf16=bool(bf16), cuda_fp8=bool(fp8))
 
 
 def gpu_bf16_is_native(device: torch.device) -> bool:

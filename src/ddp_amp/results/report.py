@@ -14,14 +14,19 @@ def bench_table(report: dict[str, Any]):
 
     precisions = report["precisions"]
     sequence = any("tokens_per_s" in entry for entry in precisions.values())
-    table = Table(title="ddp-amp bench", title_justify="left")
+    utilisation = any(entry.get("mfu") is not None for entry in precisions.values())
+    env = report["environment"]
+    table = Table(title="ddp-amp bench" + (f": {env['task']}" if env.get("task") else ""), title_justify="left")
     for header in ("precision", "step ms (median)", "p90", "slowest rank", "samples/s",
-                   *(("tokens/s",) if sequence else ()), "peak MB", "final loss"):
+                   *(("tokens/s",) if sequence else ()), *(("TFLOP/s per rank", "MFU") if utilisation else ()),
+                   "peak MB", "final loss"):
         table.add_column(header, justify="left" if header == "precision" else "right")
     for name, entry in precisions.items():
         table.add_row(name, f"{entry['step_s_median'] * 1e3:.2f}", f"{entry['step_s_p90'] * 1e3:.2f}",
                       f"{entry['slowest_rank_step_s_median'] * 1e3:.2f}", f"{entry['samples_per_s']:.0f}",
                       *((f"{entry.get('tokens_per_s', 0):.0f}",) if sequence else ()),
+                      *((_num(entry.get("achieved_tflops_per_rank"), ".3g"), _percent(entry.get("mfu")))
+                        if utilisation else ()),
                       f"{entry['peak_memory_mb']:.0f}", f"{entry['final_loss']:.4f}")
     lines = []
     speedups = report.get("speedups") or ({report["speedup"]["amp"]: {  # a report of an earlier version
@@ -49,7 +54,17 @@ def bench_table(report: dict[str, Any]):
                          "before the model was built)")
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
-    env = report["environment"]
+    peaks = {entry["peak_source"]: entry["peak_tflops_per_rank"] for entry in precisions.values()
+             if entry.get("peak_source")}
+    if peaks:
+        lines.append("MFU against " + "; ".join(f"{tflops:.3g} TFLOP/s per rank ({source})"
+                                                for source, tflops in peaks.items()))
+    lines.append(_bench_footer(env))
+    return Group(table, *(Text(line) for line in lines))
+
+
+def _bench_footer(env: dict[str, Any]) -> str:
+    """The environment, in one line under bench's table."""
     footer = (f"torch {env['torch']} | {env['device']} | world size {env['world_size']} ({env['backend']}) | "
               f"{env['threads_per_rank']} threads/rank | CPU native bf16: {'yes' if env['cpu_native_bf16'] else 'no'} "
               f"({' '.join(env.get('cpu_flags', [])) or 'no AVX2'})")
@@ -59,11 +74,7 @@ def bench_table(report: dict[str, Any]):
         footer += f" | TF32 matmul {'on' if env['tf32_matmul'] else 'off'}"
     if env.get("model_flops_per_token"):
         footer += f" | {env['model_flops_per_token'] / 1e6:.1f} MFLOP/token"
-    for name, entry in precisions.items():
-        if entry.get("mfu") is not None:
-            footer += f" | MFU {name} {entry['mfu'] * 100:.1f}%"
-    lines.append(footer)
-    return Group(table, *(Text(line) for line in lines))
+    return footer
 
 
 def doctor_table(report: dict[str, Any]):
@@ -301,6 +312,10 @@ def runs_table(runs: list, width: int | None = None) -> Any:
 
 def _num(value, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def _percent(fraction) -> str:
+    return f"{fraction:.1%}" if isinstance(fraction, (int, float)) else "-"
 
 
 def _seconds(value) -> str:

@@ -52,7 +52,10 @@ class Task:
     item_name: str = "samples"
     """What the throughput counts: summary.json reports `<item_name>_per_s` next to samples_per_s."""
     flops_per_item: float | None = None
-    """Optional: training FLOPs (forward + backward) per item, for `ddp-amp bench`'s MFU."""
+    """Optional: training FLOPs (forward + backward) per item, for the model FLOPs utilisation (MFU) that runs,
+    `bench` and `show` report. None: counted on the first batch by torch's FlopCounterMode."""
+    description: str | None = None
+    """Optional: one line saying what is trained (a built-in task's size), in summary.json and bench's table."""
     collate_fn: Callable[[list], Any] | None = None
     """Makes a batch of a list of items (padding variable-length sequences, for example); None: torch's default
     collation."""

@@ -27,6 +27,7 @@ BUILTIN = {
     "mlp": "ddp_amp.tasks.mlp:build",
     "transformer": "ddp_amp.tasks.transformer:build",
     "mlp-wide": "ddp_amp.tasks.mlp:build_wide",
+    "gpt": "ddp_amp.tasks.gpt:build",
 }
 
 
@@ -104,6 +105,11 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def _convert(key: str, text: str, param: inspect.Parameter | None, factory: str) -> Any:
+    choices = _literal_choices(param)
+    if choices:  # Literal["tiny", "124m"]: one of the names, said in one line where it is not
+        if text not in choices:
+            raise UsageError(f"--task-arg {key}={text!r} is not one of {', '.join(choices)} ({factory}'s {key})")
+        return text
     kind = _argument_type(param)
     if text.lower() == "none" and _takes_none(param):
         return None
@@ -116,6 +122,14 @@ def _convert(key: str, text: str, param: inspect.Parameter | None, factory: str)
     except (TypeError, ValueError):
         raise UsageError(f"--task-arg {key}={text!r} is not {_a(kind.__name__)} ({factory} takes {key}: "
                          f"{_annotation_text(param, kind)})") from None
+
+
+def _literal_choices(param: inspect.Parameter | None) -> tuple[str, ...]:
+    """The names a `Literal[...]` of strings allows, else ()."""
+    annotation = None if param is None else param.annotation
+    if typing.get_origin(annotation) is not typing.Literal:
+        return ()
+    return tuple(str(choice) for choice in typing.get_args(annotation))
 
 
 def _takes_none(param: inspect.Parameter | None) -> bool:

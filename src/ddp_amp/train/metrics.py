@@ -24,6 +24,7 @@ from ddp_amp.tasks import Task
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.step import PHASES, StepOutcome
 from ddp_amp.train.stragglers import StragglerWatch
+from ddp_amp.train.utilisation import Peak
 
 
 class Reporter(Protocol):
@@ -141,6 +142,12 @@ class MetricsProcessor:
         self.step_s: list[float] = []
         """Each optimizer step's duration on this rank, with time_steps (bench)."""
         self.step_started = self.step_clock = time.perf_counter()
+        self.flops_per_sample: float | None = (task.flops_per_item * task.items_per_sample
+                                               if task.flops_per_item else None)
+        """Training FLOPs (forward and backward) per sample: the task's count, else the first step's
+        (Trainer.train counts it)."""
+        self.peak: Peak | None = None
+        """What this rank can compute in the run's precision (flops.device_peak), set before the first step."""
         self.first_step_at: float | None = None
         self.first_step_s: float | None = None
         self.steady_at: float | None = None
@@ -195,6 +202,7 @@ class MetricsProcessor:
                   "rank_loss": local_loss / local_count, "rank_samples_per_s": rank_samples_per_s}
         if self.task.item_name != "samples":
             record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
+        record.update(self.utilisation(rank_samples_per_s, record["samples_per_s"]))
         if self.micro is not None:
             record["micro_batch_size"] = self.micro.size
         if self.scaler.is_enabled():
@@ -205,6 +213,17 @@ class MetricsProcessor:
         self.loss_sum.zero_()
         self.loss_count, self.interval_start, self.interval_steps = 0, now, 0
         return summed_flags
+
+    def utilisation(self, rank_samples_per_s: float, samples_per_s: float) -> dict[str, float]:
+        """The training FLOP/s per rank (`tflops_per_rank`, the ranks' mean) and, against the rank's peak,
+        the model FLOPs utilisation: `mfu` over every rank, `rank_mfu` of this one. Empty without a count."""
+        if not self.flops_per_sample:
+            return {}
+        figures = {"tflops_per_rank": samples_per_s / self.env.world_size * self.flops_per_sample / 1e12}
+        if self.peak is not None:
+            figures["mfu"] = self.peak.mfu(figures["tflops_per_rank"] * 1e12)
+            figures["rank_mfu"] = self.peak.mfu(rank_samples_per_s * self.flops_per_sample)
+        return figures
 
     def summary(self, steps_done: int) -> dict[str, Any]:
         """The run's throughput over the steady state (profiled steps left out) and its timings."""
@@ -230,6 +249,12 @@ class MetricsProcessor:
             summary[f"{item}_per_s"] = samples_per_s * self.task.items_per_sample
         if self.task.flops_per_item:
             summary[f"model_flops_per_{item.rstrip('s')}"] = self.task.flops_per_item
+        if self.flops_per_sample:
+            figures = self.utilisation(rank_samples_per_s, samples_per_s)
+            summary.update(model_flops_per_sample=self.flops_per_sample, mfu=figures.get("mfu"),
+                           achieved_tflops_per_rank=figures["tflops_per_rank"])
+        if self.peak is not None:
+            summary.update(peak_tflops_per_rank=self.peak.tflops, peak_source=self.peak.source)
         if self.profiler.window is not None:
             summary["profile"] = self.profiler.summary()
         if self.config.compile and self.first_step_s is not None:

@@ -7,6 +7,7 @@ their own beside this one (see docs/architecture.md).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import signal
 import warnings
@@ -25,6 +26,7 @@ from ddp_amp.errors import RankUsageError
 from ddp_amp.outputs import BEST_MODEL_FILE, METRICS_FILE, cut_metrics, save_weights
 from ddp_amp.parallel import strategy_for
 from ddp_amp.parallel.base import on_meta_device
+from ddp_amp.parallel.float8 import float8_layers, to_float8
 from ddp_amp.precision import Precision
 from ddp_amp.tasks import Task
 from ddp_amp.tasks.batches import loss_items_counter
@@ -41,6 +43,7 @@ from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
+from ddp_amp.train.utilisation import device_peak
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Trainer:
         model = task.model
         if config.sync_batchnorm:  # batch statistics over every rank's batch (the launcher allows it on CUDA)
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if precision.fp8_recipe:  # before DDP or FSDP wraps it: the layers they see compute in fp8
+            model = to_float8(model, precision.fp8_recipe)
         self.module = model if on_meta_device(model) else model.to(device)  # meta: storage after sharding
         """The model itself: its state_dict is what checkpoints and model.pt hold, compiled or not."""
         self.strategy = strategy_for(config, device, precision)
@@ -267,13 +272,15 @@ class Trainer:
         batches = None if iterable else self.data.batches()
         steps_done = self.start_step
         data_left = self.data.can_run(self.start_step)  # iterable data: whether every rank has a first step
+        self._prepare_utilisation(metrics)
         self.model.train()
         for step in range(self.start_step, self.total_steps if data_left else self.start_step):
             number = step + 1
             self.profiler.before_step(number)
             lr = self.scheduler.get_last_lr()[0]
             log_due = number % config.log_every == 0 or number == self.total_steps
-            outcome = self.step(self.data.take() if iterable else batches, step, want_norm=log_due)
+            with self._counting_flops(metrics, first=step == self.start_step):
+                outcome = self.step(self.data.take() if iterable else batches, step, want_norm=log_due)
             if not outcome.stepped:
                 self.loop_state.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update
             diverged = divergence.end_step(number, outcome.loss, outcome.stepped)
@@ -310,6 +317,26 @@ class Trainer:
         self.data.close()
         summary = self._summary(steps_done, metrics.summary(steps_done), diverged)
         return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
+
+    def _prepare_utilisation(self, metrics: MetricsProcessor) -> None:
+        """The peak this rank's MFU is held to, where there will be a FLOP count: the task's, or the first step's
+        (not under --compile, whose kernels torch's counter does not see)."""
+        if metrics.flops_per_sample or not self.config.compile:
+            tf32 = self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+            metrics.peak = device_peak(self.device, self.precision.name, tf32=tf32)
+
+    @contextlib.contextmanager
+    def _counting_flops(self, metrics: MetricsProcessor, first: bool):
+        """Around the run's first step, for a task that does not count its FLOPs: torch's FlopCounterMode
+        counts the forward and backward's matmuls, convolutions and attention on this rank."""
+        if not first or metrics.flops_per_sample or self.config.compile:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            yield
+        metrics.flops_per_sample = counter.get_total_flops() / metrics.samples_per_step or None
 
     def evaluate(self, number: int) -> None:
         """The validation at optimizer step `number` (every rank), logged; the best so far kept as model_best.pt."""
@@ -354,7 +381,8 @@ class Trainer:
         """What ran: summary.json's description of the run, beside the metrics' figures."""
         config, world_size = self.config, self.env.world_size
         return {
-            "task": config.task, "world_size": world_size, "steps": steps_done,
+            "task": config.task, **({"task_description": self.task.description} if self.task.description else {}),
+            "world_size": world_size, "steps": steps_done,
             "epochs": (round(steps_done * config.grad_accum / self.data.batches_per_epoch, 3)
                        if self.data.batches_per_epoch else None),
             "batch_size": config.batch_size, "global_batch_size": config.batch_size * config.grad_accum * world_size,
@@ -368,6 +396,8 @@ class Trainer:
                     "find_unused_parameters": config.find_unused_parameters,
                     "broadcast_buffers": config.broadcast_buffers, "sync_batchnorm": config.sync_batchnorm},
             **parameter_counts(self.module),
+            **({"fp8": {"recipe": self.precision.fp8_recipe, "layers": float8_layers(self.module)}}
+               if self.precision.fp8_recipe else {}),
             "torch_version": torch.__version__,
         }
 
