@@ -13,7 +13,7 @@ STAMP       := $(VENV)/.installed
 NPROC       ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint docs bench clean help
+.PHONY: install run test test-fast lint docs bench gpu-run clean help
 
 help:
 	@echo "make install    create $(VENV) and install ddp-amp with torch ($(if $(HAS_GPU),CUDA,CPU) build) and dev tools"
@@ -22,6 +22,7 @@ help:
 	@echo "make test-fast  tests/unit: in-process, no rank process (about a minute)"
 	@echo "make lint       ruff"
 	@echo "make docs       regenerate docs/options.md from the command line (a unit test fails when it is stale)"
+	@echo "make gpu-run    on a CUDA GPU: pytest -m gpu, then the GPU figures (MFU, fp8, ddp-amp against a hand-written loop)"
 	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression, a user's script against torchrun, ddp_amp.loop's step against the core's"
 
 install: $(STAMP)
@@ -99,6 +100,12 @@ bench: $(STAMP)
 	@# Two hosts in network namespaces behind a tc-limited link: root only.
 	if [ "$$(id -u)" = 0 ]; then $(BIN)/python benchmarks/grad_compression_netns.py --repeats 3; \
 	else echo "skipped benchmarks/grad_compression_netns.py: needs root"; fi
+
+# One GPU, about 8 minutes: the GPU tests, then the figures docs/benchmarks.md quotes (benchmarks/gpu_run.py). It
+# runs the checkout's source with the python that has CUDA torch (a GPU machine's own, or this venv's).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-run:
+	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_run.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -83,3 +83,20 @@ def test_plain_script_runs_differ_only_in_what_a_script_takes_and_a_failure_says
     options = [line.split("│")[1].strip() for line in result.stdout.split("options that differ")[1].splitlines()
                if line.count("│") == 4]
     assert options == ["--script", "--stop-timeout"], result.stdout
+
+
+def test_a_runs_mfu_is_shown_beside_its_throughput(tmp_path):
+    import json
+
+    run = tmp_path / "gpt"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"task": "gpt"}))
+    (run / "summary.json").write_text(json.dumps({
+        "task": "gpt", "world_size": 2, "steps": 20, "precision": "bf16", "samples_per_s": 170.0,
+        "final_loss": 2.9, "wall_s": 17.0, "mfu": 0.4037, "model_path": str(run / "model.pt")}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 20, "loss": 2.9}) + "\n")
+    result = show(run, columns=60)
+    assert result.returncode == 0, result.stderr
+    cells = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.stdout.splitlines()
+             if line.count("│") == 3}
+    assert cells["MFU"] == "40.4%" and cells["samples/s"] == "170"

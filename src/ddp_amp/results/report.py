@@ -233,8 +233,10 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
     from ddp_amp.results.runs import curve
 
     compare = len(runs) > 1
+    utilisation = any(run.summary.mfu is not None for run in runs)
     headers = ["run", "state", "runs", "precision", "world", "steps", "samples/s", *(("vs first",) if compare else ()),
-               "final loss", *(("Δ loss",) if compare else ()), "eval", "wall", "first step", "loss curve"]
+               *(("MFU",) if utilisation else ()), "final loss", *(("Δ loss",) if compare else ()), "eval", "wall",
+               "first step", "loss curve"]
     rows = []
     first_speed = first_loss = None
     for index, run in enumerate(runs):
@@ -256,6 +258,8 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
                _num(speed, ".0f")]
         if compare:
             row.append(f"{speed / first_speed:.2f}x" if speed and first_speed else "-")
+        if utilisation:
+            row.append(_percent(s.mfu))
         row.append(_num(loss, ".4f") + ("" if run.loss_key == "loss" or loss is None else f" ({run.loss_key})"))
         if compare:
             row.append(f"{loss - first_loss:+.4f}" if loss is not None and first_loss is not None else "-")
