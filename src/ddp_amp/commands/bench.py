@@ -8,30 +8,37 @@ from typing import Annotated, Literal
 import typer
 
 from ddp_amp.commands.options import Launcher, RunDir, check_json_path, check_plot_path, with_training_options
+from ddp_amp.commands.panels import BENCH, LAUNCH, with_full_help
 from ddp_amp.errors import UsageError
 
 
+@with_full_help
 @with_training_options(task="mlp-wide")
 def bench(
     train: dict,
-    amp: Annotated[Literal["both", "on", "off", "all"],
-                   typer.Option("--amp", help="both (off and on, interleaved), on, off, or all: fp32, autocast and "
-                                "bf16-true weights, interleaved.")] = "both",
+    amp: Annotated[Literal["both", "on", "off", "all"], typer.Option(
+        "--amp", rich_help_panel=BENCH, help="both (off and on, interleaved), on, off, or all: fp32, autocast and "
+        "bf16-true weights, interleaved.")] = "both",
     compile: Annotated[Literal["off", "on", "both"], typer.Option(
-        "--compile", help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
-    shard: Annotated[str, typer.Option("--shard", help="none, optimizer or full (as spawn's), or several, "
-                                       "comma-separated (none,full): run interleaved, each compared with the "
-                                       "first in throughput and memory.")] = "none",
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps before the timed --steps.")] = 10,
-    repeats: Annotated[int, typer.Option("--repeats", help="Interleaved repeats of each precision.")] = 2,
-    nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
-                                              "GPU with CUDA, 2 on CPU].")] = None,
+        "--compile", rich_help_panel=BENCH,
+        help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
+    shard: Annotated[str, typer.Option(
+        "--shard", rich_help_panel=BENCH, help="none, optimizer or full (as spawn's), or several, comma-separated "
+        "(none,full): run interleaved, each compared with the first in throughput and memory.")] = "none",
+    warmup: Annotated[int, typer.Option("--warmup", rich_help_panel=BENCH,
+                                        help="Untimed steps before the timed --steps.")] = 10,
+    repeats: Annotated[int, typer.Option("--repeats", rich_help_panel=BENCH,
+                                         help="Interleaved repeats of each precision.")] = 2,
+    nproc: Annotated[int | None, typer.Option("--nproc-per-node", "--nproc", "--gpus", "-n", rich_help_panel=LAUNCH,
+                                              help="Ranks \\[default: every visible GPU with CUDA, 2 on CPU].")] = None,
     launcher: Launcher = "spawn",
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw figure to this file.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
-    max_batch: Annotated[bool, typer.Option("--max-batch", help="Instead of timing: per precision, the largest "
-                                            "per-rank batch that trains (under --max-memory, or the device's "
-                                            "memory) and the throughput at it.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", rich_help_panel=BENCH,
+                                                   help="Write every raw figure to this file.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", rich_help_panel=BENCH,
+                                              help="Draw step times, off vs on (needs matplotlib).")] = None,
+    max_batch: Annotated[bool, typer.Option(
+        "--max-batch", rich_help_panel=BENCH, help="Instead of timing: per precision, the largest per-rank batch "
+        "that trains (under --max-memory, or the device's memory) and the throughput at it.")] = False,
     run_dir: RunDir = None,
 ) -> None:
     """Measure what mixed precision (or torch.compile) buys: the same training off and on, interleaved."""
