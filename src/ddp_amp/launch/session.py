@@ -394,7 +394,8 @@ def launch_quietly(run_options: dict[str, Any], run_dir: Path, *, nproc: int, la
                          extra={"job_id": job_id}, lock_run_dir=False, world_size=world_size, batch_check=False)
         launch = Launch(plan, nproc, kind, node_job(plan.device_type))
     else:
-        plan = preflight(config, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir), batch_check=False)
+        plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", run_dir=str(run_dir),
+                         batch_check=False)
         launch = Launch(plan, nproc, kind) if launcher == "spawn" else Launch.standalone(plan, nproc, kind=kind)
     run_launch(launch, quiet_display(errors), announce=False)
     return plan
