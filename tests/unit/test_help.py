@@ -130,3 +130,14 @@ def test_a_config_file_from_before_the_rename_still_sets_the_rank_count(tmp_path
     assert code == 0, err
     printed = tomllib.loads(out)
     assert printed["nproc_per_node"] == "2" and printed["lr"] == 0.01 and "nproc" not in printed
+
+
+def test_print_config_is_flat_toml_grouped_under_each_concern(capsys):
+    code, out, err = run_main(["spawn", "-n", "2", "--lr", "0.01", "--tracker", "wandb", "--print-config"], capsys)
+    assert code == 0, err
+    headings = [line[2:] for line in out.splitlines() if line.startswith("# ")]
+    assert headings[:len(PANELS)] == list(PANELS)  # in --help's order, then the command's own
+    sections = {block.splitlines()[0][2:]: block for block in out.strip().split("\n\n")}
+    assert "lr = 0.01" in sections["Optimization"] and 'tracker = ["wandb"]' in sections["Observability"]
+    assert 'nproc_per_node = "2"' in sections["Launch"]
+    assert tomllib.loads(out)["lr"] == 0.01

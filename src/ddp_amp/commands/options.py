@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 import typer
 
 from ddp_amp import config as config_module
-from ddp_amp.commands.panels import K8S, OUTPUT, PANEL_OF
+from ddp_amp.commands.panels import K8S, ORDER, OUTPUT, PANEL_OF
 from ddp_amp.config import CHOICES, NOT_OPTIONS, TrainConfig
 from ddp_amp.errors import UsageError
 
@@ -364,14 +364,17 @@ def with_config_file(command):
 
 def config_toml(options: dict[str, Any]) -> str:
     """Flat TOML: one `key = value` per option that has a value (TOML has no null: an unset option is left out,
-    which means its default)."""
+    which means its default), grouped under a comment naming each concern, in --help's order; still flat, so a
+    file of any age reads the same."""
     import json
 
-    lines = []
+    groups: dict[str | None, list[str]] = {panel: [] for panel in ORDER}
     for key, value in options.items():
         if value is None:
             continue
         if isinstance(value, Path):
             value = str(value)
-        lines.append(f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}")
-    return "\n".join(lines) + "\n"
+        line = f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}"
+        groups.setdefault(PANEL_OF.get(key), []).append(line)
+    blocks = [[f"# {panel}"] * (panel is not None) + lines for panel, lines in groups.items() if lines]
+    return "\n\n".join("\n".join(block) for block in blocks) + "\n"
