@@ -18,7 +18,8 @@ from pathlib import Path
 import typer
 
 from ddp_amp.cli import app
-from ddp_amp.commands.options import TRAINING, option_specs
+from ddp_amp.commands.options import option_specs
+from ddp_amp.commands.panels import PANELS
 
 PAGE = Path(__file__).with_name("options.md")
 
@@ -27,7 +28,9 @@ HEADER = """# Options reference
 Every option of every `ddp-amp` command, as `ddp-amp COMMAND --help` gives it. This page is generated from the
 code by `make docs` (`docs/generate_options.py`): the training options are the fields of `TrainConfig`
 (`src/ddp_amp/config.py`), each field's docstring its help, so the flags, their defaults and this page have one
-source. Do not edit it by hand; `tests/unit/test_docs.py` fails when it is stale.
+source. Do not edit it by hand; `tests/unit/test_docs.py` fails when it is stale. The options are grouped by
+concern, as `ddp-amp COMMAND --help-all` groups them (`src/ddp_amp/commands/panels.py`); a plain `--help` shows
+the most used ones.
 
 Options may also come from a file: `--config FILE.toml` takes its keys as defaults (flags still win), and
 `--print-config` prints the resolved options in that form. See [commands](commands.md) for what each command does.
@@ -68,14 +71,16 @@ def _row(param, ctx) -> str:
 TABLE_HEAD = "| option | type | default | what it does |\n|---|---|---|---|"
 
 
+def _is_training(param) -> bool:
+    return getattr(param, "rich_help_panel", None) in PANELS
+
+
 def _training_section(commands: dict) -> list[str]:
     flags = [spec.flag for spec in option_specs()]
-    spawn_defaults = {param.opts[0]: param.default for param in commands["spawn"].params
-                      if getattr(param, "rich_help_panel", None) == TRAINING}
+    spawn_defaults = {param.opts[0]: param.default for param in commands["spawn"].params if _is_training(param)}
     takers = []
     for name, command in commands.items():
-        taken = {param.opts[0]: param.default for param in command.params
-                 if getattr(param, "rich_help_panel", None) == TRAINING}
+        taken = {param.opts[0]: param.default for param in command.params if _is_training(param)}
         if not taken:
             continue
         notes = []
@@ -87,28 +92,30 @@ def _training_section(commands: dict) -> list[str]:
         takers.append(f"`{name}`" + (f" ({'; '.join(notes)})" if notes else ""))
     spawn = commands["spawn"]
     ctx = spawn.make_context("spawn", [], resilient_parsing=True)
-    rows = [_row(param, ctx) for param in spawn.params if getattr(param, "rich_help_panel", None) == TRAINING]
-    return ["## Training options", "",
-            "The run's task, precision, optimizer, schedule, data, checkpoints and parallel mode, one option per "
-            f"field of `TrainConfig`. Taken by {', '.join(takers)}.", "", TABLE_HEAD, *rows, ""]
+    lines = ["## Training options", "",
+             "What to train and how, one option per field of `TrainConfig`, grouped by concern. Taken by "
+             f"{', '.join(takers)}.", ""]
+    for panel in PANELS:
+        rows = [_row(param, ctx) for param in spawn.params if getattr(param, "rich_help_panel", None) == panel]
+        lines += [f"### {panel}", "", TABLE_HEAD, *rows, ""]
+    return lines
 
 
 def _command_section(name: str, command) -> list[str]:
-    own = [p for p in command.params if getattr(p, "rich_help_panel", None) != TRAINING
-           and not getattr(p, "hidden", False) and p.name != "help"]
+    own = [p for p in command.params if not _is_training(p) and not getattr(p, "hidden", False) and p.name != "help"]
     ctx = command.make_context(name, [], resilient_parsing=True)
     lines = [f"## `ddp-amp {name}`", "", _cell(command.help or ""), ""]
     if not own:
         return [*lines, "No options of its own.", ""]
     panels: dict[str, list] = {}
     for param in own:
-        panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(param)
+        default = "Arguments" if param.param_type_name == "argument" else "Options"
+        panels.setdefault(getattr(param, "rich_help_panel", None) or default, []).append(param)
     for panel, params in panels.items():
         if len(panels) > 1:
             lines += [f"### {panel}", ""]
         lines += [TABLE_HEAD, *(_row(param, ctx) for param in params), ""]
-    takes_training = any(getattr(p, "rich_help_panel", None) == TRAINING for p in command.params)
-    if takes_training:
+    if any(_is_training(p) for p in command.params):
         lines += ["And the [training options](#training-options).", ""]
     return lines
 

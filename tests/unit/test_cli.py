@@ -8,11 +8,12 @@ import sys
 import pytest
 from helpers import ddp_amps_run_dir, run_main
 
-BAD_INPUTS = [
-    (["--gpus", "0"], "--gpus"),
-    (["--gpus", "-1"], "--gpus"),
-    (["--gpus", "abc"], "--gpus"),
-    (["--gpus", "3", "--device", "cuda"], "--gpus"),
+BAD_INPUTS = [  # a rank count is refused under its one name, whichever spelling gave it
+    (["--nproc-per-node", "0"], "--nproc-per-node"),
+    (["--gpus", "0"], "--nproc-per-node"),
+    (["--nproc", "-1"], "--nproc-per-node"),
+    (["-n", "abc"], "--nproc-per-node"),
+    (["--gpus", "3", "--device", "cuda"], "--nproc-per-node"),
     (["--device", "tpu"], "--device"),
     (["--amp", "maybe"], "--amp"),
     (["--dtype", "fp8"], "--dtype"),
@@ -134,8 +135,8 @@ def test_spawn_help_lists_training_options_and_torchrun_style_aliases():
     result = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "--help"], capture_output=True, text=True,
                             timeout=30, env={"COLUMNS": "200", "PATH": ""})
     assert result.returncode == 0
-    for flag in ("--gpus", "--nproc", "-n", "--grad-accum", "--clip-grad", "--schedule", "--warmup-steps",
-                 "--run-dir", "--seed", "--log-every", "--amp", "--dtype"):
+    for flag in ("--nproc-per-node", "--gpus", "--nproc", "-n", "--grad-accum", "--clip-grad", "--schedule",
+                 "--run-dir", "--amp", "--dtype", "--tracker", "--keep-best"):
         assert flag in result.stdout, flag
 
 
@@ -205,7 +206,7 @@ def test_print_config_then_config_gives_the_same_options_and_flags_win(tmp_path,
     import tomllib
 
     printed = tomllib.loads(out)
-    assert printed["lr"] == 0.01 and printed["steps"] == 12 and printed["nproc"] == 2
+    assert printed["lr"] == 0.01 and printed["steps"] == 12 and printed["nproc_per_node"] == "2"
     assert printed["bucket_view"] is False and "run_dir" not in printed  # unset: the default (a new dir)
     config = tmp_path / "run.toml"
     config.write_text(out)

@@ -3,6 +3,7 @@ training flag is in it, the README stays a front door, and every relative link l
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,46 @@ def test_the_task_snippet_in_models_md_lists_every_field_of_task():
 
     snippet = (DOCS / "models.md").read_text().split("```python", 1)[1].split("```", 1)[0]
     assert [f.name for f in dataclasses.fields(Task) if f"{f.name}=" not in snippet] == []
+
+
+def _sections(page: str) -> dict[str, str]:
+    """The page's text under each ### heading, up to the next heading."""
+    parts = re.split(r"^(#{2,3} .*)$", page, flags=re.M)
+    return {heading.lstrip("# ").strip(): body for heading, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_the_options_reference_lists_the_training_options_by_concern():
+    """The page groups them as --help-all does: every TrainConfig option in its concern's section, in order."""
+    from ddp_amp.commands.panels import PANELS
+
+    page = (DOCS / "options.md").read_text()
+    sections = _sections(page)
+    flags = {spec.name: spec.flag for spec in option_specs()}
+    misplaced = [f"{flags[name]} not under {panel}" for panel, names in PANELS.items() for name in names
+                 if f"| `{flags[name]}`" not in sections.get(panel, "")]
+    assert misplaced == []
+    headings = [page.index(f"\n### {panel}\n") for panel in PANELS]
+    assert headings == sorted(headings)
+
+
+def test_a_stale_reference_fails_the_check(monkeypatch, tmp_path):
+    """The staleness check itself: an option moved to another concern changes the page, and a committed page
+    that is not what the code writes makes `generate_options.py --check` exit 1."""
+    generator = _generator()
+    before = generator.options_reference()
+    from ddp_amp.cli import app
+
+    command = generator.typer.main.get_command(app)
+    monkeypatch.setattr(generator.typer.main, "get_command", lambda _: command)
+    for name in ("spawn", "run", "multinode", "bench"):
+        lr = next(p for p in command.commands[name].params if p.name == "lr")
+        monkeypatch.setattr(lr, "rich_help_panel", "Evaluation")
+    moved = generator.options_reference()
+    assert moved != before
+    page = tmp_path / "options.md"
+    page.write_text(before)
+    monkeypatch.setattr(generator, "PAGE", page)
+    monkeypatch.setattr(sys, "argv", ["generate_options.py", "--check"])
+    assert generator.main() == 1
+    page.write_text(moved)
+    assert generator.main() == 0

@@ -8,31 +8,38 @@ from typing import Annotated, Literal
 import typer
 
 from ddp_amp.commands.options import Launcher, RunDir, check_json_path, check_plot_path, with_training_options
+from ddp_amp.commands.panels import BENCH, LAUNCH, with_full_help
 from ddp_amp.errors import UsageError
 
 
+@with_full_help
 @with_training_options(task="mlp-wide")
 def bench(
     train: dict,
-    amp: Annotated[Literal["auto", "both", "on", "off", "all"],
-                   typer.Option("--amp", help="auto: all on a CPU with native bf16, both elsewhere; both (off and on, "
-                                "interleaved), on, off, or all: fp32, autocast and bf16-true weights (and fp8 on GPUs "
-                                "that have it, with torchao), interleaved.")] = "auto",
+    amp: Annotated[Literal["auto", "both", "on", "off", "all"], typer.Option(
+        "--amp", rich_help_panel=BENCH, help="auto: all on a CPU with native bf16, both elsewhere; both (off and on, "
+        "interleaved), on, off, or all: fp32, autocast and bf16-true weights (and fp8 on GPUs that have it, with "
+        "torchao), interleaved.")] = "auto",
     compile: Annotated[Literal["off", "on", "both"], typer.Option(
-        "--compile", help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
-    shard: Annotated[str, typer.Option("--shard", help="none, optimizer or full (as spawn's), or several, "
-                                       "comma-separated (none,full): run interleaved, each compared with the "
-                                       "first in throughput and memory.")] = "none",
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps before the timed --steps.")] = 10,
-    repeats: Annotated[int, typer.Option("--repeats", help="Interleaved repeats of each precision.")] = 2,
-    nproc: Annotated[int | None, typer.Option("--nproc", "--gpus", "-n", help="Ranks \\[default: every visible "
-                                              "GPU with CUDA, 2 on CPU].")] = None,
+        "--compile", rich_help_panel=BENCH,
+        help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
+    shard: Annotated[str, typer.Option(
+        "--shard", rich_help_panel=BENCH, help="none, optimizer or full (as spawn's), or several, comma-separated "
+        "(none,full): run interleaved, each compared with the first in throughput and memory.")] = "none",
+    warmup: Annotated[int, typer.Option("--warmup", rich_help_panel=BENCH,
+                                        help="Untimed steps before the timed --steps.")] = 10,
+    repeats: Annotated[int, typer.Option("--repeats", rich_help_panel=BENCH,
+                                         help="Interleaved repeats of each precision.")] = 2,
+    nproc: Annotated[int | None, typer.Option("--nproc-per-node", "--nproc", "--gpus", "-n", rich_help_panel=LAUNCH,
+                                              help="Ranks \\[default: every visible GPU with CUDA, 2 on CPU].")] = None,
     launcher: Launcher = "spawn",
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write every raw figure to this file.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Draw step times, off vs on (needs matplotlib).")] = None,
-    max_batch: Annotated[bool, typer.Option("--max-batch", help="Instead of timing: per precision, the largest "
-                                            "per-rank batch that trains (under --max-memory, or the device's "
-                                            "memory) and the throughput at it.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", rich_help_panel=BENCH,
+                                                   help="Write every raw figure to this file.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", rich_help_panel=BENCH,
+                                              help="Draw step times, off vs on (needs matplotlib).")] = None,
+    max_batch: Annotated[bool, typer.Option(
+        "--max-batch", rich_help_panel=BENCH, help="Instead of timing: per precision, the largest per-rank batch "
+        "that trains (under --max-memory, or the device's memory) and the throughput at it.")] = False,
     run_dir: RunDir = None,
 ) -> None:
     """Measure what mixed precision (or torch.compile) buys: the same training off and on, interleaved."""
@@ -44,18 +51,9 @@ def bench(
     options = BenchOptions(amp=amp, steps=DEFAULT_STEPS if steps is None else steps, warmup=warmup,
                            repeats=repeats, launcher=launcher, compile=compile,
                            shards=tuple(mode.strip() for mode in shard.split(",")))
-    if train["epochs"] is not None:
-        raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
-    if amp == "off" and train["dtype"] != "auto":
-        raise UsageError(f"--dtype {train['dtype']} conflicts with --amp off (fp32 alone); drop one of them")
+    _refuse_conflicts(train, options, max_batch=max_batch, shard=shard)
     check_json_path(json_path)
     check_plot_path(plot)
-    if max_batch and amp == "all":
-        raise UsageError("--max-batch compares fp32 with one AMP precision: use --amp both, on or off (and --dtype)")
-    if max_batch and compile != "off":
-        raise UsageError("--max-batch searches eager runs; drop --compile")
-    if max_batch and len(options.shards) > 1:
-        raise UsageError(f"--max-batch searches one --shard mode at a time; drop the others from --shard {shard}")
     report = _measure(train, options, nproc=nproc, run_dir=run_dir, max_batch=max_batch)
     from rich.console import Console
 
@@ -70,6 +68,20 @@ def bench(
     if plot is not None:
         (max_batch_plot if max_batch else bench_plot)(report, plot)
         typer.echo(f"ddp-amp: wrote {plot}", err=True)
+
+
+def _refuse_conflicts(train: dict, options, *, max_batch: bool, shard: str) -> None:
+    """Flags that contradict each other or bench, in one line each, before anything runs."""
+    if train["epochs"] is not None:
+        raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
+    if options.amp == "off" and train["dtype"] != "auto":
+        raise UsageError(f"--dtype {train['dtype']} conflicts with --amp off (fp32 alone); drop one of them")
+    if max_batch and options.amp == "all":
+        raise UsageError("--max-batch compares fp32 with one AMP precision: use --amp both, on or off (and --dtype)")
+    if max_batch and options.compile != "off":
+        raise UsageError("--max-batch searches eager runs; drop --compile")
+    if max_batch and len(options.shards) > 1:
+        raise UsageError(f"--max-batch searches one --shard mode at a time; drop the others from --shard {shard}")
 
 
 def _for_this_machine(train: dict, options, cuda: bool, nproc: int):

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 import typer
 
 from ddp_amp import config as config_module
+from ddp_amp.commands.panels import K8S, ORDER, OUTPUT, PANEL_OF
 from ddp_amp.config import CHOICES, NOT_OPTIONS, TrainConfig
 from ddp_amp.errors import UsageError
 
@@ -75,24 +76,21 @@ def option_specs() -> list[OptionSpec]:
     return specs
 
 
-TRAINING = "Training"
-OUTPUT = "Output"
-
-
 def _typer_option(spec: OptionSpec) -> tuple[Any, Any]:
     """(default, annotation) of one training option: its type a Literal of the allowed names where there are
     some (listed by --help, completed by the shell), its help the field's docstring."""
+    panel = PANEL_OF.get(spec.name, "Other options")  # tests/unit/test_cli.py: every option has a panel
     if spec.kind is list:  # repeatable: --task-arg A=1 --task-arg B=2, --tracker mlflow --tracker wandb
         metavar = "|".join(spec.choices) if spec.choices else "KEY=VALUE"  # TrainConfig checks the names
         return (), Annotated[list[str], typer.Option(spec.flag, metavar=metavar, help=spec.help.replace("[", "\\["),
-                                                      rich_help_panel=TRAINING, show_default=False)]
+                                                      rich_help_panel=panel, show_default=False)]
     kind = Literal[spec.choices] if spec.choices else spec.kind
     if spec.optional:
         kind = kind | None
     names = (f"{spec.flag}/--no-{spec.flag[2:]}",) if spec.kind is bool and spec.default else (spec.flag,)
     # rich markup reads [...] as a style: escape the docstrings' brackets.
     return spec.default, Annotated[kind, typer.Option(*names, help=spec.help.replace("[", "\\["),
-                                                      rich_help_panel=TRAINING)]
+                                                      rich_help_panel=panel)]
 
 
 TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {spec.name: _typer_option(spec) for spec in option_specs()}
@@ -115,8 +113,10 @@ OUTPUT_OPTIONS: dict[str, tuple[Any, Any]] = {
 """What a launch writes and shows, the same on spawn, run and multinode."""
 
 # The options several commands share.
-NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--gpus", "-n",
-                                           help="Ranks per node: a number, or gpu, cpu, auto as torchrun takes.")]
+NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--nproc", "--gpus", "-n",
+                                           help="Ranks on this node: a number, or gpu (one per visible GPU), cpu "
+                                           "(one per core) or auto (gpu where there is one, else cpu), as torchrun "
+                                           "takes them.")]
 MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restart the job this many times on a failure.")]
 MonitorInterval = Annotated[float, typer.Option("--monitor-interval", help="Seconds between torchrun's checks.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command and environment; start nothing.")]
@@ -199,7 +199,6 @@ def with_training_options(command=None, **defaults: Any):
 with_output_options = option_group(OUTPUT_OPTIONS, "output")
 
 
-K8S = "Kubernetes (with --emit-k8s)"
 K8S_OPTIONS: dict[str, tuple[Any, Any]] = {
     "emit_k8s": (None, Annotated[Path | None, typer.Option(
         "--emit-k8s", rich_help_panel=K8S, help="Write a Kubernetes manifest running this on --nnodes pods, and "
@@ -279,6 +278,7 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {str(path)!r} is not valid TOML: {exc}") from None
     params = {param.name: param for param in ctx.command.params if param.name not in NOT_IN_CONFIG}
+    values = {OLD_KEYS.get(key, key) if OLD_KEYS.get(key) in params else key: value for key, value in values.items()}
     for key, value in values.items():
         param = params.get(key)
         if param is None:
@@ -301,6 +301,8 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     return path
 
 
+OLD_KEYS = {"nproc": "nproc_per_node"}
+"""Keys that config files written before an option's rename still use: spawn's `nproc = 2`."""
 CONFIG_FILE_META = "ddp_amp.config_file"
 """ctx.meta's key for the --config file the options came from (with_config_file names it in a refusal)."""
 
@@ -362,14 +364,17 @@ def with_config_file(command):
 
 def config_toml(options: dict[str, Any]) -> str:
     """Flat TOML: one `key = value` per option that has a value (TOML has no null: an unset option is left out,
-    which means its default)."""
+    which means its default), grouped under a comment naming each concern, in --help's order; still flat, so a
+    file of any age reads the same."""
     import json
 
-    lines = []
+    groups: dict[str | None, list[str]] = {panel: [] for panel in ORDER}
     for key, value in options.items():
         if value is None:
             continue
         if isinstance(value, Path):
             value = str(value)
-        lines.append(f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}")
-    return "\n".join(lines) + "\n"
+        line = f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}"
+        groups.setdefault(PANEL_OF.get(key), []).append(line)
+    blocks = [[f"# {panel}"] * (panel is not None) + lines for panel, lines in groups.items() if lines]
+    return "\n\n".join("\n".join(block) for block in blocks) + "\n"

@@ -4,9 +4,6 @@ with its progress shown."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from ddp_amp.commands.options import (
     TRAINING_OPTIONS,
@@ -26,8 +23,10 @@ from ddp_amp.commands.options import (
     with_output_options,
     with_training_options,
 )
+from ddp_amp.commands.panels import with_full_help
 
 
+@with_full_help
 @with_config_file
 @with_training_options
 @with_output_options
@@ -35,8 +34,7 @@ def spawn(
     train: dict,
     output: dict,
     resolved: dict,
-    nproc: Annotated[int, typer.Option("--gpus", "--nproc", "-n",
-                                       help="Ranks to start: one per GPU with CUDA, CPU processes otherwise.")] = 1,
+    nproc_per_node: NprocPerNode = "1",
     module: Module = False,
     script: ScriptWords = None,
 ) -> None:
@@ -44,9 +42,10 @@ def spawn(
     from ddp_amp.launch.session import spawn_launch
 
     program = user_script(script, module, train)
-    show(spawn_launch(train, output, nproc, script=program), output, resolved)
+    show(spawn_launch(train, output, nproc_per_node, script=program), output, resolved)
 
 
+@with_full_help
 @with_config_file
 @with_training_options
 @with_output_options
@@ -79,6 +78,7 @@ def run(
                            dry_run=dry_run, script=program), output, resolved)
 
 
+@with_full_help
 @with_config_file
 @with_training_options
 @with_output_options

@@ -106,12 +106,18 @@ class Launch:
                   rank_pids=session.rank_pids, stop_timeout=config.stop_timeout, kind=self.kind, script=self.script)
 
 
-def spawn_launch(train: dict[str, Any], output: dict[str, Any], nproc: int, script=None) -> Launch:
-    """`ddp-amp spawn`: warm start, preflight, and the Launch of `nproc` ranks forked on this machine."""
+def spawn_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_node: str, script=None) -> Launch:
+    """`ddp-amp spawn`: warm start, preflight, and the Launch of --nproc-per-node ranks (a number, or gpu, cpu,
+    auto as torchrun takes it) forked on this machine."""
+    from ddp_amp.launch import torchrun
     from ddp_amp.launch.preflight import preflight, preflight_script
 
-    config = warm_start(train, start_ranks_soon=nproc >= 1)
-    common = {"nproc_per_node": nproc, "flag": "--gpus", "overwrite": output["overwrite"],
+    counted = nproc_per_node.lstrip("-").isdigit()
+    if not counted and nproc_per_node not in ("gpu", "cpu", "auto"):
+        torchrun.parse_nproc(nproc_per_node)  # one line naming the flag, before the fork server starts
+    config = warm_start(train, start_ranks_soon=not counted or int(nproc_per_node) >= 1)
+    nproc = torchrun.parse_nproc(nproc_per_node)
+    common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],
               "run_dir": output["run_dir"]}
     plan = preflight_script(config, script, **common) if script is not None else preflight(config, **common)
     return Launch(plan, nproc, script=script)
@@ -388,7 +394,8 @@ def launch_quietly(run_options: dict[str, Any], run_dir: Path, *, nproc: int, la
                          extra={"job_id": job_id}, lock_run_dir=False, world_size=world_size, batch_check=False)
         launch = Launch(plan, nproc, kind, node_job(plan.device_type))
     else:
-        plan = preflight(config, nproc_per_node=nproc, flag="--nproc", run_dir=str(run_dir), batch_check=False)
+        plan = preflight(config, nproc_per_node=nproc, flag="--nproc-per-node", run_dir=str(run_dir),
+                         batch_check=False)
         launch = Launch(plan, nproc, kind) if launcher == "spawn" else Launch.standalone(plan, nproc, kind=kind)
     run_launch(launch, quiet_display(errors), announce=False)
     return plan

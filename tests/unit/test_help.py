@@ -1,0 +1,143 @@
+"""The training commands' options grouped by concern: every TrainConfig option in exactly one panel, no panel of
+more than 12 options, a plain --help that fits a screen and points at --help-all, which shows every option; and
+the rank count, one option under every spelling it had."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import tomllib
+import typer
+from helpers import run_main
+
+from ddp_amp.cli import app
+from ddp_amp.commands.options import option_specs
+from ddp_amp.commands.panels import PANELS, SHORT_HELP
+from ddp_amp.config import NOT_OPTIONS, TrainConfig
+
+TRAINING_COMMANDS = ("spawn", "run", "multinode", "bench")
+OPTIONS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_OPTIONS]
+
+
+def _commands():
+    return typer.main.get_command(app).commands
+
+
+def test_every_train_config_option_is_in_exactly_one_panel():
+    placed = Counter(name for names in PANELS.values() for name in names)
+    assert [name for name in OPTIONS if placed[name] != 1] == []
+    assert [name for name in placed if name not in OPTIONS] == []  # no panel names an option that is gone
+    assert set(SHORT_HELP) <= set(OPTIONS)
+
+
+@pytest.mark.parametrize("name", TRAINING_COMMANDS)
+def test_no_panel_of_a_training_command_holds_more_than_12_options(name):
+    command = _commands()[name]
+    sizes = Counter(getattr(p, "rich_help_panel", None) or "Options" for p in command.params
+                    if p.param_type_name == "option")
+    assert max(sizes.values()) <= 12, sizes
+    # every training option sits in its concern's panel on this command too (bench's own --amp, --shard and
+    # --compile replace the training ones)
+    panel_of = {name: panel for panel, names in PANELS.items() for name in names}
+    misplaced = [p.name for p in command.params if p.name in panel_of and p.rich_help_panel in PANELS
+                 and p.rich_help_panel != panel_of[p.name]]
+    assert misplaced == []
+
+
+def _help(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "ddp_amp", *args], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "COLUMNS": "120", "TERM": "dumb"})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("name", TRAINING_COMMANDS)
+def test_help_fits_a_screen_and_points_at_the_full_list(name):
+    text = _help(name, "--help")
+    lines = text.rstrip().splitlines()
+    assert len(lines) <= 80, f"ddp-amp {name} --help has {len(lines)} lines at 120 columns"
+    assert f"ddp-amp {name} --help-all" in lines[-1], lines[-1]
+    assert "--tracker" in text and "--keep-best" in text  # the most used ones are there
+    assert "--tracker-tag" not in text  # and the others are not
+
+
+@pytest.mark.parametrize("name", TRAINING_COMMANDS)
+def test_help_all_shows_every_option_with_its_whole_help(name):
+    text = _help(name, "--help-all")
+    command = _commands()[name]
+    flags = [opt for p in command.params if p.param_type_name == "option" for opt in p.opts if opt.startswith("--")]
+    missing = [flag for flag in flags if f"{flag} " not in text and f"{flag}," not in text]
+    assert missing == []
+    for spec in option_specs():
+        if name != "bench" or spec.name not in ("amp", "shard", "compile"):
+            assert spec.flag in text, spec.flag
+    assert "--help-all" not in text.rstrip().splitlines()[-1]  # no pointer to itself at the end
+    words = " ".join(text.replace("│", " ").split())
+    assert "converted by its annotation" in words  # --task-arg's whole help, not its one-line summary
+
+
+def test_help_all_after_a_script_is_the_scripts_own_argument(tmp_path, capsys):
+    """Every word after SCRIPT is the script's: --help-all there is not ddp-amp's."""
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    code, out, err = run_main(["run", "--dry-run", "-n", "2", str(script), "--help-all"], capsys)
+    assert code == 0, err
+    assert "--help-all" in out and "Show every option" not in out
+
+
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc", "--gpus", "-n"])
+@pytest.mark.parametrize("name", ["spawn", "run", "multinode"])
+def test_the_rank_count_is_one_option_under_every_spelling(name, spelling, capsys):
+    code, out, err = run_main([name, spelling, "3", "--print-config"], capsys)
+    assert code == 0, err
+    assert tomllib.loads(out)["nproc_per_node"] == "3"
+
+
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc", "--gpus", "-n"])
+def test_spawn_starts_the_rank_count_it_is_given_under_every_spelling(spelling, monkeypatch, capsys):
+    """What reaches the launch: the same count, whichever spelling gave it (torchrun's names too)."""
+    import ddp_amp.launch.session as session
+
+    seen = []
+    monkeypatch.setattr(session, "spawn_launch", lambda train, output, nproc, script=None: seen.append(nproc))
+    code, _, err = run_main(["spawn", spelling, "2", "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert seen == ["2"]
+    nprocs = []
+
+    class Stop(Exception):
+        pass
+
+    def preflight(config, *, nproc_per_node, **_):
+        nprocs.append(nproc_per_node)
+        raise Stop
+
+    monkeypatch.undo()
+    monkeypatch.setattr("ddp_amp.launch.preflight.preflight", preflight)
+    monkeypatch.setattr(session, "warm_start", lambda train, start_ranks_soon: TrainConfig(**train))
+    with pytest.raises(Stop):
+        session.spawn_launch({"device": "cpu"}, {"overwrite": False, "run_dir": None}, "cpu")
+    assert nprocs == [os.cpu_count() or 1]
+
+
+def test_a_config_file_from_before_the_rename_still_sets_the_rank_count(tmp_path, capsys):
+    config = tmp_path / "old.toml"
+    config.write_text("nproc = 2\nlr = 0.01\n")
+    code, out, err = run_main(["spawn", "--config", str(config), "--print-config"], capsys)
+    assert code == 0, err
+    printed = tomllib.loads(out)
+    assert printed["nproc_per_node"] == "2" and printed["lr"] == 0.01 and "nproc" not in printed
+
+
+def test_print_config_is_flat_toml_grouped_under_each_concern(capsys):
+    code, out, err = run_main(["spawn", "-n", "2", "--lr", "0.01", "--tracker", "wandb", "--print-config"], capsys)
+    assert code == 0, err
+    headings = [line[2:] for line in out.splitlines() if line.startswith("# ")]
+    assert headings[:len(PANELS)] == list(PANELS)  # in --help's order, then the command's own
+    sections = {block.splitlines()[0][2:]: block for block in out.strip().split("\n\n")}
+    assert "lr = 0.01" in sections["Optimization"] and 'tracker = ["wandb"]' in sections["Observability"]
+    assert 'nproc_per_node = "2"' in sections["Launch"]
+    assert tomllib.loads(out)["lr"] == 0.01
