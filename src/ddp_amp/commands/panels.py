@@ -65,7 +65,7 @@ PANEL_OF: dict[str, str] = {name: panel for panels in (PANELS, COMMAND_PANELS)
 ORDER = [*PANELS, *COMMAND_PANELS]
 
 SHORT_HELP: dict[str, str] = {
-    "task": "linear, mlp, transformer, or module:factory / file.py:factory.",
+    "task": "linear, mlp, transformer, gpt, or module:factory / file.py:factory.",
     "task_arg": "KEY=VALUE, repeatable: an argument of the --task factory.",
     "batch_size": "Samples per rank per micro-step.",
     "steps": "Optimizer steps to train \\[default: 100, unless --epochs].",
@@ -76,7 +76,7 @@ SHORT_HELP: dict[str, str] = {
     "clip_grad": "Clip the global gradient norm to this value.",
     "device": "auto: CUDA when available, else CPU.",
     "amp": "Mixed precision: auto, on or off (fp32).",
-    "dtype": "Autocast dtype (bf16-true: bf16 weights too).",
+    "dtype": "Autocast dtype (bf16-true: bf16 weights too; fp8: float8 layers, GPU).",
     "shard": "none (DDP), optimizer (ZeRO-1) or full (FSDP2).",
     "checkpoint_every": "Checkpoint every this many optimizer steps (0: never).",
     "resume": "A checkpoint to continue from: a path, or auto (the run dir's newest).",
