@@ -78,8 +78,8 @@ def handwritten(args) -> float:
     return (args.steps - measure_from) * args.batch_size * config.context / seconds
 
 
-def ddp_amp(args, run_dir: Path) -> float:
-    """One ddp-amp launch of the same training; its steady-state tokens/s (summary.json)."""
+def ddp_amp(args, run_dir: Path) -> dict:
+    """One ddp-amp launch of the same training; its summary.json (steady-state tokens/s, MFU)."""
     command = [sys.executable, "-m", "ddp_amp", "spawn", "-n", "1", "--device", args.device,
                "--task", "gpt", "--task-arg", f"size={args.size}", "--batch-size", str(args.batch_size),
                "--steps", str(args.steps), "--log-every", str(args.steps), "--optimizer-impl", "fused",
@@ -89,7 +89,7 @@ def ddp_amp(args, run_dir: Path) -> float:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"ddp-amp failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
-    return json.loads((run_dir / "summary.json").read_text())["tokens_per_s"]
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def main() -> None:
@@ -108,22 +108,26 @@ def main() -> None:
         print(json.dumps({"tokens_per_s": handwritten(args)}))
         return
     rates: dict[str, list[float]] = {"hand-written": [], "ddp-amp": []}
+    mfu: list[float] = []
     child = [sys.executable, __file__, "--one-handwritten", *sys.argv[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
             rates["hand-written"].append(json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
-            rates["ddp-amp"].append(ddp_amp(args, Path(tmp) / f"run{repeat}"))
+            summary = ddp_amp(args, Path(tmp) / f"run{repeat}")
+            rates["ddp-amp"].append(summary["tokens_per_s"])
+            mfu.append(summary.get("mfu") or float("nan"))
     ratio = [a / h for a, h in zip(rates["ddp-amp"], rates["hand-written"])]
     print(f"gpt {args.size}, batch {args.batch_size}, {args.dtype}, compile {'on' if args.compile else 'off'}, "
           f"{args.device}, {args.steps} steps, {args.repeats} interleaved rounds")
     for name, values in rates.items():
         print(f"{name:<13} {spread(values, '.0f')} tokens/s")
-    print(f"ddp-amp / hand-written per round: {spread(ratio, '.3f')}")
+    print(f"ddp-amp / hand-written per round: {spread(ratio, '.3f')}; ddp-amp's MFU {spread(mfu, '.1%')}")
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "batch_size": args.batch_size, "dtype": args.dtype,
                                          "compile": args.compile, "tokens_per_s": rates,
-                                         "ratio": {"median": statistics.median(ratio), "per_round": ratio}},
+                                         "ratio": {"median": statistics.median(ratio), "per_round": ratio},
+                                         "ddp_amp_mfu": statistics.median(mfu)},
                                         indent=1) + "\n")
 
 

@@ -107,3 +107,22 @@ def test_shard_modes_are_interleaved_and_compared_with_the_first(tmp_path):
     assert full["optimizer_state_mb"] == pytest.approx([whole / 2, whole / 2], rel=1e-3)
     median = full["throughput"]["median"]
     assert f"--shard full / none (fp32): throughput {median:.2f}x" in result.stdout
+
+
+def test_the_default_compares_what_a_user_would_pick_here_with_each_ones_mfu(tmp_path):
+    """No --amp: on a CPU with native bf16, bf16 weights (bf16-true) beside fp32 and autocast; elsewhere fp32 and
+    autocast. The gpt task counts its FLOPs: each row has its MFU, and the table says which size ran."""
+    from ddp_amp.precision import cpu_has_native_bf16
+
+    result = run_cli("bench", "--steps", "3", "--warmup", "1", "--repeats", "1", "--nproc", "2", "--device", "cpu",
+                     "--task", "gpt", "--json", str(tmp_path / "out.json"), "--run-dir", str(tmp_path / "runs"),
+                     env={"COLUMNS": "200"}, timeout=300)
+    assert_ok(result)
+    report = json.loads((tmp_path / "out.json").read_text())
+    expected = {"fp32", "bf16", "bf16-true"} if cpu_has_native_bf16() else {"fp32", "bf16"}
+    assert set(report["precisions"]) == expected
+    for entry in report["precisions"].values():
+        assert entry["mfu"] == pytest.approx(entry["achieved_tflops_per_rank"] / entry["peak_tflops_per_rank"])
+        assert entry["peak_source"].startswith("measured matmul, ")
+    assert "ddp-amp bench: GPT-2-style decoder, size tiny" in result.stdout
+    assert "MFU" in result.stdout

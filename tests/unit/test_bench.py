@@ -200,3 +200,12 @@ def test_subnormals_and_collapsed_gradients_are_named_under_the_table():
     assert len(notes) == 2 and all(note.startswith("fp32: ") for note in notes)
     assert "25.0% of the activations were subnormal" in notes[0] and "--flush-denormal on" in notes[0]
     assert "gradients had collapsed by the end (2.0e-09 of the weights' norm)" in notes[1]
+
+
+def test_amp_auto_adds_bf16_weights_on_a_cpu_with_native_bf16_only():
+    from ddp_amp.measure.bench import resolved_amp
+
+    assert resolved_amp("auto", "cpu", cpu_native_bf16=True) == "all"
+    assert resolved_amp("auto", "cpu", cpu_native_bf16=False) == "both"
+    assert resolved_amp("auto", "cuda", cpu_native_bf16=True) == "both"
+    assert resolved_amp("off", "cpu", cpu_native_bf16=True) == "off"
