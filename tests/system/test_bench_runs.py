@@ -124,5 +124,5 @@ def test_the_default_compares_what_a_user_would_pick_here_with_each_ones_mfu(tmp
     for entry in report["precisions"].values():
         assert entry["mfu"] == pytest.approx(entry["achieved_tflops_per_rank"] / entry["peak_tflops_per_rank"])
         assert entry["peak_source"].startswith("measured matmul, ")
-    assert "ddp-amp bench: GPT-2-style decoder, size tiny" in result.stdout
+    assert "task: GPT-2-style decoder, size tiny" in result.stdout
     assert "MFU" in result.stdout

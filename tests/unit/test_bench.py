@@ -140,8 +140,8 @@ def test_mfu_is_per_rank_and_held_to_the_peak_the_ranks_reported(capsys):
                              "threads_per_rank": 1, "cpu_native_bf16": True, "task": "GPT-2-style decoder, size tiny"}
     Console(width=200).print(bench_table(report))
     out = capsys.readouterr().out
-    assert "ddp-amp bench: GPT-2-style decoder, size tiny" in out
-    assert "40.0%" in out and "MFU against 0.1 TFLOP/s per rank (measured matmul, bf16)" in out
+    assert "task: GPT-2-style decoder, size tiny" in out
+    assert "40.0%" in out and "MFU: bf16 0.04 of 0.1 TFLOP/s per rank (measured matmul, bf16)" in out
 
 
 # Names as torch.cuda.get_device_name prints them, and the model and dense peaks each must get.

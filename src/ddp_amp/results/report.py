@@ -9,26 +9,14 @@ from typing import Any
 def bench_table(report: dict[str, Any]):
     """The rich renderable: one row per precision, then the speedup, loss agreement and the environment."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     precisions = report["precisions"]
     sequence = any("tokens_per_s" in entry for entry in precisions.values())
     utilisation = any(entry.get("mfu") is not None for entry in precisions.values())
     env = report["environment"]
-    table = Table(title="ddp-amp bench" + (f": {env['task']}" if env.get("task") else ""), title_justify="left")
-    for header in ("precision", "step ms (median)", "p90", "slowest rank", "samples/s",
-                   *(("tokens/s",) if sequence else ()), *(("TFLOP/s per rank", "MFU") if utilisation else ()),
-                   "peak MB", "final loss"):
-        table.add_column(header, justify="left" if header == "precision" else "right")
-    for name, entry in precisions.items():
-        table.add_row(name, f"{entry['step_s_median'] * 1e3:.2f}", f"{entry['step_s_p90'] * 1e3:.2f}",
-                      f"{entry['slowest_rank_step_s_median'] * 1e3:.2f}", f"{entry['samples_per_s']:.0f}",
-                      *((f"{entry.get('tokens_per_s', 0):.0f}",) if sequence else ()),
-                      *((_num(entry.get("achieved_tflops_per_rank"), ".3g"), _percent(entry.get("mfu")))
-                        if utilisation else ()),
-                      f"{entry['peak_memory_mb']:.0f}", f"{entry['final_loss']:.4f}")
-    lines = []
+    table = _precision_table(precisions, sequence, utilisation)
+    lines = [f"task: {env['task']}"] if env.get("task") else []
     speedups = report.get("speedups") or ({report["speedup"]["amp"]: {  # a report of an earlier version
         **report["speedup"], "loss_relative_difference": report["loss_agreement"]["relative_difference"]}}
         if "speedup" in report else {})
@@ -54,13 +42,37 @@ def bench_table(report: dict[str, Any]):
                          "before the model was built)")
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
-    peaks = {entry["peak_source"]: entry["peak_tflops_per_rank"] for entry in precisions.values()
-             if entry.get("peak_source")}
-    if peaks:
-        lines.append("MFU against " + "; ".join(f"{tflops:.3g} TFLOP/s per rank ({source})"
-                                                for source, tflops in peaks.items()))
+    held = [(name, entry) for name, entry in precisions.items() if entry.get("peak_source")]
+    if held:
+        lines.append("MFU: " + "; ".join(f"{name} {entry['achieved_tflops_per_rank']:.3g} of "
+                                         f"{entry['peak_tflops_per_rank']:.3g} TFLOP/s per rank "
+                                         f"({entry['peak_source']})" for name, entry in held))
     lines.append(_bench_footer(env))
     return Group(table, *(Text(line) for line in lines))
+
+
+def _precision_table(precisions: dict[str, Any], sequence: bool, utilisation: bool):
+    """bench's table: a row per precision."""
+    from rich import box
+    from rich.table import Table
+
+    headers = ("precision", "step ms\n(median)", "p90", "slowest\nrank", "samples/s",
+               *(("tokens/s",) if sequence else ()), *(("MFU",) if utilisation else ()), "peak\nMB", "final\nloss")
+    rows = [[name, f"{entry['step_s_median'] * 1e3:.2f}", f"{entry['step_s_p90'] * 1e3:.2f}",
+             f"{entry['slowest_rank_step_s_median'] * 1e3:.2f}", f"{entry['samples_per_s']:.0f}",
+             *((f"{entry.get('tokens_per_s', 0):.0f}",) if sequence else ()),
+             *((_percent(entry.get("mfu")),) if utilisation else ()),
+             f"{entry['peak_memory_mb']:.0f}", f"{entry['final_loss']:.4f}"] for name, entry in precisions.items()]
+    # No vertical rules, and no column narrower than its widest figure: every figure whole at 80 columns (a
+    # pipe's width), headers wrapped instead.
+    table = Table(title="ddp-amp bench", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)
+    for index, header in enumerate(headers):
+        widest = max([len(row[index]) for row in rows] + [len(line) for line in header.split("\n")])
+        table.add_column(header, justify="left" if index == 0 else "right", min_width=widest)
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def _bench_footer(env: dict[str, Any]) -> str:
