@@ -3,6 +3,7 @@ throughput of the training core, the time to the first step, and a whole launch'
 process it starts; the machine's /proc/stat), on the built-in mlp task and the wide MLP.
 
     .venv/bin/python benchmarks/against_revision.py [--base REV] [--repeats 5] [--nproc 2] [--tasks mlp wide]
+        [--flags "--amp on --dtype bf16-true"]
 
 The earlier revision's src/ is exported with `git archive`; each side's src/ is put first on PYTHONPATH for its
 launches (the ranks inherit it), so both run in the same interpreter and virtual environment. For a change that must not
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
+    parser.add_argument("--flags", default="--amp off", help="every launch's precision flags (default: --amp off; "
+                        "e.g. \"--amp on --dtype bf16-true\")")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base_src = export_src(args.base, Path(tmp))
@@ -50,7 +53,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for name, env in envs.items():  # interleaved: drift on a shared machine hits both alike
                     rows[name].append(run_ddp_amp(
-                        ["spawn", "-n", str(args.nproc), "--device", "cpu", "--amp", "off", "--steps",
+                        ["spawn", "-n", str(args.nproc), "--device", "cpu", *args.flags.split(), "--steps",
                          str(steps), "--task", spec, "--batch-size", str(batch), "--quiet"],
                         Path(tmp) / f"{task}-{repeat}-{name.replace(' ', '_')}", env=env))
             print(f"task {task}, batch {batch} per rank, {args.nproc} ranks, {steps} steps, {args.repeats} rounds")

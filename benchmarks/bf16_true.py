@@ -1,13 +1,16 @@
 """What bf16 weights (--dtype bf16-true) buy on this CPU, against fp32 and bf16 autocast, beside the machine's
 own bf16/fp32 GEMM ratio.
 
-    .venv/bin/python benchmarks/bf16_true.py [--repeats 3] [--steps 60] [--batch-size 128] [--nproc 2]
+    .venv/bin/python benchmarks/bf16_true.py [--repeats 3] [--steps 60] [--batch-size 128] [--nproc 2] [--profile]
 
 Model: the 1024-4096-1024-1024 regression MLP of benchmarks/tasks.py (the peer model), AdamW (fused), `--nproc`
 ranks of one thread each. Each round, interleaved: the step's nine matmuls timed in fp32 and in bf16 with
 `--nproc` one-thread processes at once (benchmarks/gemm_limit.py); then ddp-amp spawn in fp32, under bf16
 autocast and in bf16-true. Printed: the CPU (model, family, bf16 flags), the GEMM ratio bf16/fp32, each
-precision's step rate over fp32's per round, and the target of issue #46 (0.5 x the GEMM ratio).
+precision's step rate over fp32's per round, and the target of issue #46 (0.5 x the GEMM ratio). `--profile` adds
+one profiled run of fp32 and of bf16-true and rank 0's step in each, in ms: GEMMs, the optimizer, the copies and
+casts (bf16-true's masters: gradients in, weights back), other operators, and the rest (the all-reduce's wait,
+Python and the framework): where the bf16 GEMMs' gain goes.
 """
 
 import argparse
@@ -20,7 +23,7 @@ from common import run_ddp_amp, spread
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from gemm_limit import gemm_rate  # noqa: E402
+from gemm_limit import CATEGORIES, gemm_rate  # noqa: E402
 
 from ddp_amp.precision import cpu_flags, cpu_model  # noqa: E402
 
@@ -35,6 +38,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     base = ["spawn", "-n", str(args.nproc), "--device", "cpu", "--task", f"{HERE / 'tasks.py'}:wide_regression",
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--log-every", str(args.steps),
@@ -57,10 +61,33 @@ def main() -> None:
     for name, values in rates.items():
         over = [value / fp32 for value, fp32 in zip(values, rates["fp32"])]
         print(f"{name:<14} {spread(values, '.0f')} samples/s per rank; over fp32 per round {spread(over)}")
+    if args.profile:
+        profile(base, args)
     target = 0.5 * statistics.median(ratio)
     reached = statistics.median(v / f for v, f in zip(rates["bf16-true"], rates["fp32"]))
     print(f"target (0.5 x the GEMM ratio): {target:.2f}x; bf16-true reached {reached:.2f}x"
           f"{'' if reached >= target else ' (not reached)'}")
+
+
+PROFILED = {**CATEGORIES, "copies and casts": ("aten::copy_", "aten::_to_copy", "aten::to")}
+
+
+def profile(base: list[str], args) -> None:
+    """One profiled run each of fp32 and bf16-true: rank 0's step by category, ms per step."""
+    window = (args.steps // 2 + 1, args.steps // 2 + 10)
+    steps = window[1] - window[0] + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("fp32", "bf16-true"):
+            summary = run_ddp_amp(base + PRECISIONS[name] + ["--profile", f"{window[0]}:{window[1]}"],
+                                  Path(tmp) / name)
+            step_ms = 1e3 * summary["profile"]["window_s"] / steps
+            parts = {category: 0.0 for category in (*PROFILED, "other operators")}
+            for op in summary["profile"]["top_ops"]:
+                category = next((c for c, names in PROFILED.items() if op["name"].startswith(names)),
+                                "other operators")
+                parts[category] += op["self_cpu_ms"] / steps
+            detail = ", ".join(f"{category} {ms:.1f}" for category, ms in parts.items())
+            print(f"{name} profiled step {step_ms:.1f} ms: {detail}, rest {step_ms - sum(parts.values()):.1f}")
 
 
 if __name__ == "__main__":
