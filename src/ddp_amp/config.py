@@ -350,7 +350,9 @@ class TrainConfig:
         ddp_only = [flag for flag, given in (
             ("--static-graph", self.static_graph), ("--find-unused-parameters", self.find_unused_parameters),
             (f"--grad-compression {self.grad_compression}", self.grad_compression != "none"),
-            ("--sync-batchnorm", self.sync_batchnorm)) if given]
+            ("--sync-batchnorm", self.sync_batchnorm), (f"--bucket-mb {self.bucket_mb:g}", self.bucket_mb != 25.0),
+            ("--no-bucket-view", not self.bucket_view), ("--no-broadcast-buffers", not self.broadcast_buffers))
+            if given]
         problems = [f"{flag} is an option of DDP's, and --shard full trains without DDP (FSDP2 reduce-scatters "
                     f"the gradients); drop {flag.split()[0]} or use --shard none|optimizer" for flag in ddp_only]
         if self.micro_batch == "auto":

@@ -21,7 +21,9 @@ FP32_SGD = ["--device", "cpu", "--amp", "off", "--optimizer", "sgd", "--lr", "0.
 
 @pytest.mark.parametrize("flags, named", [
     (["--static-graph"], "--static-graph"), (["--find-unused-parameters"], "--find-unused-parameters"),
-    (["--grad-compression", "bf16"], "--grad-compression"), (["--sync-batchnorm"], "--sync-batchnorm")])
+    (["--grad-compression", "bf16"], "--grad-compression"), (["--sync-batchnorm"], "--sync-batchnorm"),
+    (["--bucket-mb", "5"], "--bucket-mb"), (["--no-bucket-view"], "--no-bucket-view"),
+    (["--no-broadcast-buffers"], "--no-broadcast-buffers")])
 def test_a_ddp_option_with_shard_full_is_one_line_and_launches_nothing(flags, named, tmp_path, capsys):
     run_dir = tmp_path / "run"
     code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--shard", "full", *flags, "--run-dir",

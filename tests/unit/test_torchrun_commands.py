@@ -187,12 +187,15 @@ def test_a_loopback_local_addr_for_a_network_endpoint_is_refused(tmp_path, capsy
     assert not tmp_path.joinpath("config.json").exists()
 
 
-def test_tf32_is_a_training_option_of_every_launcher(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_tf32_is_a_training_option_of_every_launcher_and_refused_on_cpu_ranks(command, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["run", "--nproc-per-node", "2", "--device", "cpu", "--tf32", "off", "--dry-run",
-              "--run-dir", str(tmp_path)])
-    assert exit_info.value.code == 0
-    assert json.loads((tmp_path / "config.json").read_text())["tf32"] == "off"
+        main([command, "--nproc-per-node", "2", "--device", "cpu", "--tf32", "off",
+              "--run-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("ddp-amp: error: --tf32 off sets TF32 on CUDA's tensor cores, and "
+                                               "these are CPU ranks: drop it")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_rank_killed_without_raising_is_the_cause_whatever_failed_first(tmp_path):

@@ -275,6 +275,11 @@ def check_ddp_options(config: TrainConfig, device_type: str, precision: Precisio
     if config.grad_compression == "bf16" and device_type != "cuda":
         raise UsageError("--grad-compression bf16 needs CUDA ranks (nccl): torch has no bf16 all-reduce hook "
                          "for CPU ranks (gloo); use --grad-compression fp16 or none")
+    if config.tf32 is not None and device_type != "cuda":
+        raise UsageError(f"--tf32 {config.tf32} sets TF32 on CUDA's tensor cores, and these are CPU ranks: drop it")
+    if config.flush_denormal == "on" and device_type == "cuda":
+        raise UsageError("--flush-denormal on sets the CPU's flush-to-zero, and these ranks compute on GPUs: drop it "
+                         "(auto leaves GPUs as they are)")
     if config.optimizer_impl == "fused" and precision.uses_scaler:
         raise UsageError("--optimizer-impl fused cannot run under fp16's GradScaler here: a fused step skips "
                          "overflowing steps on the device, unseen by the LR schedule; use foreach (what auto "
