@@ -445,3 +445,16 @@ def test_a_tracker_the_run_cannot_use_is_one_line_exit_2_and_launches_nothing(fl
                              str(tmp_path / "run")], capsys)
     assert code == 2 and one_line(err) == line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cpu_setting_is_refused_on_gpu_ranks_and_a_cuda_one_on_cpu_ranks():
+    from ddp_amp.errors import UsageError
+    from ddp_amp.launch.preflight import check_ddp_options
+    from ddp_amp.precision import Precision
+
+    with pytest.raises(UsageError, match="^--flush-denormal on sets the CPU's flush-to-zero"):
+        check_ddp_options(TrainConfig(flush_denormal="on"), "cuda", Precision("bf16"))
+    with pytest.raises(UsageError, match="^--tf32 on sets TF32 on CUDA's tensor cores"):
+        check_ddp_options(TrainConfig(tf32="on"), "cpu", Precision("bf16"))
+    check_ddp_options(TrainConfig(flush_denormal="on"), "cpu", Precision("bf16"))  # where each means something
+    check_ddp_options(TrainConfig(tf32="on"), "cuda", Precision("bf16"))
