@@ -115,3 +115,36 @@ def test_a_stale_reference_fails_the_check(monkeypatch, tmp_path):
     assert generator.main() == 1
     page.write_text(moved)
     assert generator.main() == 0
+
+
+def _documented_command_lines() -> list[tuple[str, list[str]]]:
+    """Every `ddp-amp spawn|run|multinode|bench ...` line of the README's and docs' shell blocks, continuation
+    lines joined and comments dropped: (page, words after `ddp-amp`). Lines with a shell variable, a
+    placeholder or a --config file (read when parsed) are left out."""
+    import shlex
+
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #", 1)[0].strip()
+                if not re.match(r"(\.venv/bin/)?ddp-amp (spawn|run|multinode|bench)\b", line):
+                    continue
+                if any(mark in line for mark in ("$", "<", "...", "--config", "|", "&&")):
+                    continue
+                found.append((page.name, shlex.split(line)[1:]))
+    return found
+
+
+@pytest.mark.parametrize(("page", "words"), _documented_command_lines(),
+                         ids=[f"{p}: {' '.join(w)[:60]}" for p, w in _documented_command_lines()])
+def test_every_documented_command_line_parses(page, words):
+    """Each documented launch's options are ones the command takes, with values it accepts: click parses and
+    converts them all (a script's words after SCRIPT stay the script's), and nothing is run."""
+    import typer
+
+    from ddp_amp.cli import app
+
+    command = typer.main.get_command(app).commands[words[0]]
+    context = command.make_context(words[0], words[1:])  # raises on an unknown option or a bad value
+    assert context.params
