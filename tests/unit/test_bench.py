@@ -209,3 +209,17 @@ def test_amp_auto_adds_bf16_weights_on_a_cpu_with_native_bf16_only():
     assert resolved_amp("auto", "cpu", cpu_native_bf16=False) == "both"
     assert resolved_amp("auto", "cuda", cpu_native_bf16=True) == "both"
     assert resolved_amp("off", "cpu", cpu_native_bf16=True) == "off"
+
+
+def test_measuring_a_cpu_ranks_peak_leaves_the_runs_random_state_as_it_was():
+    """The peak is measured as training starts: after a resume restored the random state, a draw from it would
+    change the data order and dropout of the resumed run."""
+    import torch
+
+    from ddp_amp.train.utilisation import device_peak
+
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    peak = device_peak(torch.device("cpu"), "bf16-true")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert peak.tflops > 0 and peak.source.startswith("measured matmul, bf16, ")
