@@ -117,7 +117,7 @@ def test_spawn_starts_the_rank_count_it_is_given_under_every_spelling(spelling, 
 
     monkeypatch.undo()
     monkeypatch.setattr("ddp_amp.launch.preflight.preflight", preflight)
-    monkeypatch.setattr(session, "warm_start", lambda train, start_ranks_soon: TrainConfig(**train))
+    monkeypatch.setattr(session, "warm_start", lambda train, **_: TrainConfig(**train))
     with pytest.raises(Stop):
         session.spawn_launch({"device": "cpu"}, {"overwrite": False, "run_dir": None}, "cpu")
     assert nprocs == [os.cpu_count() or 1]

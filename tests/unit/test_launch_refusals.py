@@ -449,7 +449,7 @@ def test_a_tracker_the_run_cannot_use_is_one_line_exit_2_and_launches_nothing(fl
 
 def test_a_cpu_setting_is_refused_on_gpu_ranks_and_a_cuda_one_on_cpu_ranks():
     from ddp_amp.errors import UsageError
-    from ddp_amp.launch.preflight import check_ddp_options
+    from ddp_amp.launch.option_checks import check_ddp_options
     from ddp_amp.precision import Precision
 
     with pytest.raises(UsageError, match="^--flush-denormal on sets the CPU's flush-to-zero"):

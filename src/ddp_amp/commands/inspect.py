@@ -57,7 +57,7 @@ def diagnose(
 
 def env(json_output: Annotated[bool, typer.Option("--json", help="One JSON object, for bug reports.")] = False) -> None:
     """Show what ddp-amp sees: torch, backends, devices, CPU bf16 support, cores and threads."""
-    from ddp_amp.measure.bench import environment_report
+    from ddp_amp.measure.environment import environment_report
 
     report = environment_report()
     if json_output:

@@ -20,7 +20,8 @@ from pathlib import Path
 from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
-from ddp_amp.launch.devices import DeviceFacts, device_facts
+from ddp_amp.launch.devices import device_facts
+from ddp_amp.launch.option_checks import check_ddp_options, check_max_memory, check_tensorboard, check_trackers
 from ddp_amp.launch.run_dir import EARLIER_RUN_DIRS, EARLIER_RUN_FILES, prepare_run_dir, running_job, running_job_id
 from ddp_amp.precision import Precision, resolve_precision
 from ddp_amp.process import StopSignal
@@ -235,55 +236,6 @@ def check_validation(config: TrainConfig, task) -> None:
         if metric != "val_loss":
             raise UsageError(f"--keep-best {metric}: the evaluation of --task {config.task} logs val_loss only "
                              "(the task declares no val_metrics)")
-
-
-def check_max_memory(config: TrainConfig, devices: DeviceFacts) -> None:
-    """--max-memory above what a rank's device has caps nothing: refused, as a typo (GB for MB) most likely."""
-    if config.max_memory is None:
-        return
-    if devices.device_type == "cuda":
-        total, what = devices.gpu0_memory, "GPU 0 has"
-    else:
-        total, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
-    if config.max_memory * 2**30 > total:
-        raise UsageError(f"--max-memory {config.max_memory:g} GB is more than {what} ({total / 2**30:.1f} GB)")
-
-
-def check_tensorboard(config: TrainConfig) -> None:
-    if not config.tensorboard:
-        return
-    try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
-    except ImportError:
-        raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddp-amp[tensorboard]' "
-                         "(or pip install tensorboard)") from None
-
-
-def check_trackers(config: TrainConfig) -> None:
-    from ddp_amp.rank.trackers import tracker_packages_missing
-
-    for name in tracker_packages_missing(config.tracker):
-        raise UsageError(f"--tracker {name} needs the {name} package: pip install 'ddp-amp[{name}]' (or pip install "
-                         f"{name})")
-
-
-def check_ddp_options(config: TrainConfig, device_type: str, precision: Precision) -> None:
-    """Combinations that every rank would otherwise fail on, each with a traceback."""
-    if config.sync_batchnorm and device_type != "cuda":
-        raise UsageError("--sync-batchnorm needs CUDA ranks (nccl): torch's SyncBatchNorm refuses CPU tensors; "
-                         "drop it (each CPU rank then normalises with its own batch's statistics)")
-    if config.grad_compression == "bf16" and device_type != "cuda":
-        raise UsageError("--grad-compression bf16 needs CUDA ranks (nccl): torch has no bf16 all-reduce hook "
-                         "for CPU ranks (gloo); use --grad-compression fp16 or none")
-    if config.tf32 is not None and device_type != "cuda":
-        raise UsageError(f"--tf32 {config.tf32} sets TF32 on CUDA's tensor cores, and these are CPU ranks: drop it")
-    if config.flush_denormal == "on" and device_type == "cuda":
-        raise UsageError("--flush-denormal on sets the CPU's flush-to-zero, and these ranks compute on GPUs: drop it "
-                         "(auto leaves GPUs as they are)")
-    if config.optimizer_impl == "fused" and precision.uses_scaler:
-        raise UsageError("--optimizer-impl fused cannot run under fp16's GradScaler here: a fused step skips "
-                         "overflowing steps on the device, unseen by the LR schedule; use foreach (what auto "
-                         "picks) or --dtype bf16")
 
 
 def _resumed(config: TrainConfig, world_size: int | None) -> tuple[TrainConfig, bool]:

@@ -112,11 +112,10 @@ def spawn_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_node: 
     from ddp_amp.launch import torchrun
     from ddp_amp.launch.preflight import preflight, preflight_script
 
-    counted = nproc_per_node.lstrip("-").isdigit()
-    if not counted and nproc_per_node not in ("gpu", "cpu", "auto"):
-        torchrun.parse_nproc(nproc_per_node)  # one line naming the flag, before the fork server starts
-    config = warm_start(train, start_ranks_soon=not counted or int(nproc_per_node) >= 1)
-    nproc = torchrun.parse_nproc(nproc_per_node)
+    # A count (or a bad word: one line) before the fork server starts; gpu, cpu and auto take torch's answer.
+    nproc = None if nproc_per_node in ("gpu", "cpu", "auto") else torchrun.parse_nproc(nproc_per_node)
+    config = warm_start(train)
+    nproc = nproc or torchrun.parse_nproc(nproc_per_node)
     common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],
               "run_dir": output["run_dir"]}
     plan = preflight_script(config, script, **common) if script is not None else preflight(config, **common)

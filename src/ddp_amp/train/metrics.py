@@ -9,6 +9,7 @@ step and one at the start of the steady state, which make those instants real on
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -24,7 +25,7 @@ from ddp_amp.tasks import Task
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.step import PHASES, StepOutcome
 from ddp_amp.train.stragglers import StragglerWatch
-from ddp_amp.train.utilisation import Peak
+from ddp_amp.train.utilisation import Peak, device_peak
 
 
 class Reporter(Protocol):
@@ -213,6 +214,26 @@ class MetricsProcessor:
         self.loss_sum.zero_()
         self.loss_count, self.interval_start, self.interval_steps = 0, now, 0
         return summed_flags
+
+    def prepare_utilisation(self, precision: str) -> None:
+        """The peak this rank's MFU is held to, where there will be a FLOP count: the task's, or the first step's
+        (not under --compile, whose kernels torch's counter does not see)."""
+        if self.flops_per_sample or not self.config.compile:
+            tf32 = self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+            self.peak = device_peak(self.device, precision, tf32=tf32)
+
+    @contextlib.contextmanager
+    def counting_flops(self, first: bool):
+        """Around the run's first step, for a task that does not count its FLOPs: torch's FlopCounterMode
+        counts the forward and backward's matmuls, convolutions and attention on this rank."""
+        if not first or self.flops_per_sample or self.config.compile:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            yield
+        self.flops_per_sample = counter.get_total_flops() / self.samples_per_step or None
 
     def utilisation(self, rank_samples_per_s: float, samples_per_s: float) -> dict[str, float]:
         """The training FLOP/s per rank (`tflops_per_rank`, the ranks' mean) and, against the rank's peak,

@@ -7,7 +7,6 @@ their own beside this one (see docs/architecture.md).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import signal
 import warnings
@@ -43,7 +42,6 @@ from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.schedule import build_scheduler
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
-from ddp_amp.train.utilisation import device_peak
 
 
 @dataclass
@@ -272,14 +270,14 @@ class Trainer:
         batches = None if iterable else self.data.batches()
         steps_done = self.start_step
         data_left = self.data.can_run(self.start_step)  # iterable data: whether every rank has a first step
-        self._prepare_utilisation(metrics)
+        metrics.prepare_utilisation(self.precision.name)
         self.model.train()
         for step in range(self.start_step, self.total_steps if data_left else self.start_step):
             number = step + 1
             self.profiler.before_step(number)
             lr = self.scheduler.get_last_lr()[0]
             log_due = number % config.log_every == 0 or number == self.total_steps
-            with self._counting_flops(metrics, first=step == self.start_step):
+            with metrics.counting_flops(first=step == self.start_step):
                 outcome = self.step(self.data.take() if iterable else batches, step, want_norm=log_due)
             if not outcome.stepped:
                 self.loop_state.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update
@@ -317,26 +315,6 @@ class Trainer:
         self.data.close()
         summary = self._summary(steps_done, metrics.summary(steps_done), diverged)
         return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
-
-    def _prepare_utilisation(self, metrics: MetricsProcessor) -> None:
-        """The peak this rank's MFU is held to, where there will be a FLOP count: the task's, or the first step's
-        (not under --compile, whose kernels torch's counter does not see)."""
-        if metrics.flops_per_sample or not self.config.compile:
-            tf32 = self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-            metrics.peak = device_peak(self.device, self.precision.name, tf32=tf32)
-
-    @contextlib.contextmanager
-    def _counting_flops(self, metrics: MetricsProcessor, first: bool):
-        """Around the run's first step, for a task that does not count its FLOPs: torch's FlopCounterMode
-        counts the forward and backward's matmuls, convolutions and attention on this rank."""
-        if not first or metrics.flops_per_sample or self.config.compile:
-            yield
-            return
-        from torch.utils.flop_counter import FlopCounterMode
-
-        with FlopCounterMode(display=False) as counter:
-            yield
-        metrics.flops_per_sample = counter.get_total_flops() / metrics.samples_per_step or None
 
     def evaluate(self, number: int) -> None:
         """The validation at optimizer step `number` (every rank), logged; the best so far kept as model_best.pt."""
