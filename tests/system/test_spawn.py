@@ -274,7 +274,8 @@ def test_a_run_dirs_config_toml_repeats_the_run(two_rank_run, tmp_path):
 
     run_dir, _ = two_rank_run
     kept = tomllib.loads((run_dir / "config.toml").read_text())
-    assert kept["seed"] == 3 and kept["batch_size"] == 16 and kept["nproc"] == 2 and kept["optimizer"] == "sgd"
+    assert kept["seed"] == 3 and kept["batch_size"] == 16 and kept["optimizer"] == "sgd"
+    assert kept["nproc_per_node"] == "2"
     again = tmp_path / "again"
     assert_ok(run_cli("spawn", "--config", str(run_dir / "config.toml"), "--run-dir", str(again)))
     first, second = load_weights(run_dir), load_weights(again)

@@ -80,7 +80,7 @@ def only_run(server: MlflowServer, project: str):
     return client, runs[0]
 
 
-TIMINGS = ("elapsed_s", "samples_per_s")
+TIMINGS = ("elapsed_s", "samples_per_s", "tflops_per_rank", "mfu")
 """Measured, not computed: a step trained again after a restart (the steps after the checkpoint) takes its own
 time, and the tracker keeps the value of the attempt that sent the step first."""
 

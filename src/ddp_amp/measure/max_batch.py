@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.measure.bench import BenchOptions, environment
+from ddp_amp.measure.bench import BenchOptions
+from ddp_amp.measure.environment import environment
 from ddp_amp.outputs import OUT_OF_MEMORY_FILE, read_summary
 from ddp_amp.parallel import MODES
 
