@@ -30,5 +30,5 @@ def to_float8(module: nn.Module, recipe: str) -> nn.Module:
 
 
 def float8_layers(module: nn.Module) -> int:
-    """How many of the module's layers compute in fp8 (summary.json's fp8_layers)."""
+    """How many of the module's layers compute in fp8 (summary.json's fp8.layers)."""
     return sum(type(m).__name__ == "Float8Linear" for m in module.modules())

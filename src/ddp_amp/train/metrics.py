@@ -146,9 +146,10 @@ class MetricsProcessor:
         self.flops_per_sample: float | None = (task.flops_per_item * task.items_per_sample
                                                if task.flops_per_item else None)
         """Training FLOPs (forward and backward) per sample: the task's count, else the first step's
-        (Trainer.train counts it)."""
+        (counting_flops)."""
         self.peak: Peak | None = None
-        """What this rank can compute in the run's precision (flops.device_peak), set before the first step."""
+        """What this rank can compute in the run's precision (train.utilisation.device_peak), set before the first
+        step (prepare_utilisation)."""
         self.first_step_at: float | None = None
         self.first_step_s: float | None = None
         self.steady_at: float | None = None
