@@ -75,16 +75,17 @@ FP8_CAPABILITY = (8, 9)
 """fp8 tensor cores start with Ada (8.9) and Hopper (9.0)."""
 
 
-def fp8_refusal(device_type: str, cuda_fp8: bool) -> str | None:
-    """Why --dtype fp8 cannot run here, in one line, or None: it needs torchao and GPUs with fp8 tensor cores."""
+def fp8_refusal(device_type: str, cuda_fp8: bool, dtype: str = "fp8") -> str | None:
+    """Why --dtype `dtype` (an fp8 one) cannot run here, in one line, or None: it needs torchao and GPUs with fp8
+    tensor cores."""
     import importlib.util
 
     if device_type != "cuda" or not cuda_fp8:
         where = "CPU ranks" if device_type != "cuda" else "these GPUs"
-        return (f"--dtype fp8 needs NVIDIA GPUs of compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or "
-                f"newer (Ada, Hopper), and {where} have no fp8 matrix units; use --dtype bf16 or bf16-true")
+        return (f"--dtype {dtype} needs NVIDIA GPUs of compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} "
+                f"or newer (Ada, Hopper), and {where} have no fp8 matrix units; use --dtype bf16 or bf16-true")
     if importlib.util.find_spec("torchao") is None:
-        return "--dtype fp8 needs torchao's float8 training: pip install 'ddp-amp[fp8]' (or pip install torchao)"
+        return f"--dtype {dtype} needs torchao's float8 training: pip install 'ddp-amp[fp8]' (or pip install torchao)"
     return None
 
 
@@ -180,7 +181,7 @@ def resolve_precision(
     if amp == "off":
         return Precision("fp32")
     if dtype in FP8_RECIPES:
-        if refusal := fp8_refusal(device_type, cuda_fp8):
+        if refusal := fp8_refusal(device_type, cuda_fp8, dtype):
             raise UsageError(refusal)
         return Precision(dtype)
     if device_type == "cuda":

@@ -17,8 +17,9 @@ def test_fp8_on_cpu_ranks_is_one_line_and_launches_nothing(command, dtype, tmp_p
     code, _, err = run_main([*command, "--device", "cpu", "--dtype", dtype, "--run-dir", str(tmp_path / "r")],
                             capsys)
     assert code == 2
-    assert one_line(err) == ("ddp-amp: error: --dtype fp8 needs NVIDIA GPUs of compute capability 8.9 or newer "
-                             "(Ada, Hopper), and CPU ranks have no fp8 matrix units; use --dtype bf16 or bf16-true")
+    assert one_line(err) == (f"ddp-amp: error: --dtype {dtype} needs NVIDIA GPUs of compute capability 8.9 or "
+                             "newer (Ada, Hopper), and CPU ranks have no fp8 matrix units; use --dtype bf16 or "
+                             "bf16-true")
     assert not (tmp_path / "r").exists()
 
 

@@ -59,8 +59,8 @@ def test_rich_rows_and_global_line():
 
 def test_mfu_is_in_each_ranks_row_the_global_line_the_plain_lines_and_the_summary():
     display, console, console_file, _ = scripted_display()
-    display.handle(log_event(0, 50, 0.2, mfu=0.412, global_mfu=0.405))
-    display.handle(log_event(1, 50, 0.3, mfu=0.398, global_mfu=0.405))
+    display.handle(log_event(0, 50, 0.2, mfu=0.412))
+    display.handle(log_event(1, 50, 0.3, mfu=0.398))
     console.print(display.render())
     text = console_file.getvalue()
     header = next(line for line in text.splitlines() if line.split()[:1] == ["rank"])

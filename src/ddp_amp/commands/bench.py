@@ -23,6 +23,7 @@ H200)."""
 @with_full_help
 @with_training_options(task=DEFAULT_TASK)
 def bench(
+    ctx: typer.Context,
     train: dict,
     amp: Annotated[Literal["auto", "both", "on", "off", "all"], typer.Option(
         "--amp", rich_help_panel=BENCH, help="auto: all on a CPU with native bf16, both elsewhere; both (off and on, "
@@ -62,7 +63,8 @@ def bench(
     _refuse_conflicts(train, options, max_batch=max_batch, shard=shard)
     check_json_path(json_path)
     check_plot_path(plot)
-    report = _measure(train, options, nproc=nproc, run_dir=run_dir, max_batch=max_batch)
+    given = _given(ctx, "task", "batch_size")
+    report = _measure(train, options, nproc=nproc, run_dir=run_dir, max_batch=max_batch, given=given)
     from rich.console import Console
 
     from ddp_amp.results.report import bench_plot, bench_table, max_batch_plot, max_batch_table
@@ -98,6 +100,8 @@ def _for_this_machine(train: dict, options, cuda: bool, nproc: int):
     after the fp32 runs)."""
     import dataclasses
 
+    import torch
+
     from ddp_amp.measure.bench import resolved_amp, variant_precision
     from ddp_amp.precision import (
         cpu_has_native_bf16,
@@ -107,7 +111,7 @@ def _for_this_machine(train: dict, options, cuda: bool, nproc: int):
         resolve_precision,
     )
 
-    gpus = range(nproc) if cuda else range(0)
+    gpus = range(min(nproc, torch.cuda.device_count())) if cuda else range(0)  # too many: preflight's refusal
     fp8 = cuda and fp8_refusal("cuda", cuda_devices_have_fp8(gpus)) is None
     options = dataclasses.replace(options, amp=resolved_amp(options.amp, "cuda" if cuda else "cpu",
                                                             cpu_has_native_bf16()), fp8=fp8)
@@ -118,7 +122,13 @@ def _for_this_machine(train: dict, options, cuda: bool, nproc: int):
     return options
 
 
-def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, max_batch: bool) -> dict:
+def _given(ctx: typer.Context, *names: str) -> set[str]:
+    """Which of these options the user gave, not left at their defaults."""
+    return {name for name in names if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"}
+
+
+def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, max_batch: bool,
+             given: set[str] = frozenset()) -> dict:
     """Every flag checked before anything is created; then the interleaved launches (measure.bench) or the
     batch search (measure.max_batch)."""
     import torch
@@ -129,9 +139,8 @@ def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, ma
     cuda = train["device"] != "cpu" and torch.cuda.is_available()
     if nproc is None:
         nproc = torch.cuda.device_count() if cuda else 2
-    if cuda and train["task"] == DEFAULT_TASK and not train["task_arg"]:
-        train.update(GPU_DEFAULT_TASK, batch_size=GPU_DEFAULT_BATCH if train["batch_size"] == 32 else
-                     train["batch_size"])
+    if cuda and "task" not in given:
+        train.update(GPU_DEFAULT_TASK, batch_size=train["batch_size"] if "batch_size" in given else GPU_DEFAULT_BATCH)
     options = _for_this_machine(train, options, cuda, nproc)
     for mode in options.shards:  # every mode's combination with the other flags, before anything runs
         TrainConfig(**train, steps=options.warmup + options.steps, shard=mode)

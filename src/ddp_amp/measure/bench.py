@@ -308,6 +308,9 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
         env["task"] = summary.task_description
     env["flush_denormal"] = summary.flush_denormal
     report["environment"] = env
+    if FP8 in options.modes and options.compile == "off":
+        notes.append("fp8 ran eager: torchao's float8 casts are fast under torch.compile (its advice), so this row "
+                     "understates fp8; compare with --compile on")
     report["notes"] = notes + numerics_notes(report)
     report["method"] = {"warmup": options.warmup, "steps": options.steps, "repeats": options.repeats,
                         "order": "interleaved " + ", ".join(_variant_name(*v) for v in options.variants),

@@ -12,7 +12,9 @@ from __future__ import annotations
 from torch import nn
 
 FP8_ALIGNMENT = 16
-"""fp8 matmuls need both dimensions of the weight divisible by 16: other layers stay as they are."""
+"""fp8 matmuls need every dimension divisible by 16: a layer whose weight is not stays as it is; the tokens of a
+batch (the inner dimension of the weight's gradient) are padded where they are not (torchao's pad_inner_dim),
+so any --batch-size, a halved --micro-batch or a short last batch trains."""
 
 
 def fp8_eligible(module: nn.Module, _name: str = "") -> bool:
@@ -23,9 +25,11 @@ def fp8_eligible(module: nn.Module, _name: str = "") -> bool:
 def to_float8(module: nn.Module, recipe: str) -> nn.Module:
     """`module` with its eligible linear layers converted in place to torchao's float8 (`recipe`: tensorwise or
     rowwise). Tied weights stay tied (a converted layer keeps its Parameter object)."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     return convert_to_float8_training(module, config=config, module_filter_fn=fp8_eligible)
 
 

@@ -193,8 +193,8 @@ class RichDisplay:
         if view.item_name != "samples":
             throughput = f"{_fmt(view.items_per_s, '.0f')} {view.item_name}/s ({throughput})"
         norm = f"grad norm {view.grad_norm:.3g}  " if view.grad_norm is not None else ""
-        if view.global_mfu is not None:
-            throughput += f"  MFU {view.global_mfu:.1%}"
+        if view.mfu is not None:
+            throughput += f"  MFU {view.mfu:.1%}"
         line = Text(f"all ranks: loss {_fmt(view.global_loss, '.4f')}  {norm}{throughput}  "
                     f"elapsed {_duration(view.elapsed)}  ETA {_duration(view.eta)}")
         return Group(table, line)

@@ -55,8 +55,7 @@ class LogEvent(TypedDict, total=False):
     global_items_per_s: float
     item_name: str
     mfu: float
-    """This rank's model FLOPs utilisation over the interval (a fraction); global_mfu: every rank's."""
-    global_mfu: float
+    """The rank's model FLOPs utilisation over the interval (a fraction)."""
     loss_scale: float
     skipped_steps: int
     micro_batch_size: int

@@ -60,7 +60,6 @@ class ProgressState:
     """The global gradient norm at the last log interval (the same on every rank)."""
     item_name: str = "samples"
     items_per_s: float | None = None
-    global_mfu: float | None = None
     summary: dict[str, Any] | None = None
     restarts: int = 0
     steps_before_restart: dict[int, int] = field(default_factory=dict)
@@ -105,7 +104,6 @@ class ProgressState:
             self.global_loss = event.get("global_loss", self.global_loss)
             self.global_samples_per_s = event.get("global_samples_per_s", self.global_samples_per_s)
             self.grad_norm = event.get("grad_norm", self.grad_norm)
-            self.global_mfu = event.get("global_mfu", self.global_mfu)
             self.item_name = event.get("item_name", self.item_name)
             if "global_items_per_s" in event:
                 self.items_per_s = event["global_items_per_s"]
@@ -176,6 +174,12 @@ class ProgressState:
     @property
     def elapsed(self) -> float:
         return self.clock() - self.started
+
+    @property
+    def mfu(self) -> float | None:
+        """The ranks' mean model FLOPs utilisation at their last log interval (None where none counts FLOPs)."""
+        values = [s.mfu for s in self.ranks.values() if s.mfu is not None]
+        return sum(values) / len(values) if values else None
 
     @property
     def eta(self) -> float | None:

@@ -79,8 +79,8 @@ class WorkerReporter:
         if self.item_name != "samples":
             event["items_per_s"] = record["rank_samples_per_s"] * self.items_per_sample
             event["global_items_per_s"] = record["samples_per_s"] * self.items_per_sample
-        if "rank_mfu" in record:  # model FLOPs utilisation: this rank's, and all ranks'
-            event["mfu"], event["global_mfu"] = record["rank_mfu"], record["mfu"]
+        if "mfu" in record:  # model FLOPs utilisation, where the run counts its FLOPs
+            event["mfu"] = record["mfu"]
         if "loss_scale" in record:
             event["loss_scale"] = record["loss_scale"]
         if "micro_batch_size" in record:

@@ -147,6 +147,7 @@ class MetricsProcessor:
                                                if task.flops_per_item else None)
         """Training FLOPs (forward and backward) per sample: the task's count, else the first step's
         (counting_flops)."""
+        self.flops_counted = self.flops_per_sample is not None
         self.peak: Peak | None = None
         """What this rank can compute in the run's precision (train.utilisation.device_peak), set before the first
         step (prepare_utilisation)."""
@@ -204,7 +205,7 @@ class MetricsProcessor:
                   "rank_loss": local_loss / local_count, "rank_samples_per_s": rank_samples_per_s}
         if self.task.item_name != "samples":
             record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
-        record.update(self.utilisation(rank_samples_per_s, record["samples_per_s"]))
+        record.update(self.utilisation(record["samples_per_s"]))
         if self.micro is not None:
             record["micro_batch_size"] = self.micro.size
         if self.scaler.is_enabled():
@@ -218,33 +219,42 @@ class MetricsProcessor:
 
     def prepare_utilisation(self, precision: str) -> None:
         """The peak this rank's MFU is held to, where there will be a FLOP count: the task's, or the first step's
-        (not under --compile, whose kernels torch's counter does not see)."""
+        (not under --compile, whose kernels torch's counter does not see). Measured before the run's clocks
+        start: the time to the first step and the first interval's throughput do not include it."""
         if self.flops_per_sample or not self.config.compile:
             tf32 = self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
             self.peak = device_peak(self.device, precision, tf32=tf32)
+            self.start = time.time()
+            self.step_started = self.step_clock = self.interval_start = time.perf_counter()
 
     @contextlib.contextmanager
-    def counting_flops(self, first: bool):
-        """Around the run's first step, for a task that does not count its FLOPs: torch's FlopCounterMode
-        counts the forward and backward's matmuls, convolutions and attention on this rank."""
-        if not first or self.flops_per_sample or self.config.compile:
+    def counting_flops(self):
+        """Around each step until one is counted, for a task that does not count its FLOPs: torch's
+        FlopCounterMode counts the forward and backward's matmuls and convolutions on this rank (attention too
+        where its kernel is one the counter knows; a CPU's scaled_dot_product_attention is not). A step in which
+        --micro-batch auto changed its size (a try that ran out of memory, then the same batch again) is not
+        taken: the next one is counted."""
+        if self.flops_counted or self.config.compile:
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
 
+        changes = len(self.micro.changes) if self.micro is not None else 0
         with FlopCounterMode(display=False) as counter:
             yield
-        self.flops_per_sample = counter.get_total_flops() / self.samples_per_step or None
+        if changes == (len(self.micro.changes) if self.micro is not None else 0):
+            self.flops_counted = True
+            self.flops_per_sample = counter.get_total_flops() / self.samples_per_step or None
 
-    def utilisation(self, rank_samples_per_s: float, samples_per_s: float) -> dict[str, float]:
-        """The training FLOP/s per rank (`tflops_per_rank`, the ranks' mean) and, against the rank's peak,
-        the model FLOPs utilisation: `mfu` over every rank, `rank_mfu` of this one. Empty without a count."""
+    def utilisation(self, samples_per_s: float) -> dict[str, float]:
+        """The training FLOP/s per rank (`tflops_per_rank`) and, against the rank's peak, the model FLOPs
+        utilisation (`mfu`), of a throughput as samples_per_s gives it (this rank's rate times the world size:
+        the ranks step in lockstep). Empty without a count."""
         if not self.flops_per_sample:
             return {}
         figures = {"tflops_per_rank": samples_per_s / self.env.world_size * self.flops_per_sample / 1e12}
         if self.peak is not None:
             figures["mfu"] = self.peak.mfu(figures["tflops_per_rank"] * 1e12)
-            figures["rank_mfu"] = self.peak.mfu(rank_samples_per_s * self.flops_per_sample)
         return figures
 
     def summary(self, steps_done: int) -> dict[str, Any]:
@@ -272,7 +282,7 @@ class MetricsProcessor:
         if self.task.flops_per_item:
             summary[f"model_flops_per_{item.rstrip('s')}"] = self.task.flops_per_item
         if self.flops_per_sample:
-            figures = self.utilisation(rank_samples_per_s, samples_per_s)
+            figures = self.utilisation(samples_per_s)
             summary.update(model_flops_per_sample=self.flops_per_sample, mfu=figures.get("mfu"),
                            achieved_tflops_per_rank=figures["tflops_per_rank"])
         if self.peak is not None:

@@ -277,7 +277,7 @@ class Trainer:
             self.profiler.before_step(number)
             lr = self.scheduler.get_last_lr()[0]
             log_due = number % config.log_every == 0 or number == self.total_steps
-            with metrics.counting_flops(first=step == self.start_step):
+            with metrics.counting_flops():
                 outcome = self.step(self.data.take() if iterable else batches, step, want_norm=log_due)
             if not outcome.stepped:
                 self.loop_state.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped the update

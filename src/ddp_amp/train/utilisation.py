@@ -78,9 +78,10 @@ class Peak:
         return flops_per_s / (self.tflops * 1e12)
 
 
-MATMUL_SIZE = {"cpu": 512, "cuda": 8192}
+MATMUL_SIZE = {"cpu": 512, "cuda": 4096}
 """Square matmuls large enough to reach a core's (a GPU's) GEMM rate, small enough to time in ~20 ms (~100 ms
-on the slowest CPU path, emulated bf16)."""
+on the slowest CPU path, emulated bf16) and to hold next to nothing (on a GPU 192 MB at most, given back to it
+after)."""
 MATMUL_REPEATS = 5
 
 
@@ -106,6 +107,9 @@ def measured_matmul_tflops(device, dtype) -> float:
             torch.cuda.synchronize(device)
         if index:  # the first is the warm-up
             times.append(time.perf_counter() - started)
+    del a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return 2 * size**3 / min(times) / 1e12
 
 
