@@ -66,9 +66,8 @@ class TrainConfig:
     amp: str = "auto"
     """Mixed precision: auto (on where the device computes bf16 natively), on, or off (fp32)."""
     dtype: str = "auto"
-    """Autocast dtype when AMP is on: auto, bf16 or fp16 (fp16 trains with a GradScaler); bf16-true: the model's
-    weights in bf16 too, the optimizer updating fp32 master copies of them; fp8 / fp8-rowwise: torchao's float8
-    linear layers (tensorwise / rowwise scales; GPUs of compute capability 8.9+, pip install 'ddp-amp[fp8]')."""
+    """Autocast dtype when AMP is on: auto, bf16 or fp16 (with a GradScaler); bf16-true: bf16 weights too, the
+    optimizer updating fp32 masters; fp8 / fp8-rowwise: torchao's float8 layers (GPUs of compute capability 8.9+)."""
     optimizer: str = "adamw"
     """adamw or sgd (with --momentum)."""
     lr: float = 3e-3

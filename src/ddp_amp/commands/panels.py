@@ -41,7 +41,7 @@ PANELS: dict[str, tuple[str, ...]] = {
                     "profile"),
 }
 """Every TrainConfig option (the fields outside config.NOT_OPTIONS) in exactly one concern, at most 12 each
-(tests/unit/test_cli.py); the order of the panels and of the options within them is the order --help shows."""
+(tests/unit/test_help.py); the order of the panels and of the options within them is the order --help shows."""
 
 OUTPUT = "Output and config files"
 LAUNCH = "Launch"
