@@ -7,7 +7,7 @@
 2. the `gpt` task's ~350 M size, batch 16, --compile: bf16, then fp8 (torchao's tensorwise recipe): tokens/s,
    MFU against the GPU's data sheet, fp8 / bf16;
 3. ddp-amp against a hand-written nanoGPT-style loop (benchmarks/gpt_side_by_side.py) on the ~124 M size, bf16,
-   --compile, fused AdamW, interleaved: tokens/s each, their ratio, and ddp-amp's MFU at that size;
+   --compile, fused AdamW, one round of each (the time limit): tokens/s each, their ratio, ddp-amp's MFU there;
 4. bench on the ~124 M size, eager, fp32 against bf16 autocast with TF32 off (named), interleaved.
 Everything lands in OUT (default $OUT, else gpu-run-out): gpu-figures.json, gpu-figures.md (the lines for
 docs/benchmarks.md), the run dirs and a log. torchao, for fp8: installed, or unpacked into .gpu-deps/ (pip
