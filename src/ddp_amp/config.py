@@ -1,7 +1,5 @@
-"""The run configuration: one typed, validated object shared by the CLI, every launcher and every rank.
-
-It imports nothing heavy, so the CLI can build and validate it before torch is loaded.
-"""
+"""The run configuration: one typed, validated object shared by the CLI, every launcher and every rank. It
+imports nothing heavy, so the CLI can build and validate it before torch is loaded."""
 
 from __future__ import annotations
 
@@ -32,9 +30,8 @@ CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "tracker": TRAC
            "checkpoint_format": CHECKPOINT_FORMATS}
 """The fields whose values are one of a few names: the command line offers (and completes) exactly these."""
 JobKind = Literal["train", "bench", "max-batch", "doctor"]
-"""What the ranks of a launch do with the config: train (spawn, run, multinode); train timing every step on
-every rank, the device synchronised each step (bench); search the largest per-rank batch that trains (bench
---max-batch); or measure the ranks and their links (doctor). Passed to the rank entry beside the config."""
+"""What the ranks do with the config: train (spawn, run, multinode); train timing every step, the device synchronised
+(bench); search the largest batch that trains (bench --max-batch); measure ranks and links (doctor)."""
 JOB_KINDS: tuple[str, ...] = JobKind.__args__
 NOT_OPTIONS = ("run_dir", "launch_time", "elastic", "job_id")
 """Fields set by the launchers, not by training flags (--run-dir is an output option of its own)."""
@@ -195,9 +192,9 @@ class TrainConfig:
     RUN_DIR/tensorboard with torch.utils.tensorboard (needs the tensorboard package)."""
     tracker: tuple[str, ...] = ()
     """Experiment trackers global rank 0 logs to (repeatable): mlflow (where MLFLOW_TRACKING_URI says), wandb
-    (WANDB_MODE=offline for no server; files under WANDB_DIR, else RUN_DIR/wandb). One tracker run per training
-    run: its id is kept in RUN_DIR/trackers.json, and a resume, requeue or restart continues it, each step
-    logged once. A tracker that fails is one warning line; training goes on."""
+    (WANDB_MODE=offline for no server; files under WANDB_DIR, else RUN_DIR/wandb). One tracker run per training run
+    (its id in RUN_DIR/trackers.json: a resume, requeue or restart continues it, each step logged once); a tracker
+    that fails is one warning line, and training goes on."""
     tracker_project: str | None = None
     """The MLflow experiment and W&B project [default: MLFLOW_EXPERIMENT_NAME or WANDB_PROJECT, else ddp-amp]."""
     tracker_run_name: str | None = None
