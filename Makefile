@@ -13,7 +13,7 @@ STAMP       := $(VENV)/.installed
 NPROC       ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint docs bench gpu-run clean help
+.PHONY: install run test test-fast lint docs bench gpu-run gpu-deps clean help
 
 help:
 	@echo "make install    create $(VENV) and install ddp-amp with torch ($(if $(HAS_GPU),CUDA,CPU) build) and dev tools"
@@ -23,6 +23,7 @@ help:
 	@echo "make lint       ruff"
 	@echo "make docs       regenerate docs/options.md from the command line (a unit test fails when it is stale)"
 	@echo "make gpu-run    on a CUDA GPU: pytest -m gpu, then the GPU figures (MFU, fp8, ddp-amp against a hand-written loop)"
+	@echo "make gpu-deps   here, before a GPU run on a machine that reaches no index: torchao for its torch, in .gpu-deps/"
 	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression, a user's script against torchrun, ddp_amp.loop's step against the core's, the gpt task against a hand-written nanoGPT-style loop"
 
 install: $(STAMP)
@@ -108,6 +109,20 @@ bench: $(STAMP)
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-run:
 	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_run.py
+
+# fp8 needs torchao built for the GPU machine's torch (0.17.0 for torch 2.11, from 2.11 on; the default is the
+# lent machines' Python 3.12 and torch 2.11). Fetched here, unpacked into .gpu-deps/ (ignored, carried to the
+# GPU machine), which gpu_run.py puts on the path: a wheel is a zip, and torchao's fp8 is Python over torch's
+# own _scaled_mm, so no install step runs there.
+GPU_TORCHAO ?= 0.17.0
+GPU_PYTHON_VERSION ?= 3.12
+gpu-deps:
+	rm -rf .gpu-deps .gpu-deps.wheels
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+	  --dest .gpu-deps.wheels "torchao==$(GPU_TORCHAO)"
+	$(PYTHON) -m zipfile -e .gpu-deps.wheels/torchao-*.whl .gpu-deps
+	rm -rf .gpu-deps.wheels
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info src/*.egg-info

@@ -10,8 +10,8 @@
    --compile, fused AdamW, one round of each (the time limit): tokens/s each, their ratio, ddp-amp's MFU there;
 4. bench on the ~124 M size, eager, fp32 against bf16 autocast with TF32 off (named), interleaved.
 Everything lands in OUT (default $OUT, else gpu-run-out): gpu-figures.json, gpu-figures.md (the lines for
-docs/benchmarks.md), the run dirs and a log. torchao, for fp8: installed, or unpacked into .gpu-deps/ (pip
-install --target .gpu-deps --no-deps torchao), which this script puts on the path.
+docs/benchmarks.md), the run dirs and a log. torchao, for fp8: installed, or unpacked into .gpu-deps/ (`make
+gpu-deps`, on a machine that reaches an index), which this script puts on the path.
 """
 
 import argparse
