@@ -4,7 +4,8 @@ comes from, the profiler's share of it, memory peaks and MFU. It feeds the repor
 metrics.jsonl, the launcher's events and TensorBoard.
 
 Host syncs happen at log intervals only (the all-reduce, `.tolist()`, the loss scale), plus one at the first
-step and one at the start of the steady state, which make those instants real on an asynchronous device.
+step, one at the start of the steady state and two around each validation, which make those instants real on
+an asynchronous device.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ class MetricsProcessor:
         self.first_step_at: float | None = None
         self.first_step_s: float | None = None
         self.steady_at: float | None = None
+        self.paused_s = 0.0
+        """Seconds of the steady-state window spent outside training (validations): not in its throughput."""
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -177,6 +180,24 @@ class MetricsProcessor:
         if number == self.measure_from:
             self._sync()
             self.steady_at = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Around what is not training (a validation and its best model's save): its seconds are left out of
+        the log interval's throughput, the next step's time (bench) and summary.json's steady-state window, as
+        a hand-written loop that validates elsewhere would measure. The device is synchronised first, so the
+        steps queued before it count as theirs."""
+        self._sync()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            paused_s = time.perf_counter() - began
+            self.interval_start += paused_s
+            self.step_started += paused_s
+            if self.steady_at is not None:
+                self.paused_s += paused_s
 
     def log(self, number: int, *, lr: float, epoch: int, skipped_steps: int, grad_norm: torch.Tensor | None,
             flags: list[torch.Tensor], extra: dict[str, Any] | None = None) -> list[float]:
@@ -258,12 +279,14 @@ class MetricsProcessor:
         return figures
 
     def summary(self, steps_done: int) -> dict[str, Any]:
-        """The run's throughput over the steady state (profiled steps left out) and its timings."""
+        """The run's throughput over the steady state (profiled steps and validations left out) and its
+        timings."""
         self.profiler.stop()  # a run that stopped inside the window
         self._sync()
         end = time.time()
         measured_from = max(self.measure_from, self.start_step)
-        steady_s = time.perf_counter() - self.steady_at if self.steady_at is not None else end - self.start
+        steady_s = (time.perf_counter() - self.steady_at - self.paused_s if self.steady_at is not None
+                    else end - self.start)
         steady_steps = steps_done - measured_from
         # Profiled steps run slower: they are not part of the figure.
         profiled_s, profiled_steps = self.profiler.overlap(self.steady_at, measured_from)

@@ -299,7 +299,8 @@ class Trainer:
             if self.validation is not None and diverged is None and (
                     number == self.total_steps or self.data_ended_at is not None
                     or (config.eval_every and number % config.eval_every == 0)):
-                self.evaluate(number)
+                with metrics.paused():
+                    self.evaluate(number)
             # After the log line: a checkpoint at step N always has N's line before it (a resume cuts the
             # metrics back to N and never writes that line again).
             if self.checkpoints is not None and self.checkpoints.due(number):

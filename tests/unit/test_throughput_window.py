@@ -1,0 +1,92 @@
+"""summary.json's throughput is training's: a validation's seconds are not in its window, nor in a log
+interval's rate. A clock of the test's own drives the metrics, so the figures are exact."""
+
+import time
+import types
+
+import pytest
+import torch
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistEnv
+from ddp_amp.train import metrics as metrics_module
+from ddp_amp.train.metrics import MetricsProcessor
+from ddp_amp.train.profiling import StepProfiler
+from ddp_amp.train.step import StepOutcome
+
+STEP_S, VALIDATION_S, BATCH = 0.5, 30.0, 8
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(perf_counter=clock, time=clock))
+    return clock
+
+
+def metrics(tmp_path, total_steps: int, *, time_steps: bool = False) -> MetricsProcessor:
+    task = types.SimpleNamespace(flops_per_item=None, items_per_sample=1, item_name="samples")
+    return MetricsProcessor(TrainConfig(batch_size=BATCH, device="cpu"), DistEnv(0, 0, 1, 1, "127.0.0.1", 0),
+                            torch.device("cpu"), task, torch.amp.GradScaler("cpu", enabled=False),
+                            StepProfiler(None, torch.device("cpu"), 0, tmp_path), reporter=None,
+                            total_steps=total_steps, start_step=0, time_steps=time_steps)
+
+
+def train(metrics, clock, steps: range, *, validate_at: set[int]) -> None:
+    for number in steps:
+        clock.now += STEP_S
+        metrics.step_done(number, StepOutcome(stepped=True, loss=torch.zeros(()), micro_steps=1, grad_norm=None))
+        if number in validate_at:
+            with metrics.paused():
+                clock.now += VALIDATION_S
+
+
+def test_validations_are_not_in_the_steady_state_throughput(tmp_path, clock):
+    run = metrics(tmp_path, total_steps=40, time_steps=True)
+    train(run, clock, range(1, 41), validate_at={20, 40})  # one inside the window, one at its end
+    summary = run.summary(40)
+    assert summary["rank_samples_per_s"] == pytest.approx(BATCH / STEP_S)
+    assert run.step_s[20] == pytest.approx(STEP_S)  # the step after a validation: its own time only
+    assert summary["train_s"] == pytest.approx(40 * STEP_S + 2 * VALIDATION_S)  # the wall time keeps them
+
+
+def test_a_validation_before_the_steady_state_is_not_subtracted_from_it(tmp_path, clock):
+    run = metrics(tmp_path, total_steps=40)
+    train(run, clock, range(1, 41), validate_at={2})  # the window starts after step 4
+    assert run.summary(40)["rank_samples_per_s"] == pytest.approx(BATCH / STEP_S)
+
+
+def test_the_trainer_leaves_its_validations_out_of_the_throughput(one_rank_group, tmp_path, monkeypatch):
+    """The trainer's validations run inside metrics.paused(): here each one moves the metrics' clock on by
+    VALIDATION_S, which, counted, would bring the rate under STEPS * BATCH / VALIDATION_S."""
+    from ddp_amp.precision import Precision
+    from ddp_amp.tasks.loading import build_task
+    from ddp_amp.train.trainer import Trainer
+
+    offset = [0.0]
+    monkeypatch.setattr(metrics_module, "time", types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + offset[0], time=lambda: time.time() + offset[0]))
+    steps = 12
+    config = TrainConfig(task="mlp", steps=steps, log_every=4, eval_every=4, batch_size=BATCH, amp="off",
+                         run_dir=str(tmp_path))
+    trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), build_task("mlp"),
+                      reporter=types.SimpleNamespace(on_log=lambda record: None, on_eval=lambda values: None))
+    validate = trainer.evaluate
+
+    def validate_slowly(number):
+        validate(number)
+        offset[0] += VALIDATION_S
+
+    monkeypatch.setattr(trainer, "evaluate", validate_slowly)
+    summary = trainer.train().summary
+    trainer.close()
+    assert offset[0] == 3 * VALIDATION_S  # steps 4, 8 and 12 validated
+    assert summary["rank_samples_per_s"] > steps * BATCH / VALIDATION_S
