@@ -1,31 +1,48 @@
-"""The prepared GPU run: the GPU tests first, then the figures docs/benchmarks.md quotes, on one GPU, in about
-8 minutes (each step has a time limit; what did not finish is reported as such).
+"""The prepared GPU run: the GPU tests never run on a GPU yet, then the figures docs/benchmarks.md quotes, then
+the rest of the GPU tests, on one GPU, within one device command (a deadline: what does not fit is named, with
+the command that runs it).
 
-    make gpu-run                      # or: PYTHONPATH=src python3 benchmarks/gpu_run.py [--out DIR]
+    make gpu-run                      # or: PYTHONPATH=src python3 benchmarks/gpu_run.py [--parts ...]
 
-1. `pytest -m gpu` (bf16-true and fp8 included), its last lines kept;
-2. the `gpt` task's ~350 M size, batch 16, --compile: bf16, then fp8 (torchao's tensorwise recipe): tokens/s,
-   MFU against the GPU's data sheet, fp8 / bf16;
-3. ddp-amp against a hand-written nanoGPT-style loop (benchmarks/gpt_side_by_side.py) on the ~124 M size, bf16,
-   --compile, fused AdamW, one round of each (the time limit): tokens/s each, their ratio, ddp-amp's MFU there;
-4. bench on the ~124 M size, eager, fp32 against bf16 autocast with TF32 off (named), interleaved.
-Everything lands in OUT (default $OUT, else gpu-run-out): gpu-figures.json, gpu-figures.md (the lines for
-docs/benchmarks.md), the run dirs and a log. torchao, for fp8: installed, or unpacked into .gpu-deps/ (`make
-gpu-deps`, on a machine that reaches an index), which this script puts on the path.
+Parts, in this order (`--parts` picks some, for a second call):
+1. tests-new: `pytest -m gpu -k "bf16_true or fp8 or gpt_task or amp_all"`, 4 workers (the tests written since
+   the last GPU run);
+2. 350m: the `gpt` task's ~350 M size, batch 16, --compile: bf16, then fp8 (torchao's tensorwise recipe):
+   tokens/s, MFU against the GPU's data sheet, fp8 / bf16;
+3. side-by-side: ddp-amp against a hand-written nanoGPT-style loop (benchmarks/gpt_side_by_side.py) on the
+   ~124 M size, bf16, --compile, fused AdamW, one round of each: tokens/s each, their ratio, ddp-amp's MFU;
+4. bench: the ~124 M size, eager, fp32 against bf16 autocast with TF32 off (named), interleaved;
+5. tests-rest: the other GPU tests, 4 workers.
+OUT (default $OUT, else gpu-run-out) gets a few small files only (a lent GPU's command brings back 8): the log,
+gpu-figures.json, gpu-figures.md (the lines for docs/benchmarks.md), the side-by-side's and bench's JSON and the
+two 350m summaries; the run dirs (a 350m model.pt is 1.4 GB) go to a scratch dir. torchao, for fp8: installed,
+or unpacked into .gpu-deps/ (`make gpu-deps`, on a machine that reaches an index), put on the path here.
 """
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMITS_S = {"pytest": 150, "350m": 100, "side-by-side": 130, "bench": 70}
-"""Seconds per step: 550 in all, under the 600 a lent GPU's command may take (a GPU gives 15 minutes in all)."""
+PARTS = ("tests-new", "350m", "side-by-side", "bench", "tests-rest")
+NEW_TESTS = "bf16_true or fp8 or gpt_task or amp_all"
+"""The GPU tests not yet run on a GPU (test_gpu.py's names): first, before the figures."""
+LIMITS_S = {"nvidia-smi": 20, "tests-new": 120, "350m": 140, "side-by-side": 140, "bench": 70, "tests-rest": 240}
+"""Seconds per step (350m: each of bf16 and fp8); every step also ends by the deadline."""
+DEADLINE_S = 570
+"""The whole run's seconds: under the 600 a lent GPU's command may take (a GPU gives 15 minutes in all)."""
+SHORTEST_S = 45
+"""A step with less time left than this is not started: reported as not run, with its command."""
+GRACE_S = 5
+"""After its time is up a step's processes get SIGTERM, then SIGKILL: ddp-amp's stop checkpoint of a 350m
+model is not wanted here."""
 
 
 def environment() -> dict[str, str]:
@@ -34,87 +51,135 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
 
 
-def step(name: str, command: list[str], log, limit_s: float) -> tuple[int | None, str]:
-    """One command under its time limit, in a process group of its own (a step that runs out is stopped with
-    every process it started: no rank left on the GPU for the next step); its output to the log. (exit code or
-    None when it ran out, output)."""
-    print(f"== {name}: {' '.join(command)}", file=log, flush=True)
-    started = time.perf_counter()
-    try:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env=environment(), cwd=ROOT, start_new_session=True)
-    except OSError as exc:  # nvidia-smi missing, say
-        print(f"== {name}: {exc}", file=log, flush=True)
-        return None, str(exc)
-    try:
-        output, _ = process.communicate(timeout=limit_s)
-        code = process.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGTERM)
+class Steps:
+    """The steps of one run, their output to one log, each under its limit and the run's deadline."""
+
+    def __init__(self, log, deadline_s: float) -> None:
+        self.log, self.ends_at = log, time.monotonic() + deadline_s
+        self.not_run: list[str] = []
+
+    def left_s(self) -> float:
+        return self.ends_at - time.monotonic()
+
+    def run(self, name: str, command: list[str], limit_s: float) -> tuple[int | None, str]:
+        """One command in a process group of its own (one that runs out is stopped with every process it
+        started: no rank left on the GPU for the next step). (exit code, or None when it ran out or did not
+        run; its output)."""
+        if self.left_s() - GRACE_S < min(limit_s, SHORTEST_S):
+            self.not_run.append(name)
+            print(f"== {name}: not run, {self.left_s():.0f} s left", file=self.log, flush=True)
+            return None, "not run: out of time"
+        limit_s = min(limit_s, self.left_s() - GRACE_S)
+        print(f"== {name}: {' '.join(command)}", file=self.log, flush=True)
+        started = time.monotonic()
         try:
-            output, _ = process.communicate(timeout=30)
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env=environment(), cwd=ROOT, start_new_session=True)
+        except OSError as exc:  # nvidia-smi missing, say
+            print(f"== {name}: {exc}", file=self.log, flush=True)
+            return None, str(exc)
+        try:
+            output, _ = process.communicate(timeout=limit_s)
+            code = process.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-        code, output = None, f"{output}\n(ran out of its {limit_s} s)"
-    print(output[-6000:], f"\n== {name}: exit {code} after {time.perf_counter() - started:.0f} s", file=log,
-          flush=True)
-    return code, output
+            output, code = f"{stop(process)}\n(ran out of its {limit_s:.0f} s)", None
+        print(output[-6000:], f"\n== {name}: exit {code} after {time.monotonic() - started:.0f} s", file=self.log,
+              flush=True)
+        return code, output
 
 
-def spawn_gpt(size: str, dtype: str, run_dir: Path, log) -> dict | None:
-    command = [sys.executable, "-m", "ddp_amp", "spawn", "-n", "1", "--device", "cuda", "--task", "gpt",
-               "--task-arg", f"size={size}", "--batch-size", "16", "--steps", "60", "--log-every", "20",
-               "--dtype", dtype, "--compile", "--optimizer-impl", "fused", "--log-format", "plain", "--run-dir",
-               str(run_dir)]
-    code, _ = step(f"{size} {dtype}", command, log, LIMITS_S["350m"])
-    summary = run_dir / "summary.json"
-    return json.loads(summary.read_text()) if code == 0 and summary.exists() else None
+def stop(process: subprocess.Popen) -> str:
+    """SIGTERM to the step's process group, SIGKILL after GRACE_S; what it printed."""
+    for signum, wait_s in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:  # the group is gone already
+            pass
+        try:
+            return process.communicate(timeout=wait_s)[0]
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
 
 
-def gpt_figures(summary: dict | None) -> dict | None:
-    if summary is None:
-        return None
-    return {key: summary.get(key) for key in ("tokens_per_s", "mfu", "achieved_tflops_per_rank", "peak_source",
-                                              "compile_s", "precision", "fp8", "task_description")}
+def pytest_gpu(steps: Steps, name: str, selection: str) -> dict:
+    """`pytest -m gpu` on 4 workers (pytest-xdist, which the GPU machine has), every test run (no -x)."""
+    code, output = steps.run(name, [sys.executable, "-m", "pytest", "-m", "gpu", "-k", selection, "-q", "-n", "4",
+                                    "-p", "no:cacheprovider", "tests/system/test_gpu.py"], LIMITS_S[name])
+    return {"exit": code, "tail": output.strip().splitlines()[-3:]}
+
+
+def gpt_350m(steps: Steps, plan: argparse.Namespace, work: Path, out: Path) -> dict:
+    figures: dict = {}
+    for dtype in ("bf16", "fp8"):
+        run_dir = work / f"350m-{dtype}"
+        command = [sys.executable, "-m", "ddp_amp", "spawn", "-n", "1", "--device", plan.device, "--task", "gpt",
+                   "--task-arg", f"size={plan.large}", "--batch-size", "16", "--steps", "60", "--log-every", "20",
+                   "--dtype", dtype, *plan.compile, "--optimizer-impl", "fused", "--log-format", "plain",
+                   "--run-dir", str(run_dir)]
+        code, _ = steps.run(f"350m {dtype}", command, LIMITS_S["350m"])
+        summary = run_dir / "summary.json"
+        figures[dtype] = None
+        if code == 0 and summary.exists():
+            shutil.copy(summary, out / f"350m-{dtype}.summary.json")
+            figures[dtype] = {key: json.loads(summary.read_text()).get(key) for key in (
+                "tokens_per_s", "mfu", "achieved_tflops_per_rank", "peak_source", "compile_s", "precision", "fp8",
+                "task_description")}
+    if figures["bf16"] and figures["fp8"]:
+        figures["fp8_over_bf16"] = figures["fp8"]["tokens_per_s"] / figures["bf16"]["tokens_per_s"]
+    return figures
+
+
+def side_by_side(steps: Steps, plan: argparse.Namespace, out: Path) -> dict | None:
+    side = out / "side-by-side.json"
+    steps.run("side-by-side", [sys.executable, "benchmarks/gpt_side_by_side.py", "--device", plan.device, "--size",
+                               plan.small, "--batch-size", "16", "--steps", "60", "--repeats", "1", "--json",
+                               str(side), *([] if plan.compile else ["--no-compile"])], LIMITS_S["side-by-side"])
+    return json.loads(side.read_text()) if side.exists() else None
+
+
+def bench_124m(steps: Steps, plan: argparse.Namespace, work: Path, out: Path) -> dict | None:
+    bench = out / "bench-124m.json"
+    steps.run("bench", [sys.executable, "-m", "ddp_amp", "bench", "--device", plan.device, "-n", "1", "--task",
+                        "gpt", "--task-arg", f"size={plan.small}", "--batch-size", "16", "--amp", "both",
+                        *plan.tf32_off, "--steps", "20", "--warmup", "5", "--repeats", "1", "--json", str(bench),
+                        "--run-dir", str(work / "bench-124m")], LIMITS_S["bench"])
+    return json.loads(bench.read_text()) if bench.exists() else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-run-out"))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for the whole run")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="on this CPU: the tiny size, eager, the same steps and files (checks this script)")
     args = parser.parse_args()
+    plan = argparse.Namespace(device="cuda", large="350m", small="124m", compile=["--compile"],
+                              tf32_off=["--tf32", "off"])
+    if args.rehearse:
+        plan = argparse.Namespace(device="cpu", large="tiny", small="tiny", compile=[], tf32_off=[])
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    figures: dict = {}
+    work = Path(tempfile.mkdtemp(prefix="gpu-run-"))  # run dirs: model.pt files too large to bring back
+    figures: dict = json.loads((out / "gpu-figures.json").read_text()) if (out / "gpu-figures.json").exists() else {}
     with open(out / "gpu-run.log", "a", encoding="utf-8") as log:
-        _, smi = step("nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                     "--format=csv,noheader"], log, 20)
-        figures["gpu"] = smi.strip()
-        save(out, figures)
-        code, output = step("pytest -m gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
-                                              "no:cacheprovider", "-x", "tests/system/test_gpu.py"], log,
-                            LIMITS_S["pytest"])
-        figures["pytest_gpu"] = {"exit": code, "tail": output.strip().splitlines()[-3:]}
-        save(out, figures)
-        figures["350m"] = {}
-        for dtype in ("bf16", "fp8"):  # each saved as it comes: a run stopped from outside keeps what it measured
-            figures["350m"][dtype] = gpt_figures(spawn_gpt("350m", dtype, out / f"350m-{dtype}", log))
-            save(out, figures)
-        bf16, fp8 = figures["350m"]["bf16"], figures["350m"]["fp8"]
-        if bf16 and fp8:
-            figures["350m"]["fp8_over_bf16"] = fp8["tokens_per_s"] / bf16["tokens_per_s"]
-        side = out / "side-by-side.json"
-        step("side by side", [sys.executable, "benchmarks/gpt_side_by_side.py", "--size", "124m", "--batch-size",
-                              "16", "--steps", "60", "--repeats", "1", "--json", str(side)], log,
-             LIMITS_S["side-by-side"])
-        figures["side_by_side_124m"] = json.loads(side.read_text()) if side.exists() else None
-        save(out, figures)
-        bench = out / "bench-124m.json"
-        step("bench 124m", [sys.executable, "-m", "ddp_amp", "bench", "--device", "cuda", "-n", "1", "--task", "gpt",
-                            "--task-arg", "size=124m", "--batch-size", "16", "--amp", "both", "--tf32", "off",
-                            "--steps", "20", "--warmup", "5", "--repeats", "1", "--json", str(bench), "--run-dir",
-                            str(out / "bench-124m")], log, LIMITS_S["bench"])
-        figures["bench_124m"] = json.loads(bench.read_text()) if bench.exists() else None
+        steps = Steps(log, args.deadline)
+        _, smi = steps.run("nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                          "--format=csv,noheader"], LIMITS_S["nvidia-smi"])
+        figures["gpu"] = "rehearsal on the CPU" if args.rehearse else smi.strip()
+        figures["plan"] = {"large": plan.large, "small": plan.small, "compile": bool(plan.compile)}
+        parts = {"tests-new": lambda: pytest_gpu(steps, "tests-new", NEW_TESTS),
+                 "350m": lambda: gpt_350m(steps, plan, work, out),
+                 "side-by-side": lambda: side_by_side(steps, plan, out),
+                 "bench": lambda: bench_124m(steps, plan, work, out),
+                 "tests-rest": lambda: pytest_gpu(steps, "tests-rest", f"not ({NEW_TESTS})")}
+        for part in PARTS:  # in this order, whatever order --parts named them in
+            if part in args.parts:
+                figures[part] = parts[part]()
+                save(out, figures)  # after each part: a run stopped from outside keeps what it measured
+        figures["not_run"] = list(dict.fromkeys(name.split()[0] for name in steps.not_run))  # parts
+    shutil.rmtree(work, ignore_errors=True)
     print("\n".join(save(out, figures)))
 
 
@@ -126,31 +191,46 @@ def save(out: Path, figures: dict) -> list[str]:
     return lines
 
 
+def number(value, spec: str) -> str:
+    """`value` formatted, or n/a where a run did not report it (a figure missing must not lose the others)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def markdown(figures: dict) -> list[str]:
     """The figures as docs/benchmarks.md lines."""
     lines = [f"GPU: {figures.get('gpu')}"]
-    if "pytest_gpu" in figures:
-        lines.append(f"`pytest -m gpu`: exit {figures['pytest_gpu']['exit']} "
-                     f"({' '.join(figures['pytest_gpu']['tail'][-1:])})")
-    for dtype, entry in figures.get("350m", {}).items():
+    plan = figures.get("plan") or {"large": "350m", "small": "124m", "compile": True}
+    compiled = "--compile" if plan["compile"] else "eager"
+    for part in ("tests-new", "tests-rest"):
+        if part in figures:
+            tail = " ".join(figures[part]["tail"][-1:])
+            lines.append(f"- `pytest -m gpu` ({part}): exit {figures[part]['exit']} ({tail})")
+    gpt = figures.get("350m") or {}
+    for dtype in ("bf16", "fp8"):
+        entry = gpt.get(dtype)
         if isinstance(entry, dict):
-            lines.append(f"- gpt 350m, batch 16, --compile, {dtype}: {entry['tokens_per_s']:.0f} tokens/s, MFU "
-                         f"{entry['mfu']:.1%} ({entry['peak_source']})")
-        elif entry is None:
-            lines.append(f"- gpt 350m {dtype}: did not finish (gpu-run.log)")
-    if "fp8_over_bf16" in figures.get("350m", {}):
-        lines.append(f"- fp8 (torchao tensorwise) / bf16 on 350m: {figures['350m']['fp8_over_bf16']:.2f}x")
-    side = figures.get("side_by_side_124m")
+            rate, mfu, compile_s = (number(entry[key], spec) for key, spec in (
+                ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("compile_s", ".0f")))
+            lines.append(f"- gpt {plan['large']}, batch 16, {compiled}, {dtype}: {rate} tokens/s, MFU {mfu} "
+                         f"({entry['peak_source']}), compile {compile_s} s")
+        elif dtype in gpt:
+            lines.append(f"- gpt {plan['large']} {dtype}: did not finish (gpu-run.log)")
+    if "fp8_over_bf16" in gpt:
+        lines.append(f"- fp8 (torchao tensorwise) / bf16 on {plan['large']}: {gpt['fp8_over_bf16']:.2f}x")
+    side = figures.get("side-by-side")
     if side:
-        rates = side["tokens_per_s"]
-        lines.append(f"- 124m, bf16, --compile: ddp-amp {max(rates['ddp-amp']):.0f} tokens/s, hand-written "
-                     f"{max(rates['hand-written']):.0f}; ddp-amp / hand-written {side['ratio']['median']:.3f} "
-                     f"(per round {', '.join(f'{r:.3f}' for r in side['ratio']['per_round'])}); ddp-amp's MFU "
-                     f"{side.get('ddp_amp_mfu', float('nan')):.1%}")
-    bench = figures.get("bench_124m")
+        ours, theirs = max(side["tokens_per_s"]["ddp-amp"]), max(side["tokens_per_s"]["hand-written"])
+        rounds = ", ".join(f"{ratio:.3f}" for ratio in side["ratio"]["per_round"])
+        lines.append(f"- gpt {plan['small']}, batch 16, bf16, {compiled}: ddp-amp {ours:.0f} tokens/s, "
+                     f"hand-written {theirs:.0f}; ddp-amp / hand-written {side['ratio']['median']:.3f} (per round "
+                     f"{rounds}); ddp-amp's MFU {number(side.get('ddp_amp_mfu'), '.1%')}")
+    bench = figures.get("bench")
     if bench and "speedups" in bench:
         for amp, speedup in bench["speedups"].items():
-            lines.append(f"- bench 124m eager: {amp} over fp32 {speedup['median']:.2f}x with TF32 off")
+            lines.append(f"- bench gpt {plan['small']}, eager: {amp} over fp32 {speedup['median']:.2f}x with TF32 off")
+    if figures.get("not_run"):
+        lines.append(f"- not run, out of time: `PYTHONPATH=src python3 benchmarks/gpu_run.py --parts "
+                     f"{' '.join(figures['not_run'])}` runs them in a second call")
     return lines
 
 
