@@ -83,12 +83,17 @@ MATMUL_SIZE = {"cpu": 512, "cuda": 4096}
 on the slowest CPU path, emulated bf16) and to hold next to nothing (on a GPU 192 MB at most, given back to it
 after)."""
 MATMUL_REPEATS = 5
+MATMUL_MIN_S = 0.2
+"""The matmul is timed again until this long has passed (MATMUL_REPEATS times at least, MATMUL_MAX_REPEATS at
+most), and the fastest counts: on a shared machine another process's burst can hold the cores for all of a few
+repeats (a peak five times too low was seen, and with it an MFU over 100%), rarely for all of 0.2 s."""
+MATMUL_MAX_REPEATS = 2000
 
 
 def measured_matmul_tflops(device, dtype) -> float:
-    """This process's rate on square matmuls of `dtype` on `device` (the fastest of MATMUL_REPEATS after a
-    warm-up: a peak is what the device can do, and another process's burst on a shared core only slows a
-    repeat), in TFLOP/s: on a CPU with torch's threads as set for the rank. fp8 is timed as bf16."""
+    """This process's rate on square matmuls of `dtype` on `device` (the fastest over MATMUL_MIN_S after a
+    warm-up: a peak is what the device can do, and another process's burst on a shared core only slows some
+    repeats), in TFLOP/s: on a CPU with torch's threads as set for the rank. fp8 is timed as bf16."""
     import torch
 
     size = MATMUL_SIZE.get(device.type, MATMUL_SIZE["cuda"])
@@ -97,15 +102,19 @@ def measured_matmul_tflops(device, dtype) -> float:
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=generator).to(dtype)
     b = torch.randn(size, size, device=device, generator=generator).to(dtype)
-    times = []
-    for index in range(MATMUL_REPEATS + 1):
+    times: list[float] = []
+    began = None
+    while len(times) < MATMUL_REPEATS or (time.perf_counter() - began < MATMUL_MIN_S
+                                          and len(times) < MATMUL_MAX_REPEATS):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         a @ b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if index:  # the first is the warm-up
+        if began is None:  # the first is the warm-up
+            began = time.perf_counter()
+        else:
             times.append(time.perf_counter() - started)
     del a, b
     if device.type == "cuda":
