@@ -60,8 +60,20 @@ def test_help_fits_a_screen_and_points_at_the_full_list(name):
     lines = text.rstrip().splitlines()
     assert len(lines) <= 80, f"ddp-amp {name} --help has {len(lines)} lines at 120 columns"
     assert f"ddp-amp {name} --help-all" in lines[-1], lines[-1]
-    assert "--tracker" in text and "--keep-best" in text  # the most used ones are there
+    if name == "bench":  # what bench refuses or a timing has no use for is left to --help-all
+        assert "--task-arg" in text and "--warmup" in text
+        assert not {"--epochs", "--resume", "--keep-best", "--tracker"} & set(text.split())
+    else:
+        assert "--tracker" in text and "--keep-best" in text  # the most used ones are there
     assert "--tracker-tag" not in text  # and the others are not
+
+
+def test_bench_says_what_its_own_steps_and_amp_are():
+    words = " ".join(_help("bench", "--help").replace("│", " ").split())
+    assert "Timed optimizer steps of each precision, after --warmup [default: 30]" in words
+    assert "unless --epochs" not in words
+    assert "auto: all on a CPU with native bf16, both elsewhere" in words  # bench's --amp, not spawn's
+    assert "Timed optimizer steps" in " ".join(_help("bench", "--help-all").replace("│", " ").split())
 
 
 @pytest.mark.parametrize("name", TRAINING_COMMANDS)

@@ -96,6 +96,12 @@ SHORT_TEXT = {
     "rdzv_id": "Job id, the same on every node \\[default: from the options].",
 }
 """The help line of each option under a plain --help, where the whole one takes several lines."""
+NOT_MOST_USED_BY = {"bench": frozenset({"epochs", "checkpoint_every", "resume", "eval_every", "keep_best",
+                                         "tracker"})}
+"""Training options of SHORT_HELP that a command's plain --help leaves out all the same: bench refuses --epochs,
+and a timing has no use for checkpoints, evaluations or trackers."""
+OWN_HELP = {"bench": {"steps": "Timed optimizer steps of each precision, after --warmup \\[default: 30]."}}
+"""A shared training option's help where a command gives it another meaning: bench times --steps."""
 LAUNCH_DETAILS = frozenset({"overwrite", "log_format", "quiet", "monitor_interval", "rdzv_timeout",
                             "rdzv_last_call", "is_host", "local_addr", "ifname", "requeue_signal", "k8s_kind",
                             "image", "namespace", "gpus_per_node", "cpu", "memory", "pvc"})
@@ -104,9 +110,19 @@ FULL_HELP = "ddp_amp.full_help"
 """ctx.meta's key: --help-all asked for every option."""
 
 
-def shown_in_short_help(param) -> bool:
-    panel = getattr(param, "rich_help_panel", None)
-    return param.name in SHORT_HELP if panel in PANELS else param.name not in LAUNCH_DETAILS
+def shown_in_short_help(param, command: str) -> bool:
+    if getattr(param, "rich_help_panel", None) in PANELS:
+        return param.name in SHORT_HELP and param.name not in NOT_MOST_USED_BY.get(command, ())
+    return param.name not in LAUNCH_DETAILS
+
+
+def short_text(param, command: str) -> str | None:
+    """The one-line help of an option under a plain --help; None: its own. SHORT_HELP's lines are the training
+    options' (bench's own --amp and --shard take other values, and its --steps has OWN_HELP)."""
+    if param.name in SHORT_HELP and (getattr(param, "rich_help_panel", None) not in PANELS
+                                     or param.name in OWN_HELP.get(command, {})):
+        return None
+    return SHORT_TEXT.get(param.name)
 
 
 class PanelledCommand(TyperCommand):
@@ -118,20 +134,21 @@ class PanelledCommand(TyperCommand):
         for param in self.params:
             if getattr(param, "rich_help_panel", None) is None and param.name in PANEL_OF:
                 param.rich_help_panel = PANEL_OF[param.name]
+            param.help = OWN_HELP.get(self.name, {}).get(param.name, param.help)
         rank = {panel: index for index, panel in enumerate(ORDER)}
         self.params.sort(key=lambda p: rank.get(getattr(p, "rich_help_panel", None), -1))
 
     def format_help(self, ctx, formatter) -> None:
         if ctx.meta.get(FULL_HELP):
             return super().format_help(ctx, formatter)
-        left_out = [p for p in self.params if not p.hidden and not shown_in_short_help(p)]
-        shortened = {p: p.help for p in self.params if p.name in SHORT_TEXT and p not in left_out}
+        left_out = [p for p in self.params if not p.hidden and not shown_in_short_help(p, self.name)]
+        shortened = {p: p.help for p in self.params if short_text(p, self.name) is not None and p not in left_out}
         epilog = self.epilog
         self.epilog = f"The most used options; {len(left_out)} more, by concern: {ctx.command_path} --help-all"
         for param in left_out:
             param.hidden = True
         for param in shortened:
-            param.help = SHORT_TEXT[param.name]
+            param.help = short_text(param, self.name)
         try:
             return super().format_help(ctx, formatter)
         finally:
