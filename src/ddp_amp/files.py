@@ -277,3 +277,56 @@ def write_new_file(path: Path, text: str, flag: str) -> None:
         atomic_write(path, text.encode())
     except OSError as exc:
         raise UsageError(f"{flag} {str(path)!r} cannot be written: {exc.strerror}") from None
+
+
+WRITTEN_BY = "written by ddp-amp"
+"""The mark of a report ddp-amp writes (a --json report's `written_by`, a --plot's metadata): a later --json or
+--plot replaces a file that carries it, and no other (a rerun of `bench --json out.json` just works; a model.pt
+or a user's figure given by mistake is refused)."""
+MARK_SCAN_BYTES = 16 << 20
+"""How much of an existing file is searched for the mark: reports are far smaller."""
+PLOT_FORMATS = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}
+"""--plot's formats, by suffix, and the metadata key that carries the mark in each."""
+
+
+def written_by_ddp_amp(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return WRITTEN_BY.encode() in file.read(MARK_SCAN_BYTES)
+    except OSError:
+        return False
+
+
+def check_report_path(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Before anything runs: `path` can take the report `flag` writes (its suffix one of `suffixes` where given;
+    not a directory; in a writable directory; new, or a report ddp-amp wrote). One line naming `flag` if not."""
+    from ddp_amp.errors import UsageError
+
+    if path is None:
+        return
+    where = f"{flag} {str(path)!r}"
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise UsageError(f"{where}: the suffix chooses the format: {', '.join(suffixes)}")
+    if path.is_dir():
+        raise UsageError(f"{where} is a directory; name a file")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"{where}: directory {str(path.parent)!r} does not exist")
+    if not os.access(path.resolve().parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{where}: directory {str(path.parent)!r} is not writable")
+    if path.exists() and not written_by_ddp_amp(path):
+        raise UsageError(f"{where} already exists and is not a report ddp-amp wrote; remove it or choose another "
+                         "name")
+
+
+def write_report(path: Path, flag: str, write: Any) -> None:
+    """`write(temporary_path)` then the temporary file renamed over `path`: a failed write leaves no half file
+    and the earlier report as it was. An OSError is one line naming `flag`."""
+    from ddp_amp.errors import UsageError
+
+    temporary = path.with_name(f".{path.name}.{writer_tag()}.tmp")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise UsageError(f"{flag} {str(path)!r} cannot be written: {exc.strerror or exc}") from None

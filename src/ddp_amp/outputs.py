@@ -79,6 +79,16 @@ def write_json(path: Path, value: Any) -> Path:
     return path
 
 
+def write_json_report(path: Path, report: dict[str, Any], command: str) -> None:
+    """bench's and doctor's --json: the report with ddp-amp's mark, which lets a later --json replace it (and
+    nothing else: commands.options.check_json_path)."""
+    from ddp_amp.files import WRITTEN_BY, write_report
+
+    text = json.dumps(strict({**report, "written_by": f"{WRITTEN_BY} {command}"}), indent=2, sort_keys=True,
+                      allow_nan=False) + "\n"
+    write_report(path, "--json", lambda temporary: temporary.write_text(text))
+
+
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     return write_json(run_dir / SUMMARY_FILE, summary)
 

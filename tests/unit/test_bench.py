@@ -1,6 +1,7 @@
 """`ddp-amp bench` without launching: its refusals, its table and JSON from given figures, its statistics.
 The interleaved launches themselves: tests/system/test_bench_runs.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +67,72 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, command):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'ddp-amp[plot]'" in lines[0], result.stderr
     assert not (tmp_path / "p.png").exists() and not (tmp_path / "runs").exists()
+
+
+def _refused(args: list[str], flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("flag", "name", "content"), [
+    ("--json", "model.pt", b"PK\x03\x04 a trained model"),
+    ("--plot", "mine.png", b"\x89PNG\r\n\x1a\n a figure of the user's"),
+])
+def test_a_report_never_replaces_a_file_ddp_amp_did_not_write(flag, name, content, capsys, tmp_path):
+    (tmp_path / name).write_bytes(content)
+    _refused(["bench", "--device", "cpu", flag, str(tmp_path / name), "--run-dir", str(tmp_path / "bench")], flag,
+             capsys)
+    assert (tmp_path / name).read_bytes() == content
+    assert not (tmp_path / "bench").exists()  # refused before anything ran
+    if flag == "--plot":
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "config.json").write_text("{}")
+        _refused(["show", str(tmp_path / "run"), "--plot", str(tmp_path / name)], flag, capsys)
+        assert (tmp_path / name).read_bytes() == content
+
+
+@pytest.mark.parametrize(("flag", "path", "says"), [
+    ("--json", "adir", "is a directory"),
+    ("--plot", "adir.png", "is a directory"),
+    ("--plot", "out.xyz", "the suffix chooses the format: .png, .pdf, .svg"),
+    ("--plot", "out", "the suffix chooses the format"),
+])
+def test_a_report_path_that_cannot_take_the_report_is_refused_before_the_run(flag, path, says, capsys, tmp_path):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir.png").mkdir()
+    _refused(["bench", "--device", "cpu", flag, str(tmp_path / path), "--run-dir", str(tmp_path / "bench")], says,
+             capsys)
+    assert not (tmp_path / "bench").exists()
+
+
+def test_a_report_ddp_amp_wrote_is_replaced_whole(tmp_path):
+    """A rerun writes over its own earlier --json and --plot: both carry ddp-amp's mark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddp_amp.commands.options import check_json_path, check_plot_path
+    from ddp_amp.outputs import write_json_report
+    from ddp_amp.results.report import save_figure
+
+    report = tmp_path / "bench.json"
+    write_json_report(report, {"speedup": 1.5}, "bench")
+    check_json_path(report)
+    write_json_report(report, {"speedup": 2.0}, "bench")
+    assert json.loads(report.read_text()) == {"speedup": 2.0, "written_by": "written by ddp-amp bench"}
+    for suffix in (".png", ".pdf", ".svg"):
+        figure = tmp_path / f"plot{suffix}"
+        for _ in range(2):
+            check_plot_path(figure)
+            fig, ax = plt.subplots()
+            ax.plot([1, 2])
+            save_figure(fig, figure, dpi=50)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "plot.pdf", "plot.png", "plot.svg"]
 
 
 def test_compiled_variants_are_compared_within_their_precision():

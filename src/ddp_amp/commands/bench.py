@@ -71,9 +71,9 @@ def bench(
 
     Console().print(max_batch_table(report) if max_batch else bench_table(report))
     if json_path is not None:
-        from ddp_amp.outputs import write_json
+        from ddp_amp.outputs import write_json_report
 
-        write_json(json_path, report)
+        write_json_report(json_path, report, "bench")
         typer.echo(f"ddp-amp: wrote {json_path}", err=True)
     if plot is not None:
         (max_batch_plot if max_batch else bench_plot)(report, plot)

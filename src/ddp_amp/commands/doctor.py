@@ -61,9 +61,9 @@ def doctor(
 
     Console().print(doctor_table(report))
     if json_path is not None:
-        from ddp_amp.outputs import write_json
+        from ddp_amp.outputs import write_json_report
 
-        write_json(json_path, report)
+        write_json_report(json_path, report, "doctor")
         typer.echo(f"ddp-amp: wrote {json_path}", err=True)
     if strict and report["judgement"]["warnings"]:
         raise RunFailed("doctor --strict: " + "; ".join(report["judgement"]["warnings"]))

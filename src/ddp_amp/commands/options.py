@@ -150,15 +150,17 @@ Launcher = Annotated[Literal["spawn", "run"], typer.Option("--launcher", help="s
 
 
 def check_json_path(path: Path | None) -> None:
-    if path is not None and not path.resolve().parent.is_dir():
-        raise UsageError(f"--json {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    from ddp_amp.files import check_report_path
+
+    check_report_path(path, "--json")
 
 
 def check_plot_path(path: Path | None) -> None:
+    from ddp_amp.files import PLOT_FORMATS, check_report_path
+
     if path is None:
         return
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"--plot {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    check_report_path(path, "--plot", tuple(PLOT_FORMATS))
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -4,6 +4,7 @@ own format (`save_pretrained`), from a run directory, a checkpoint, or a weights
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ def export(source: Path, *, output: Path | None, hf: Path | None, which: str = "
     for flag, path in (("-o", output), ("--hf", hf)):
         if path is not None and not path.resolve().parent.is_dir():
             raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+        if path is not None and not os.access(path.resolve().parent, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} is not writable")
     chosen, config = choose_source(source, which)
     try:
         state = read_weights(chosen)
@@ -65,7 +68,10 @@ def export(source: Path, *, output: Path | None, hf: Path | None, which: str = "
         raise UsageError(f"export: {exc}") from None
     written = []
     if output is not None:
-        save_weights_file(state, output)
+        try:
+            save_weights_file(state, output)
+        except OSError as exc:  # a full disk, say: its atomic write left nothing behind
+            raise UsageError(f"-o {str(output)!r} cannot be written: {exc.strerror or exc}") from None
         written.append(f"ddp-amp: wrote {output} ({len(state)} tensors from {chosen})")
     if hf is not None:
         model = _model_with(state, config, source)

@@ -171,8 +171,7 @@ def max_batch_plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("batch per rank (o trains, x out of memory)")
     ax.set_title("ddp-amp bench --max-batch")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def bench_plot(report: dict[str, Any], path: Path) -> None:
@@ -194,8 +193,7 @@ def bench_plot(report: dict[str, Any], path: Path) -> None:
         title += f": {report['speedup']['amp']} {report['speedup']['median']:.2f}x faster than fp32"
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # `ddp-amp show`: runs side by side.
@@ -365,8 +363,7 @@ def runs_plot(runs: list, path: Path) -> None:
     axes[0].legend(fontsize="small")
     fig.suptitle(" vs ".join(run.name for run in runs))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def profile_table(profile: dict[str, Any]) -> Any:
@@ -384,3 +381,18 @@ def profile_table(profile: dict[str, Any]) -> Any:
         table.add_row(row["name"], *((f"{row['self_cuda_ms']:.2f}",) if on_device else ()),
                       f"{row['self_cpu_ms']:.2f}", str(row["calls"]))
     return table
+
+
+def save_figure(fig, path: Path, dpi: int) -> None:
+    """--plot's file, in the format its suffix names, with ddp-amp's mark in its metadata (a later --plot may
+    replace it, and nothing else), written whole or not at all; the figure closed."""
+    import matplotlib.pyplot as plt
+
+    from ddp_amp.files import PLOT_FORMATS, WRITTEN_BY, write_report
+
+    suffix = path.suffix.lower()
+    try:
+        write_report(path, "--plot", lambda temporary: fig.savefig(
+            temporary, format=suffix[1:], dpi=dpi, metadata={PLOT_FORMATS[suffix]: f"{WRITTEN_BY} (matplotlib)"}))
+    finally:
+        plt.close(fig)
