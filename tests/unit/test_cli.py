@@ -144,6 +144,10 @@ def test_spawn_help_lists_training_options_and_torchrun_style_aliases():
     ("import torch\ndef build(:\n    pass\n", "syntax error in {path}, line 2"),
     ("import torch\nimport no_such_module_anywhere\n", "importing it failed at {path}, line 2: ModuleNotFoundError"),
     ("x = 1\nraise RuntimeError('broken at import')\n", "importing it failed at {path}, line 2: RuntimeError: broken"),
+    # sys.exit() is the task's fault too, not the launcher's exit code (0 was a "success" that trained nothing)
+    ("import sys\nsys.exit(0)\n", "importing it called sys.exit(0)"),
+    ("def build():\n    raise SystemExit(5)\n", "the factory called sys.exit(5)"),
+    ("def build():\n    raise KeyboardInterrupt\n", "the factory raised KeyboardInterrupt"),
 ])
 @pytest.mark.parametrize("command", ["spawn", "run"])
 def test_a_broken_task_file_is_one_line_naming_file_and_line(command, source, expected, tmp_path, capsys):

@@ -156,14 +156,19 @@ def task_for_checks(config: TrainConfig, factory):
     import torch
 
     from ddp_amp.tasks import Task
+    from ddp_amp.tasks.loading import call_factory
 
     try:
         with torch.device("meta"):
-            task = factory()
+            task = call_factory(factory, config.task)
+    except UsageError:
+        raise
     except Exception:  # a factory that computes with its tensors (data made from .item()), or reads files
         try:
             torch.manual_seed(config.seed)
-            task = factory()
+            task = call_factory(factory, config.task)
+        except UsageError:
+            raise
         except Exception:
             return None
     if not isinstance(task, Task):

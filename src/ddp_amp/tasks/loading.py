@@ -22,6 +22,11 @@ from ddp_amp.errors import UsageError
 from ddp_amp.process import StopSignal
 from ddp_amp.tasks.contract import Task
 
+USER_EXITS = (Exception, SystemExit, KeyboardInterrupt)
+"""What a task's import or factory may raise that is the task's fault, sys.exit() included: one line naming
+--task, not a rank that leaves with the user's exit code (0: a "successful" run that trained nothing). A stop
+the launch was asked for is StopSignal, raised by the rank's signal handler, and stays a stop."""
+
 BUILTIN = {
     "linear": "ddp_amp.tasks.linear:build",
     "mlp": "ddp_amp.tasks.mlp:build",
@@ -54,7 +59,7 @@ def resolve_factory(spec: str, task_args: Sequence[str] = ()) -> Callable[[], Ta
             raise UsageError(import_failure(spec, exc)) from None
         except StopSignal:  # the launch was asked to stop while it imported the task: a stop, not a bad task
             raise
-        except Exception as exc:  # the user's module raised while importing: say where, in one line
+        except USER_EXITS as exc:  # the user's module raised while importing: say where, in one line
             raise UsageError(import_failure(spec, exc)) from None
     factory = getattr(module, attr, None)
     if factory is None:
@@ -181,7 +186,7 @@ def precheck_task(spec: str) -> None:
 
 def build_task(spec: str, task_args: Sequence[str] = (), model_on_meta: bool = False) -> Task:
     """The task, its model built where Task.model is a function (model_on_meta: under torch.device("meta"))."""
-    task = resolve_factory(spec, task_args)()
+    task = call_factory(resolve_factory(spec, task_args), spec)
     if not isinstance(task, Task):
         raise TypeError(f"--task {spec!r}: the factory returned {type(task).__name__}, not ddp_amp.tasks.Task")
     return with_built_model(task, spec, model_on_meta)
@@ -220,7 +225,7 @@ def _import_file(spec: str, path: Path):
     except StopSignal:  # the launch was asked to stop while it imported the task: a stop, not a bad task
         del sys.modules[name]
         raise
-    except Exception as exc:  # the user's file raised while importing: say where, in one line
+    except USER_EXITS as exc:  # the user's file raised while importing: say where, in one line
         del sys.modules[name]
         raise UsageError(import_failure(spec, exc)) from None
     return module
@@ -240,7 +245,25 @@ def import_failure(spec: str, exc: BaseException) -> str:
     """One line for an exception raised while importing a task: the user's file and line, and the error."""
     if isinstance(exc, SyntaxError):
         return f"--task {spec!r}: syntax error in {exc.filename}, line {exc.lineno}: {exc.msg}"
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        return f"--task {spec!r}: importing it {exit_text(exc)}"
     frames = traceback.extract_tb(exc.__traceback__)
     user = [f for f in frames if "importlib" not in f.filename and f"{os.sep}ddp_amp{os.sep}" not in f.filename]
     where = f" at {user[-1].filename}, line {user[-1].lineno}" if user else ""
     return f"--task {spec!r}: importing it failed{where}: {type(exc).__name__}: {exc}"
+
+
+def call_factory(factory: Callable[[], Any], spec: str) -> Any:
+    """The factory's task; its sys.exit() or KeyboardInterrupt one line naming --task (an exception it raises
+    stays the user's, with its traceback)."""
+    try:
+        return factory()
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise UsageError(f"--task {spec!r}: the factory {exit_text(exc)}") from None
+
+
+def exit_text(exc: SystemExit | KeyboardInterrupt) -> str:
+    """What a task's code did, said in words: 'called sys.exit(0)', 'raised KeyboardInterrupt'."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r}) (a task returns a Task; it does not exit)"
+    return "raised KeyboardInterrupt"
