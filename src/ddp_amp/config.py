@@ -24,6 +24,8 @@ GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 SHARD_MODES = ("none", "optimizer", "full")
 CHECKPOINT_FORMATS = ("single", "sharded")
 DEFAULT_STEPS = 100
+INT64_MAX = 2**63 - 1  # the largest integer option: torch holds them (the seed, step counts) as int64
+MAX_SECONDS = 1e9  # the longest --timeout and --stop-timeout: a timedelta and c10d's milliseconds hold it
 CHOICES = {"device": DEVICES, "amp": AMP_MODES, "dtype": DTYPES, "tracker": TRACKERS, "schedule": SCHEDULES,
            "optimizer": OPTIMIZERS, "tf32": TF32_MODES, "flush_denormal": FLUSH_DENORMAL_MODES,
            "optimizer_impl": OPTIMIZER_IMPLS, "grad_compression": GRAD_COMPRESSIONS, "shard": SHARD_MODES,
@@ -208,6 +210,9 @@ class TrainConfig:
         self.tracker_tag = tuple(self.tracker_tag or ())
         problems = [*self._choice_problems(), *self._optimization_problems(), *self._length_problems(),
                     *self._memory_problems(), *self._run_problems(), *self._shard_problems()]
+        problems += [f"--{field.name.replace('_', '-')} must be at most {INT64_MAX}, got {value}"  # torch's int64
+                     for field in dataclasses.fields(self) if type(value := getattr(self, field.name)) is int
+                     and abs(value) > INT64_MAX]
         if problems:
             raise UsageError(*problems)
         if self.steps is None and self.epochs is None:
@@ -222,8 +227,8 @@ class TrainConfig:
             ("--grad-compression", self.grad_compression, GRAD_COMPRESSIONS), ("--shard", self.shard, SHARD_MODES),
             ("--checkpoint-format", self.checkpoint_format, CHECKPOINT_FORMATS),
             ("--flush-denormal", self.flush_denormal, FLUSH_DENORMAL_MODES)) if value not in allowed]
-        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
-            problems.append(f"--bucket-mb must be a finite number > 0, got {self.bucket_mb}")
+        if not 0 < self.bucket_mb <= 2**20:  # NaN fails too; beyond a TiB torch's byte count overflows
+            problems.append(f"--bucket-mb must be a number of MB > 0 and <= 1048576, got {self.bucket_mb}")
         if self.static_graph and self.grad_accum > 1:
             # pytorch/pytorch#143580: DDP's static graph asserts on a first backward under no_sync, and the fix
             # proposed for it found that accumulation then stops all-reducing gradients after the first step.
@@ -284,10 +289,9 @@ class TrainConfig:
             if value < 1]
         if self.steps is not None and self.epochs is not None:
             problems.append("--steps and --epochs are alternatives; give one of them")
-        if self.steps is not None and self.steps < 1:
-            problems.append(f"--steps must be >= 1, got {self.steps}")
-        if self.epochs is not None and self.epochs < 1:
-            problems.append(f"--epochs must be >= 1, got {self.epochs}")
+        problems += [f"{flag} must be >= 1, got {value}" for flag, value in (("--steps", self.steps),
+                                                                            ("--epochs", self.epochs))
+                     if value is not None and value < 1]
         if self.warmup_steps < 0:
             problems.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         elif self.steps is not None and self.steps >= 1 and self.warmup_steps >= self.steps:
@@ -297,22 +301,16 @@ class TrainConfig:
     def _run_problems(self) -> list[str]:
         """Timeouts, checkpoints, the divergence limit, data workers and the seed."""
         problems = []
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            problems.append(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
-        if self.checkpoint_every < 0:
-            problems.append(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if not 1 <= self.timeout <= MAX_SECONDS:  # below a second c10d's own connects time out
+            problems.append(f"--timeout must be a number of seconds from 1 to 1e9, got {self.timeout}")
         if self.keep < 1:
             problems.append(f"--keep must be >= 1, got {self.keep}")
-        if not (math.isfinite(self.stop_timeout) and self.stop_timeout > 0):
-            problems.append(f"--stop-timeout must be a finite number of seconds > 0, got {self.stop_timeout}")
-        if self.max_nonfinite < 0:
-            problems.append(f"--max-nonfinite must be >= 0, got {self.max_nonfinite}")
-        if self.num_workers is not None and self.num_workers < 0:
-            problems.append(f"--num-workers must be >= 0, got {self.num_workers}")
-        if self.seed < 0:
-            problems.append(f"--seed must be >= 0, got {self.seed}")
-        if self.eval_every < 0:
-            problems.append(f"--eval-every must be >= 0, got {self.eval_every}")
+        if not 0 < self.stop_timeout <= MAX_SECONDS:
+            problems.append(f"--stop-timeout must be a number of seconds > 0 and <= 1e9, got {self.stop_timeout}")
+        problems += [f"{flag} must be >= 0, got {value}" for flag, value in (
+            ("--checkpoint-every", self.checkpoint_every), ("--max-nonfinite", self.max_nonfinite),
+            ("--num-workers", self.num_workers), ("--seed", self.seed), ("--eval-every", self.eval_every))
+            if value is not None and value < 0]
         if self.keep_best is not None:
             metric, _, mode = self.keep_best.partition(":")
             if not metric.startswith("val_") or mode not in ("", "min", "max"):

@@ -56,6 +56,16 @@ def test_without_auto_running_out_of_memory_is_one_line_and_exit_1(tmp_path, hel
     assert "can't allocate memory" in logs and "Traceback" in logs  # the allocator's own error stays in the log
 
 
+def test_a_max_memory_below_what_a_cpu_rank_holds_already_is_a_usage_error(tmp_path):
+    """0.0001 GB under what torch alone holds: setting it would fail the rank's next allocation (a thread's
+    stack, with a traceback); the rank refuses it instead, naming the flag and what it holds."""
+    result = spawn(tmp_path, "--device", "cpu", "--steps", "3", "--max-memory", "0.0001", nproc=1)
+    assert result.returncode == 2, result.stderr
+    verdict = last_line(result.stderr)
+    assert "--max-memory 0.0001: a CPU rank holds " in verdict and verdict.endswith("before training; give more")
+    assert "Traceback" not in result.stderr and not (tmp_path / "model.pt").exists()
+
+
 def test_auto_finds_the_micro_batch_that_fits_under_max_memory(tmp_path, helper_task):
     result = spawn(tmp_path, *ACTIVATIONS, "--task", helper_task("activation_heavy"), "--micro-batch", "auto")
     assert_ok(result)

@@ -62,6 +62,14 @@ BAD_INPUTS = [  # a rank count is refused under its one name, whichever spelling
     (["--max-memory", "nan"], "--max-memory"),
     (["--max-memory", "lots"], "--max-memory"),
     (["--max-memory", "1000000"], "--max-memory"),  # more than this machine has
+    # numbers torch cannot hold (each failed inside the ranks, with a traceback)
+    (["--seed", str(2**64)], "--seed must be at most"),
+    (["--grad-accum", "99999999999999999999"], "--grad-accum must be at most"),
+    (["--max-nonfinite", str(2**63)], "--max-nonfinite must be at most"),
+    (["--bucket-mb", "1e300"], "--bucket-mb"),
+    (["--timeout", "1e308"], "--timeout"),
+    (["--timeout", "1e-9"], "--timeout"),
+    (["--stop-timeout", "1e308"], "--stop-timeout"),
 ]
 
 

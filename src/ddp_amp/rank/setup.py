@@ -72,8 +72,21 @@ def cap_memory(device: torch.device, gib: float) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
     else:
+        held = data_held()
+        if held is not None and limit <= held:  # every allocation after it would fail, a thread's stack first
+            raise RankUsageError(f"--max-memory {gib:g}: a CPU rank holds {held / 2**30:.2f} GB already (torch and "
+                                 "the task), before training; give more")
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)
         resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+def data_held() -> int | None:
+    """This process's data segment in bytes (what RLIMIT_DATA limits: /proc's VmData), None without /proc."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def flush_denormal(on: bool) -> bool:
