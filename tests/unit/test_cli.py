@@ -234,10 +234,11 @@ def test_print_config_then_config_gives_the_same_options_and_flags_win(tmp_path,
     ('device = "tpu"\n', "device = 'tpu' is not a valid --device"),
     ('bucket_view = 1\n', "bucket_view = 1 is not a valid --bucket-view"),
     ('lr = \n', "is not valid TOML"),
+    ('# caf\xe9, saved as latin-1\nlr = 0.01\n', "is not UTF-8, as TOML must be (byte 5)"),
 ])
 def test_a_bad_config_file_is_one_line_naming_the_key_and_the_file(tmp_path, capsys, text, expected):
     config = tmp_path / "bad.toml"
-    config.write_text(text)
+    config.write_bytes(text.encode("latin-1"))
     run_dir = tmp_path / "run"
     code, _, err = run_main(["spawn", "--config", str(config), "--run-dir", str(run_dir)], capsys)
     assert code == 2

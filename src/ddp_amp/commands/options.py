@@ -274,9 +274,11 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     import tomllib
 
     try:
-        values = tomllib.loads(path.read_text())
+        values = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale says
     except OSError as exc:
         raise UsageError(f"--config {str(path)!r}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config {str(path)!r} is not UTF-8, as TOML must be (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {str(path)!r} is not valid TOML: {exc}") from None
     params = {param.name: param for param in ctx.command.params if param.name not in NOT_IN_CONFIG}
