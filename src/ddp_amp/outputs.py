@@ -96,9 +96,10 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 def read_summary(run_dir: str | Path) -> RunRecord:
     """The run's summary.json, empty (false) when there is none (yet) or it cannot be read."""
     try:
-        return RunRecord(json.loads((Path(run_dir) / SUMMARY_FILE).read_text()))
+        record = json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
     except (OSError, ValueError):
         return RunRecord({})
+    return RunRecord(record if isinstance(record, dict) else {})
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,18 @@ def show(*args, columns=200):
                           text=True, timeout=60, env={"COLUMNS": str(columns), "PATH": ""})
 
 
-@pytest.mark.parametrize("make", ["missing", "file", "not_a_run"])
+@pytest.mark.parametrize("make", ["missing", "file", "not_a_run", "config_a_list", "summary_a_list",
+                                  "metrics_a_number"])
 def test_what_is_not_a_run_dir_is_one_line_exit_2(tmp_path, make):
     path = tmp_path / make
     if make == "file":
         path.write_text("x")
-    elif make == "not_a_run":
+    elif make != "missing":
         path.mkdir()
+    if make.endswith("_a_list") or make.endswith("_a_number"):  # valid JSON, not the object ddp-amp writes
+        (path / "config.json").write_text("[]" if make == "config_a_list" else "{}")
+        (path / "summary.json").write_text("[]" if make == "summary_a_list" else "{}")
+        (path / "metrics.jsonl").write_text('{"step": 1}\n3\n' if make == "metrics_a_number" else "")
     result = show(path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

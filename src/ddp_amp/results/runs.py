@@ -62,10 +62,11 @@ def load_run(path: Path) -> Run:
     if not (path / CONFIG_FILE).is_file():
         raise UsageError(f"show: {str(path)!r} is not a run directory (no {CONFIG_FILE})")
     try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-        summary = RunRecord(json.loads((path / SUMMARY_FILE).read_text()) if (path / SUMMARY_FILE).is_file() else {})
-        metrics = [json.loads(line) for line in (path / METRICS_FILE).read_text().splitlines() if line.strip()] \
-            if (path / METRICS_FILE).is_file() else []
+        config = _json_object((path / CONFIG_FILE).read_text(), CONFIG_FILE)
+        summary = RunRecord(_json_object((path / SUMMARY_FILE).read_text(), SUMMARY_FILE)
+                            if (path / SUMMARY_FILE).is_file() else {})
+        metrics = [_json_object(line, METRICS_FILE) for line in (path / METRICS_FILE).read_text().splitlines()
+                   if line.strip()] if (path / METRICS_FILE).is_file() else []
     except (OSError, ValueError) as exc:
         raise UsageError(f"show: {str(path)!r} has an unreadable file: {exc}") from None
     if lock_holder(path) is not None:
@@ -83,6 +84,14 @@ def load_run(path: Path) -> Run:
     else:
         state = "finished"
     return Run(path, config, summary, metrics, state)
+
+
+def _json_object(text: str, name: str) -> dict[str, Any]:
+    """`text` as the JSON object ddp-amp writes there; a ValueError naming `name` for anything else."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 IGNORED_DIFFERENCES = {"run_dir", "launch_time", "resume", "record_step_times"}
