@@ -1,6 +1,7 @@
 """The command line: flag errors are one line and exit code 2 with nothing launched; --help never loads torch."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -226,6 +227,28 @@ def test_print_config_then_config_gives_the_same_options_and_flags_win(tmp_path,
     assert code == 0 and tomllib.loads(again) == printed
     code, overridden, _ = run_main(["spawn", "--config", str(config), "--lr", "0.02", "--print-config"], capsys)
     assert tomllib.loads(overridden)["lr"] == 0.02
+
+
+@pytest.mark.parametrize("command", ["spawn", "run", "multinode"])
+def test_print_config_refuses_what_a_launch_would_refuse(command, tmp_path, capsys):
+    """A config --config would refuse is not printed as one: --print-config checks the options first."""
+    code, out, err = run_main([command, "--steps", "0", "--print-config"], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["ddp-amp: error: --steps must be >= 1, got 0"]
+    config = tmp_path / "bad.toml"
+    config.write_text("lr = nan\n")
+    code, out, err = run_main([command, "--config", str(config), "--print-config"], capsys)
+    assert code == 2 and out == "" and "--lr must be a finite number > 0, got nan" in err and str(config) in err
+
+
+def test_print_config_writes_floats_json_has_no_word_for_as_toml():
+    import tomllib
+
+    from ddp_amp.commands.config_file import toml_value
+
+    assert [toml_value(v) for v in (float("nan"), float("inf"), -float("inf"), 0.5, True, "a")] == \
+        ["nan", "inf", "-inf", "0.5", "true", '"a"']
+    assert math.isnan(tomllib.loads(f"x = {toml_value(float('nan'))}")["x"])
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -4,8 +4,7 @@
   one flag (`option_specs`, rendered for typer in TRAINING_OPTIONS), so an option is defined in one place.
 - `@with_training_options` and `@with_output_options` add a group of options to a command, which receives them
   as one dict (`train`, `output`).
-- `@with_config_file` adds --config FILE.toml (its keys become the defaults, flags win) and --print-config; the
-  command receives the options as resolved in `resolved`, for RUN_DIR/config.toml.
+- `@with_config_file` (commands.config_file) adds --config FILE.toml and --print-config.
 - The Annotated aliases below are the options several commands take (the rendezvous ones, --run-dir...).
 """
 
@@ -15,7 +14,6 @@ import ast
 import dataclasses
 import functools
 import inspect
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,7 +21,7 @@ from typing import Annotated, Any, Literal
 import typer
 
 from ddp_amp import config as config_module
-from ddp_amp.commands.panels import K8S, ORDER, OUTPUT, PANEL_OF
+from ddp_amp.commands.panels import K8S, OUTPUT, PANEL_OF
 from ddp_amp.config import CHOICES, NOT_OPTIONS, TrainConfig
 from ddp_amp.errors import UsageError
 
@@ -261,124 +259,3 @@ def training_args(train: dict) -> list[str]:
             else:
                 args += [f"--{flag}", str(value)]
     return args
-
-
-NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm", "from_env", *K8S_OPTIONS)
-"""What --config files do not set and --print-config does not print: actions, not options."""
-
-
-def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
-    """--config FILE.toml: its keys become the command's defaults, so flags given on the command line win."""
-    if path is None:
-        return None
-    import tomllib
-
-    try:
-        values = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale says
-    except OSError as exc:
-        raise UsageError(f"--config {str(path)!r}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"--config {str(path)!r} is not UTF-8, as TOML must be (byte {exc.start})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"--config {str(path)!r} is not valid TOML: {exc}") from None
-    params = {param.name: param for param in ctx.command.params if param.name not in NOT_IN_CONFIG}
-    values = {OLD_KEYS.get(key, key) if OLD_KEYS.get(key) in params else key: value for key, value in values.items()}
-    for key, value in values.items():
-        param = params.get(key)
-        if param is None:
-            raise UsageError(f"--config {str(path)!r}: unknown key {key!r} (not an option of "
-                             f"ddp-amp {ctx.info_name}; keys are option names with underscores)")
-        is_flag = param.type_descriptor.annotation is bool
-        repeatable = typing.get_origin(param.type_descriptor.annotation) is list  # --task-arg: a list of strings
-        try:
-            if isinstance(value, bool) != is_flag or isinstance(value, dict) or isinstance(value, list) != repeatable:
-                raise ValueError
-            if repeatable and not all(isinstance(item, str) for item in value):
-                raise ValueError
-            if not repeatable:
-                param.get_runtime_param().coerce(value, param=param, ctx=ctx)
-        except Exception:
-            raise UsageError(f"--config {str(path)!r}: {key} = {value!r} is not a valid --{key.replace('_', '-')}")\
-                from None
-    ctx.default_map = {**(ctx.default_map or {}), **values}
-    ctx.meta[CONFIG_FILE_META] = path
-    return path
-
-
-OLD_KEYS = {"nproc": "nproc_per_node"}
-"""Keys that config files written before an option's rename still use: spawn's `nproc = 2`."""
-CONFIG_FILE_META = "ddp_amp.config_file"
-"""ctx.meta's key for the --config file the options came from (with_config_file names it in a refusal)."""
-
-
-def _naming_the_config_file(exc: UsageError, ctx: typer.Context) -> UsageError:
-    """A refusal of options that came from the --config file (not the command line) says so: the user looks for
-    them in the file, not in the command they typed."""
-    import re
-
-    path = ctx.meta.get(CONFIG_FILE_META)
-    if path is None:
-        return exc
-    message = str(exc)
-    from_file = [f"--{name.replace('_', '-')}" for name in ctx.params
-                 if getattr(ctx.get_parameter_source(name), "name", None) == "DEFAULT_MAP"
-                 and name in (ctx.default_map or {})]
-    named = [flag for flag in from_file if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", message)]
-    if not named:
-        return exc
-    return UsageError(f"{message} ({', '.join(named)} from --config {str(path)!r})")
-
-
-CONFIG_FILE_OPTIONS = [
-    inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
-    inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-        Path | None, typer.Option("--config", is_eager=True, callback=_load_config_file, rich_help_panel=OUTPUT,
-                                  help="Options from a TOML file (keys: option names with underscores); flags "
-                                  "given here override it.")]),
-    inspect.Parameter("print_config", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
-        bool, typer.Option("--print-config", rich_help_panel=OUTPUT,
-                           help="Print every option as resolved, as TOML for --config, and exit.")]),
-]
-
-
-def with_config_file(command):
-    """Adds --config FILE.toml and --print-config to a launching command, which receives its options as
-    resolved (flags over --config) in `resolved`."""
-    signature = inspect.signature(command)
-    own = [p for p in signature.parameters.values() if p.name != "resolved"]
-
-    @functools.wraps(command)
-    def wrapper(**kwargs: Any) -> Any:
-        kwargs.pop("config")
-        ctx = kwargs.pop("ctx")
-        resolved = {name: value for name, value in kwargs.items() if name not in NOT_IN_CONFIG}
-        if kwargs.pop("print_config"):
-            typer.echo(config_toml(resolved), nl=False)
-            return None
-        try:
-            return command(**kwargs, resolved=resolved)
-        except UsageError as exc:
-            raise _naming_the_config_file(exc, ctx) from None
-
-    wrapper.__signature__ = signature.replace(parameters=[*own, *CONFIG_FILE_OPTIONS])
-    wrapper.__annotations__ = {**{p.name: p.annotation for p in own},
-                               **{p.name: p.annotation for p in CONFIG_FILE_OPTIONS}}
-    return wrapper
-
-
-def config_toml(options: dict[str, Any]) -> str:
-    """Flat TOML: one `key = value` per option that has a value (TOML has no null: an unset option is left out,
-    which means its default), grouped under a comment naming each concern, in --help's order; still flat, so a
-    file of any age reads the same."""
-    import json
-
-    groups: dict[str | None, list[str]] = {panel: [] for panel in ORDER}
-    for key, value in options.items():
-        if value is None:
-            continue
-        if isinstance(value, Path):
-            value = str(value)
-        line = f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}"
-        groups.setdefault(PANEL_OF.get(key), []).append(line)
-    blocks = [[f"# {panel}"] * (panel is not None) + lines for panel, lines in groups.items() if lines]
-    return "\n\n".join("\n".join(block) for block in blocks) + "\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ddp_amp.commands.config_file import config_toml, with_config_file
 from ddp_amp.commands.options import (
     TRAINING_OPTIONS,
     DryRun,
@@ -15,9 +16,7 @@ from ddp_amp.commands.options import (
     NprocPerNode,
     RequeueSignal,
     ScriptWords,
-    config_toml,
     training_args,
-    with_config_file,
     with_k8s_options,
     with_node_options,
     with_output_options,
