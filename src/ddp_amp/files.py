@@ -12,6 +12,19 @@ from pathlib import Path
 from typing import Any
 
 
+def not_a_torch_file(path: Path) -> str | None:
+    """Why `path` cannot be a file torch.save wrote (a zip archive, or a pickle in the legacy format), or None:
+    for a load that failed, so the error says "not a torch file" rather than what torch guessed."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if head == b"PK\x03\x04" or head[:1] == b"\x80":
+        return None
+    return "not a file torch.save wrote (neither a zip archive nor a pickle)"
+
+
 def _umask() -> int:
     mask = os.umask(0)  # reading the umask means setting it: set it straight back
     os.umask(mask)

@@ -123,6 +123,19 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_unopened(tmp_path, cap
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("flag", ["--resume", "--init-from"])
+def test_a_file_torch_did_not_write_is_named_so_not_blamed_on_a_pickle(flag, tmp_path, capsys):
+    """torch's own message for a text file suggests weights_only=False ("will likely succeed"): wrong, and unsafe
+    advice. It is not a torch file at all, and the refusal says that."""
+    (tmp_path / "notes.pt").write_text("garbage, not a checkpoint\n")
+    code, _, err = run_main(["spawn", "-n", "2", *RESUMABLE, flag, str(tmp_path / "notes.pt"), "--run-dir",
+                             str(tmp_path / "run")], capsys)
+    line = one_line(err)
+    assert code == 2 and line.endswith(f"{flag} {tmp_path / 'notes.pt'}: not a file torch.save wrote (neither a "
+                                       "zip archive nor a pickle)"), line
+    assert "weights_only" not in err and not (tmp_path / "run").exists()
+
+
 def test_a_resume_from_a_nan_checkpoint_names_the_newest_finite_one(tmp_path, capsys):
     """A NaN checkpoint beside finite ones (as an earlier version wrote; a run today never writes one, tested in
     tests/system/test_checkpoints.py): --resume names the finite one instead. Written as a run writes them

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ddp_amp.checkpoint import sharded
-from ddp_amp.files import UNREADABLE_RECORD, atomic_write, checksum_mismatch, read_checksum_record
+from ddp_amp.files import UNREADABLE_RECORD, atomic_write, checksum_mismatch, not_a_torch_file, read_checksum_record
 from ddp_amp.files import damage_of as file_damage
 
 CHECKPOINT_DIR = "checkpoints"
@@ -167,6 +167,8 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False, verify: bool = True
         state = (sharded.read_extras(path) if sharded.is_sharded_checkpoint(path)
                  else torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))
     except pickle.UnpicklingError as exc:
+        if why := not_a_torch_file(path):  # torch's message would blame a pickle there is not
+            raise CheckpointError(f"{path}: {why}") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: refused, it holds more than tensors and plain data ({first})") from None
     except FileNotFoundError:

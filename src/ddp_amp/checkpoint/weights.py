@@ -39,6 +39,8 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
+        if why := files.not_a_torch_file(path):
+            raise WeightsError(f"{path}: {why}") from None
         raise WeightsError(f"{path}: not a state_dict torch can read safely ({type(exc).__name__})") from None
     if isinstance(state, dict) and {"trainer", "step", "config"} <= state.keys():  # a ddp-amp checkpoint
         state = state["trainer"]["model"]
