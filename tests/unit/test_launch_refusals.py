@@ -123,6 +123,22 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_unopened(tmp_path, cap
     assert not (tmp_path / "run").exists()
 
 
+def test_resume_auto_into_a_run_dir_in_use_is_refused_without_announcing_a_start(tmp_path, capsys):
+    """The "starting from the beginning" line is said once the run dir is this launch's, never before the
+    refusal that it is another's."""
+    from ddp_amp.files import DirectoryLock
+
+    run_dir = tmp_path / "run"
+    ddp_amps_run_dir(run_dir, {"metrics.jsonl": b'{"step": 5}\n'})
+    held = DirectoryLock(run_dir)  # a launch running there
+    try:
+        code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--steps", "2", "--resume", "auto", "--run-dir",
+                                 str(run_dir)], capsys)
+    finally:
+        held.release()
+    assert code == 2 and "is in use by another ddp-amp launch" in one_line(err), err
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--init-from"])
 def test_a_file_torch_did_not_write_is_named_so_not_blamed_on_a_pickle(flag, tmp_path, capsys):
     """torch's own message for a text file suggests weights_only=False ("will likely succeed"): wrong, and unsafe

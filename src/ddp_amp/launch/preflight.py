@@ -95,9 +95,7 @@ def resolve_resume(config: TrainConfig, world_size: int | None) -> str | None:
             if (Path(config.run_dir) / "model.pt").exists():
                 raise UsageError(f"--resume auto: {config.run_dir} holds a finished run (model.pt) and no "
                                  "checkpoint; choose another --run-dir or pass --overwrite without --resume")
-            print(f"ddp-amp: --resume auto: no checkpoint in {directory}: starting from the beginning",
-                  file=sys.stderr)
-            return None
+            return None  # preflight says so once the run dir is this launch's (not before a refusal)
         found = checkpoint.newest_valid_checkpoint(config.run_dir, warn=warn)
         if found is None:
             raise UsageError(f"--resume auto: no valid checkpoint in {directory} (each was skipped, above)")
@@ -290,6 +288,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     check_trackers(config)
     # bench --max-batch tries sizes past the data set's length on purpose: its trials are not refused.
     init, left_out = checks_of_task(config, world_size if batch_check else None)
+    asked_resume = config.resume
     config, starting_over = _resumed(config, world_size)
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None
@@ -298,6 +297,11 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite or starting_over, unique=run_dir is None,
                                lock=lock_run_dir, resuming=config.resume is not None, joining=joining)
     path = prepared.path
+    if asked_resume == "auto" and config.resume is None:
+        from ddp_amp.checkpoint.storage import checkpoint_dir
+
+        print(f"ddp-amp: --resume auto: no checkpoint in {checkpoint_dir(path)}: starting from the beginning",
+              file=sys.stderr)
     changed = changed_on_disk(path, created=not existed or str(path) != config.run_dir,
                               cleared=overwrite or starting_over)
     if str(path) != config.run_dir:
