@@ -92,7 +92,7 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
     """This node's network found, its ranks' plan, and its share of the job as a Launch (None after a dry run,
     which prints torchrun's command instead)."""
     from ddp_amp.launch.preflight import preflight, preflight_script, stops_say
-    from ddp_amp.launch.session import Launch, say, settle_overwritten, warm_start
+    from ddp_amp.launch.session import Launch, say, warm_start
 
     config = warm_start(train, start_ranks_soon=not dry_run)
     nproc = torchrun.parse_nproc(nproc_per_node)
@@ -102,7 +102,7 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
         [*shared_args, *(script.argv() if script is not None else [])]))
     extra = {"elastic": nodes.min != nodes.max, "job_id": job_id}
     common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],
-              "run_dir": output["run_dir"], "lock_run_dir": False, "extra": extra}
+              "run_dir": output["run_dir"], "lock_run_dir": False, "extra": extra, "dry_run": dry_run}
     if script is not None:
         plan = preflight_script(config, script, world_size=nodes.min * nproc if nodes.min == nodes.max else None,
                                 **common)
@@ -115,7 +115,7 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
             say(f"ddp-amp: {net.note}")
         if not dry_run:
             return Launch(plan, nproc, job=job, script=script)
-    settle_overwritten(plan, trained=False)  # a dry run starts nothing: an --overwrite takes nothing away
+    # A dry run's preflight wrote this node's config.json and nothing else (launch.run_dir.check_dry_run).
     print(job.torchrun_command(plan.config_path, script=script).shell())
     if script is None:
         print(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
