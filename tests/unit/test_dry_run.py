@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 import torch
-from helpers import ddp_amps_run_dir, one_line, run_main
+from helpers import CHECKS_SCRIPT, ddp_amps_run_dir, one_line, run_main
 
 from ddp_amp.files import DirectoryLock
 
@@ -138,3 +138,19 @@ def test_a_dry_run_takes_no_lock_and_is_refused_while_a_launch_holds_one(tmp_pat
     assert code == 0, err
     assert everything_in(run_dir)[".lock"] == before[".lock"]  # the same bytes, never written again
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("before", ["none", "an earlier run"])
+def test_a_scripts_dry_run_writes_nothing(command, before, tmp_path, capsys):
+    """The printed command runs the script itself and reads no config.json: nothing is written, under --overwrite
+    into an earlier run too (the run dir's checks are a launch's, not a dry run's)."""
+    run_dir = tmp_path / "run"
+    if before != "none":
+        an_earlier_run(run_dir, finished=True, checkpoint=True)
+    state = everything_in(run_dir) if run_dir.exists() else None
+    code, out, err = run_main([*COMMANDS[command], "--overwrite", "--dry-run", "--run-dir", str(run_dir),
+                               str(CHECKS_SCRIPT), "--steps", "3"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[0].endswith(f" {CHECKS_SCRIPT} --steps 3") and len(out.splitlines()) == 1
+    assert (everything_in(run_dir) if run_dir.exists() else None) == state
