@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import SGD_FP32, assert_ok, assert_weights_close, last_line, load_weights, read_summary, run_cli
+from helpers import SGD_FP32, assert_ok, assert_weights_close, last_line, launch, load_weights, read_summary, run_cli
 
 from ddp_amp.cli import main
 
@@ -95,6 +95,30 @@ def test_multinode_on_one_machine(tmp_path, nnodes):
         assert job.returncode == 0, err
     assert read_summary(tmp_path / "a")["world_size"] == read_summary(tmp_path / "b")["world_size"] == 2
     assert (tmp_path / "a" / "model.pt").read_bytes() == (tmp_path / "b" / "model.pt").read_bytes()
+
+
+def test_a_dry_run_prints_this_launchs_command_and_leaves_an_earlier_run_as_it_was(tmp_path):
+    """A finished run (--steps 6, checkpoints at steps 3 and 6): a dry run of --overwrite --steps 3 into it is
+    refused in one line and leaves every file of it as it was; into a new run dir, it writes only this launch's
+    config.json, and the command it prints, run by hand, trains this launch's 3 steps there."""
+    def files_of(run_dir: Path) -> dict[str, tuple[bytes, int, int]]:
+        return {str(path.relative_to(run_dir)): (path.read_bytes(), path.stat().st_ino, path.stat().st_mtime_ns)
+                for path in sorted(run_dir.rglob("*")) if path.is_file()}
+
+    base, new = tmp_path / "base", tmp_path / "new"
+    launch(base, "--device", "cpu", "--steps", "6", "--checkpoint-every", "3", nproc=1, check=True)
+    before, listing = files_of(base), sorted(str(path) for path in base.rglob("*"))
+    dry = run_cli("run", "-n", "1", "--device", "cpu", "--steps", "3", "--overwrite", "--dry-run", "--run-dir",
+                  str(base))
+    assert dry.returncode == 2 and dry.stdout == "", dry.stderr
+    assert dry.stderr.startswith(f"ddp-amp: error: --dry-run: --run-dir '{base}' holds an earlier run (model.pt")
+    assert files_of(base) == before and sorted(str(path) for path in base.rglob("*")) == listing
+    dry = run_cli("run", "-n", "1", "--device", "cpu", "--steps", "3", "--dry-run", "--run-dir", str(new))
+    assert dry.returncode == 0 and os.listdir(new) == ["config.json"], dry.stderr
+    by_hand = subprocess.run(dry.stdout.splitlines()[0], shell=True, capture_output=True, text=True, timeout=240)
+    assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    assert read_summary(new)["steps"] == 3 and (new / "model.pt").is_file()
+    assert read_summary(base)["steps"] == 6
 
 
 def test_a_killed_worker_is_restarted(tmp_path, helper_task):

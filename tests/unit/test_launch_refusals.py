@@ -299,17 +299,6 @@ def test_every_built_in_task_has_a_validation_set_for_eval_every_and_keep_best(t
         tuple(x.flatten().tolist()) in train_inputs for x, _ in built.val_dataset)
 
 
-def test_a_dry_run_with_overwrite_takes_nothing_of_the_earlier_run_away(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    earlier = {"model.pt": b"earlier weights", "metrics.jsonl": b'{"step": 1}\n'}
-    ddp_amps_run_dir(run_dir, earlier)
-    code, out, err = run_main(["run", "-n", "2", "--device", "cpu", "--overwrite", "--dry-run", "--run-dir",
-                               str(run_dir)], capsys)
-    assert code == 0 and "torch.distributed.run" in out, err
-    assert {name: (run_dir / name).read_bytes() for name in earlier} == earlier
-    assert not (run_dir / ".overwritten").exists()
-
-
 @pytest.mark.parametrize(("task", "args", "line"), [
     (f"{USER_TASKS}:few_samples", ["--task-arg", "count=6", "--batch-size", "8"], "--batch-size 8: 2 rank(s) take "
      "16 samples a step and the data set of --task {task} has 6; give --batch-size 3 or less"),

@@ -117,7 +117,9 @@ NprocPerNode = Annotated[str, typer.Option("--nproc-per-node", "--nproc", "--gpu
                                            "takes them.")]
 MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restart the job this many times on a failure.")]
 MonitorInterval = Annotated[float, typer.Option("--monitor-interval", help="Seconds between torchrun's checks.")]
-DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command and environment; start nothing.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command and environment; start nothing. "
+                                      "Writes only the RUN_DIR/config.json the command reads; refused over an "
+                                      "earlier run with --overwrite or --resume, which it leaves as it was.")]
 # Where the nodes of a multi-node job meet: multinode's options, and doctor's with --nnodes.
 Endpoint = Annotated[str | None, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted); "
                                               "the node owning that address hosts it.")]

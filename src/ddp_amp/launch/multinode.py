@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ddp_amp.errors import UsageError
@@ -92,7 +93,7 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
     """This node's network found, its ranks' plan, and its share of the job as a Launch (None after a dry run,
     which prints torchrun's command instead)."""
     from ddp_amp.launch.preflight import preflight, preflight_script, stops_say
-    from ddp_amp.launch.session import Launch, say, settle_overwritten, warm_start
+    from ddp_amp.launch.session import Launch, say, warm_start
 
     config = warm_start(train, start_ranks_soon=not dry_run)
     nproc = torchrun.parse_nproc(nproc_per_node)
@@ -100,24 +101,29 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
                                        **network_options)
     job_id = rdzv_id or torchrun.default_rdzv_id(where, nodes, nproc, " ".join(
         [*shared_args, *(script.argv() if script is not None else [])]))
+    job_of = torchrun.node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id,
+                               script=script is not None, **rendezvous)
+    if script is not None and dry_run:  # as under `run`: the command runs the script itself, and nothing is written
+        if net.note:
+            say(f"ddp-amp: {net.note}")
+        print(job_of("cpu").torchrun_command(Path(), script=script).shell())  # a script's threads: any device's
+        return None
     extra = {"elastic": nodes.min != nodes.max, "job_id": job_id}
     common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],
-              "run_dir": output["run_dir"], "lock_run_dir": False, "extra": extra}
+              "run_dir": output["run_dir"], "lock_run_dir": False, "extra": extra, "dry_run": dry_run}
     if script is not None:
         plan = preflight_script(config, script, world_size=nodes.min * nproc if nodes.min == nodes.max else None,
                                 **common)
     else:
         plan = preflight(config, world_size=nodes.min * nproc if nodes.min == nodes.max else None, **common)
     with stops_say(plan.changed_on_disk):  # until show() takes over, a stop says what the launch changed
-        job = torchrun.node_job(where, nodes, nproc, net, node_rank=node_rank, rdzv_id=job_id,
-                                script=script is not None, **rendezvous)(plan.device_type)
+        job = job_of(plan.device_type)
         if net.note:
             say(f"ddp-amp: {net.note}")
         if not dry_run:
             return Launch(plan, nproc, job=job, script=script)
-    settle_overwritten(plan, trained=False)  # a dry run starts nothing: an --overwrite takes nothing away
-    print(job.torchrun_command(plan.config_path, script=script).shell())
-    if script is None:
-        print(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
-              f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
+    # A dry run's preflight wrote this node's config.json and nothing else (launch.run_dir.check_dry_run).
+    print(job.torchrun_command(plan.config_path).shell())
+    print(f"# on every other node: ddp-amp multinode --endpoint {where} --nnodes {nodes} "
+          f"--nproc-per-node {nproc} --rdzv-id {job_id} (same training options)")
     return None

@@ -261,10 +261,11 @@ def _resumed(config: TrainConfig, world_size: int | None) -> tuple[TrainConfig, 
 
 def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
               run_dir: str | None = None, extra: dict | None = None, lock_run_dir: bool = True,
-              world_size: int | None = -1, batch_check: bool = True) -> LaunchPlan:
+              world_size: int | None = -1, batch_check: bool = True, dry_run: bool = False) -> LaunchPlan:
     """Validate and prepare one launch of the warm-started `config` (launch.session.warm_start). `flag` names
     the process-count option in messages; `extra` sets TrainConfig fields that are not command-line options;
-    `batch_check` False: a --batch-size larger than the data set is not refused (a measuring command's trials)."""
+    `batch_check` False: a --batch-size larger than the data set is not refused (a measuring command's trials);
+    `dry_run`: config.json written and nothing else, no earlier run set aside (launch.run_dir.check_dry_run)."""
     launch_time = time.time()
     if overwrite and config.resume is not None:
         raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
@@ -295,7 +296,8 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     joins = joining is not None and running_job(Path(config.run_dir)) == joining
     existed = Path(config.run_dir).exists()
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite or starting_over, unique=run_dir is None,
-                               lock=lock_run_dir, resuming=config.resume is not None, joining=joining)
+                               lock=lock_run_dir, resuming=config.resume is not None, joining=joining,
+                               dry_run=dry_run)
     path = prepared.path
     if asked_resume == "auto" and config.resume is None:
         from ddp_amp.checkpoint.storage import checkpoint_dir
@@ -333,7 +335,7 @@ def _same_job_requeued(config: TrainConfig) -> bool:
 
 def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",
                      overwrite: bool = False, run_dir: str | None = None, extra: dict | None = None,
-                     lock_run_dir: bool = True, world_size: int | None = -1) -> LaunchPlan:
+                     lock_run_dir: bool = True, world_size: int | None = -1, dry_run: bool = False) -> LaunchPlan:
     """Prepare a launch of the user's `script` (launch.script.Script, checked already): the run directory for its
     ranks' logs and the record, and config.json (the launch's options and the script). The run dir follows the
     rules of every launch (launch.run_dir): an earlier run in it needs --resume or --overwrite."""
@@ -352,7 +354,7 @@ def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: 
     # The same rules as for ddp-amp's own loop: an earlier run there (of a task, a script or a loop script) is
     # continued with --resume (the script resumes itself; its record is replaced) or started over with --overwrite.
     prepared = prepare_run_dir(config.run_dir, overwrite=overwrite, unique=run_dir is None, lock=lock_run_dir,
-                               resuming=config.resume is not None or _same_job_requeued(config))
+                               resuming=config.resume is not None or _same_job_requeued(config), dry_run=dry_run)
     path = prepared.path
     changed = changed_on_disk(path, created=not existed or str(path) != config.run_dir, cleared=overwrite)
     config = config.replace(run_dir=str(path))

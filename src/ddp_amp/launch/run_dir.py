@@ -11,7 +11,14 @@ from typing import Any
 
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
-from ddp_amp.files import CHECKSUM_SUFFIX, LOCK_FILE, DirectoryInUse, DirectoryLock, remove_partial_writes
+from ddp_amp.files import (
+    CHECKSUM_SUFFIX,
+    LOCK_FILE,
+    DirectoryInUse,
+    DirectoryLock,
+    lock_holder,
+    remove_partial_writes,
+)
 from ddp_amp.outputs import (
     BEST_MODEL_FILE,
     DOCTOR_FILE,
@@ -204,8 +211,8 @@ def _config_of(path: Path) -> dict:
     return written if isinstance(written, dict) else {}
 
 
-def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False,
-                    lock: bool = True, resuming: bool = False, joining: str | None = None) -> PreparedRunDir:
+def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = False, lock: bool = True,
+                    resuming: bool = False, joining: str | None = None, dry_run: bool = False) -> PreparedRunDir:
     """Check `--run-dir` before launch, create it and lock it. Refuses to clobber a file, an earlier run's
     weights or metrics, or a directory another launch is using; removes temporary files a killed write left.
 
@@ -215,6 +222,7 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
     resuming: an unfinished run's metrics are expected (the resumed run cuts them back to its checkpoint).
     joining: an elastic multinode job's id: when the directory is that job's (a node joining it later, on a
     shared file system), nothing is refused and nothing of the running job's is touched.
+    dry_run: checked and created as for a launch, and nothing else (dry_run_dir): no lock, nothing set aside.
     """
     path = Path(run_dir)
     flag = f"--run-dir {str(path)!r}"
@@ -238,10 +246,9 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
                          "ddp-amp's beside them) and would replace; choose another directory")
     if (path / MODEL_FILE).exists() and not overwrite:
         raise UsageError(f"{flag} already holds a finished run (model.pt); choose another or pass --overwrite")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{flag} cannot be created: {exc.strerror}") from None
+    if dry_run:
+        return dry_run_dir(path, flag, overwrite=overwrite, resuming=resuming, lock=lock)
+    _create(path, flag)
     held, locked_before = None, (path / LOCK_FILE).exists()
     if lock:
         try:
@@ -256,12 +263,61 @@ def prepare_run_dir(run_dir: str | Path, *, overwrite: bool, unique: bool = Fals
             held.release()
             if not locked_before:  # a refusal leaves nothing behind
                 (path / LOCK_FILE).unlink(missing_ok=True)
-        raise UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
-                         "over in it with --overwrite, or choose another directory")
+        raise earlier_run_refused(flag, earlier)
     aside = _tidy(path, flag, overwrite=overwrite, resuming=resuming)
     logs = {str(log.relative_to(path)): log.stat().st_size for log in (path / "logs").rglob("*") if log.is_file()} \
         if resuming and not overwrite else None
     return PreparedRunDir(path, held, aside, training_output(path), logs)
+
+
+def earlier_run_refused(flag: str, earlier: list[str]) -> UsageError:
+    return UsageError(f"{flag} holds an earlier run ({', '.join(earlier)}); continue it with --resume auto, start "
+                      "over in it with --overwrite, or choose another directory")
+
+
+def _create(path: Path, flag: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} cannot be created: {exc.strerror}") from None
+
+
+def dry_run_dir(path: Path, flag: str, *, overwrite: bool, resuming: bool, lock: bool) -> PreparedRunDir:
+    """The run dir of a dry run, checked and created if new; the caller writes its config.json there."""
+    check_dry_run(path, flag, overwrite=overwrite, resuming=resuming, lock=lock)
+    _create(path, flag)
+    return PreparedRunDir(path, None)
+
+
+def check_dry_run(path: Path, flag: str, *, overwrite: bool, resuming: bool, lock: bool) -> None:
+    """A dry run writes RUN_DIR/config.json, which the command it prints reads, and nothing else: the refusals of
+    a launch, without taking the lock (it only looks: a launch running there is said, as it is to a launch).
+
+    Under --overwrite or --resume, a launch first sets the earlier run aside (clear_earlier_run) and then writes
+    its config.json in its place. A dry run cannot: it must leave the earlier run exactly as it was, and the
+    command it prints cannot set anything aside (the launcher does, not torchrun), so run by hand it would train
+    into the earlier run's files, a longer run's checkpoints outranking this one's. So it refuses, in one line:
+    no command is better than one that reads the earlier run's config.json, or that mixes two runs. A config.json
+    alone (another dry run's: a launch writes config.toml beside it) is replaced, as by a launch without either."""
+    if not path.is_dir():
+        return
+    if lock and (holder := lock_holder(path)):
+        raise UsageError(f"{flag} is in use by another ddp-amp launch (pid {holder}); wait for it to end or choose "
+                         "another directory")
+    if not overwrite and not resuming:
+        if earlier := earlier_run(path):
+            raise earlier_run_refused(flag, earlier)
+        return
+    names = (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml", SET_ASIDE_DIR) if overwrite else \
+        (SUMMARY_FILE, LOOP_RECORD_FILE, CONFIG_FILE, "config.toml")
+    found = [name + ("/" if (path / name).is_dir() else "") for name in names
+             if (path / name).exists() and not name.endswith(CHECKSUM_SUFFIX)]
+    if found and found != [CONFIG_FILE]:
+        what = "an earlier run" if overwrite else "the stopped run's record"
+        instead = "or dry-run into a new --run-dir" if overwrite else "which puts the record back if it does not train"
+        raise UsageError(f"--dry-run: {flag} holds {what} ({', '.join(found)}), which this launch would set aside "
+                         "before writing its config.json; a dry run changes nothing of an earlier run, so it cannot "
+                         f"write the config.json its command reads: launch without --dry-run, {instead}")
 
 
 def _tidy(path: Path, flag: str, *, overwrite: bool, resuming: bool) -> Path | None:

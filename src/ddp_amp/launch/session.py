@@ -138,12 +138,13 @@ def standalone_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_n
         print(job.torchrun_command(Path(), script=script).shell())
         return None
     common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],
-              "run_dir": output["run_dir"]}
+              "run_dir": output["run_dir"], "dry_run": dry_run}
     plan = preflight_script(config, script, **common) if script is not None else preflight(config, **common)
     if not dry_run:
         with stops_say(plan.changed_on_disk):  # the store starts: until show() takes over, the stop says it
             return Launch.standalone(plan, nproc, script=script, **restarts)
-    settle_overwritten(plan, trained=False)  # a dry run starts nothing: an --overwrite takes nothing away
+    # A dry run's preflight wrote this launch's config.json and nothing else (no lock, no earlier run set aside:
+    # launch.run_dir.check_dry_run): the command reads it.
     job = torchrun.standalone_job(nproc_per_node=nproc, device_type=plan.device_type, **restarts)
     print(job.torchrun_command(plan.config_path).shell())
     return None
