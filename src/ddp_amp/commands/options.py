@@ -24,6 +24,7 @@ import typer
 
 from ddp_amp import config as config_module
 from ddp_amp.commands.panels import K8S, ORDER, OUTPUT, PANEL_OF
+from ddp_amp.commands.torchrun_names import NOT_TAKEN, torchrun_flag_names
 from ddp_amp.config import CHOICES, NOT_OPTIONS, TrainConfig
 from ddp_amp.errors import UsageError
 
@@ -121,8 +122,8 @@ MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restart the jo
 MonitorInterval = Annotated[float, typer.Option("--monitor-interval", help="Seconds between torchrun's checks.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun command and environment; start nothing.")]
 # Where the nodes of a multi-node job meet: multinode's options, and doctor's with --nnodes.
-Endpoint = Annotated[str | None, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted); "
-                                              "the node owning that address hosts it.")]
+Endpoint = Annotated[str | None, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted; "
+                                              "torchrun's --rdzv-endpoint); the node owning that address hosts it.")]
 RdzvId = Annotated[str | None, typer.Option("--rdzv-id", help="Job id, the same on every node \\[default: "
                                             "derived from the endpoint, nnodes, nproc and run options].")]
 RdzvTimeout = Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes (torchrun's "
@@ -261,8 +262,10 @@ def training_args(train: dict) -> list[str]:
     return args
 
 
-NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm", "from_env", *K8S_OPTIONS)
-"""What --config files do not set and --print-config does not print: actions, not options."""
+NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm", "from_env", *K8S_OPTIONS,
+                 *{name: None for command in NOT_TAKEN for name in torchrun_flag_names(command)})
+"""What --config files do not set and --print-config does not print: actions, not options, and torchrun's flags
+that a command has no option for (commands.torchrun_names)."""
 
 
 def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
