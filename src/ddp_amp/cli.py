@@ -14,6 +14,7 @@ import typer
 
 from ddp_amp.commands import bench, doctor, export, inspect, train, verify
 from ddp_amp.commands.panels import PanelledCommand
+from ddp_amp.commands.torchrun_names import TorchrunNames
 from ddp_amp.errors import RunFailed, UsageError
 from ddp_amp.process import StopSignal, stop_signals_raise
 
@@ -42,10 +43,11 @@ SCRIPT_CONTEXT = {"allow_interspersed_args": False}
 `training_script [args]` (an --lr after the script is the script's own)."""
 TAKES_A_SCRIPT = (train.spawn, train.run, train.multinode)
 PANELLED = (*TAKES_A_SCRIPT, bench.bench)
-"""The training commands: options grouped by concern, --help the most used of them, --help-all every one."""
+"""The training commands: options grouped by concern, --help the most used of them, --help-all every one. Every
+command's options also answer to torchrun's spellings of them (commands.torchrun_names)."""
 for command in COMMANDS:
     app.command(context_settings=SCRIPT_CONTEXT if command in TAKES_A_SCRIPT else None,
-                cls=PanelledCommand if command in PANELLED else None)(command)
+                cls=PanelledCommand if command in PANELLED else TorchrunNames)(command)
 
 
 def _print_version(value: bool) -> None:

@@ -80,7 +80,8 @@ def test_bench_says_what_its_own_steps_and_amp_are():
 def test_help_all_shows_every_option_with_its_whole_help(name):
     text = _help(name, "--help-all")
     command = _commands()[name]
-    flags = [opt for p in command.params if p.param_type_name == "option" for opt in p.opts if opt.startswith("--")]
+    shown = [p for p in command.params if p.param_type_name == "option" and not p.hidden]  # hidden: torchrun's
+    flags = [opt for p in shown for opt in p.opts if opt.startswith("--")]
     missing = [flag for flag in flags if f"{flag} " not in text and f"{flag}," not in text]
     assert missing == []
     for spec in option_specs():
@@ -100,7 +101,7 @@ def test_help_all_after_a_script_is_the_scripts_own_argument(tmp_path, capsys):
     assert "--help-all" in out and "Show every option" not in out
 
 
-@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc", "--gpus", "-n"])
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc", "--gpus", "-n", "--nproc_per_node"])
 @pytest.mark.parametrize("name", ["spawn", "run", "multinode"])
 def test_the_rank_count_is_one_option_under_every_spelling(name, spelling, capsys):
     code, out, err = run_main([name, spelling, "3", "--print-config"], capsys)
@@ -108,7 +109,7 @@ def test_the_rank_count_is_one_option_under_every_spelling(name, spelling, capsy
     assert tomllib.loads(out)["nproc_per_node"] == "3"
 
 
-@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc", "--gpus", "-n"])
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc", "--gpus", "-n", "--nproc_per_node"])
 def test_spawn_starts_the_rank_count_it_is_given_under_every_spelling(spelling, monkeypatch, capsys):
     """What reaches the launch: the same count, whichever spelling gave it (torchrun's names too)."""
     import ddp_amp.launch.session as session

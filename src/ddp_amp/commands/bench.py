@@ -39,8 +39,9 @@ def bench(
                                         help="Untimed steps before the timed --steps.")] = 10,
     repeats: Annotated[int, typer.Option("--repeats", rich_help_panel=BENCH,
                                          help="Interleaved repeats of each precision.")] = 2,
-    nproc: Annotated[int | None, typer.Option("--nproc-per-node", "--nproc", "--gpus", "-n", rich_help_panel=LAUNCH,
-                                              help="Ranks \\[default: every visible GPU with CUDA, 2 on CPU].")] = None,
+    nproc: Annotated[str | None, typer.Option(
+        "--nproc-per-node", "--nproc", "--gpus", "-n", rich_help_panel=LAUNCH, help="Ranks: a number, or gpu, cpu "
+        "or auto as spawn takes them \\[default: every visible GPU with CUDA, 2 on CPU].")] = None,
     launcher: Launcher = "spawn",
     json_path: Annotated[Path | None, typer.Option("--json", rich_help_panel=BENCH,
                                                    help="Write every raw figure to this file.")] = None,
@@ -127,18 +128,18 @@ def _given(ctx: typer.Context, *names: str) -> set[str]:
     return {name for name in names if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"}
 
 
-def _measure(train: dict, options, *, nproc: int | None, run_dir: str | None, max_batch: bool,
+def _measure(train: dict, options, *, nproc: str | None, run_dir: str | None, max_batch: bool,
              given: set[str] = frozenset()) -> dict:
     """Every flag checked before anything is created; then the interleaved launches (measure.bench) or the
-    batch search (measure.max_batch)."""
+    batch search (measure.max_batch). --nproc-per-node is read as spawn reads it (launch.torchrun.parse_nproc)."""
     import torch
 
     from ddp_amp.config import TrainConfig
     from ddp_amp.launch.preflight import RUNS_ROOT, default_run_dir
+    from ddp_amp.launch.torchrun import parse_nproc
 
     cuda = train["device"] != "cpu" and torch.cuda.is_available()
-    if nproc is None:
-        nproc = torch.cuda.device_count() if cuda else 2
+    nproc = (torch.cuda.device_count() if cuda else 2) if nproc is None else parse_nproc(nproc)
     if cuda and "task" not in given:
         train.update(GPU_DEFAULT_TASK, batch_size=train["batch_size"] if "batch_size" in given else GPU_DEFAULT_BATCH)
     options = _for_this_machine(train, options, cuda, nproc)

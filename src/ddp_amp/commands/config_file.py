@@ -18,11 +18,14 @@ import typer
 
 from ddp_amp.commands.options import K8S_OPTIONS
 from ddp_amp.commands.panels import ORDER, OUTPUT, PANEL_OF
+from ddp_amp.commands.torchrun_names import NOT_TAKEN, torchrun_flag_names
 from ddp_amp.config import NOT_OPTIONS, TrainConfig
 from ddp_amp.errors import UsageError
 
-NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm", "from_env", *K8S_OPTIONS)
-"""What --config files do not set and --print-config does not print: actions, not options."""
+NOT_IN_CONFIG = ("config", "print_config", "dry_run", "emit_slurm", "from_env", *K8S_OPTIONS,
+                 *{name: None for command in NOT_TAKEN for name in torchrun_flag_names(command)})
+"""What --config files do not set and --print-config does not print: actions, not options, and torchrun's flags
+that a command has no option for (commands.torchrun_names)."""
 
 
 def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:

@@ -22,9 +22,10 @@ from ddp_amp.errors import RunFailed, UsageError
 
 
 def doctor(
-    nproc: Annotated[int | None, typer.Option("--nproc", "--nproc-per-node", "--gpus", "-n", help="Ranks (per node "
-                                              "with --nnodes) \\[default: every visible GPU with CUDA, 2 on CPU, "
-                                              "1 per node with --nnodes].")] = None,
+    nproc: Annotated[str | None, typer.Option("--nproc", "--nproc-per-node", "--gpus", "-n", help="Ranks (per node "
+                                              "with --nnodes): a number, or gpu, cpu or auto as spawn takes them "
+                                              "\\[default: every visible GPU with CUDA, 2 on CPU, 1 per node with "
+                                              "--nnodes].")] = None,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     amp: Annotated[Literal["auto", "on", "off"], typer.Option("--amp", help="The precision of the matmul rate, "
                                                                 "as for training.")] = "auto",
@@ -48,12 +49,13 @@ def doctor(
     Rendezvous time, all-reduce latency and bus bandwidth, each rank's matmul rate, host-to-device copies,
     and with --nnodes each node's link to the others."""
     check_json_path(json_path)
+    count = _rank_count(nproc)
     multinode = None
     if nnodes is not None or endpoint is not None:
-        multinode = doctor_job(nnodes, endpoint, nproc, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, is_host=is_host,
+        multinode = doctor_job(nnodes, endpoint, count, rdzv_id=rdzv_id, rdzv_timeout=rdzv_timeout, is_host=is_host,
                                local_addr=local_addr, ifname=ifname)
-        nproc = nproc or 1
-    report = _measure(nproc, {"device": device, "amp": amp, "dtype": dtype}, launcher=launcher,
+        count = count or 1
+    report = _measure(count, {"device": device, "amp": amp, "dtype": dtype}, launcher=launcher,
                       multinode=multinode, run_dir=run_dir)
     from rich.console import Console
 
@@ -67,6 +69,14 @@ def doctor(
         typer.echo(f"ddp-amp: wrote {json_path}", err=True)
     if strict and report["judgement"]["warnings"]:
         raise RunFailed("doctor --strict: " + "; ".join(report["judgement"]["warnings"]))
+
+
+def _rank_count(nproc: str | None) -> int | None:
+    """-n as spawn reads it (launch.torchrun.parse_nproc): a count, or gpu, cpu or auto resolved with torch's
+    answer; None: the default (_measure's, or 1 per node with --nnodes)."""
+    from ddp_amp.launch import torchrun
+
+    return None if nproc is None else torchrun.parse_nproc(nproc)
 
 
 def _measure(nproc: int | None, precision: dict[str, str], *, launcher: str, multinode, run_dir: str | None):

@@ -121,8 +121,8 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the torchrun comm
                                       "Writes only the RUN_DIR/config.json the command reads; refused over an "
                                       "earlier run with --overwrite or --resume, which it leaves as it was.")]
 # Where the nodes of a multi-node job meet: multinode's options, and doctor's with --nnodes.
-Endpoint = Annotated[str | None, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted); "
-                                              "the node owning that address hosts it.")]
+Endpoint = Annotated[str | None, typer.Option("--endpoint", help="host:port of the c10d store (port 29400 if omitted; "
+                                              "torchrun's --rdzv-endpoint); the node owning that address hosts it.")]
 RdzvId = Annotated[str | None, typer.Option("--rdzv-id", help="Job id, the same on every node \\[default: "
                                             "derived from the endpoint, nnodes, nproc and run options].")]
 RdzvTimeout = Annotated[float, typer.Option("--rdzv-timeout", help="Seconds to wait for all nodes (torchrun's "

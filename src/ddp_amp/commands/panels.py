@@ -16,7 +16,8 @@ import inspect
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperCommand
+
+from ddp_amp.commands.torchrun_names import TorchrunNames
 
 TASK = "Task and data"
 OPTIMIZATION = "Optimization"
@@ -52,7 +53,7 @@ BENCH = "What bench measures"
 COMMAND_PANELS: dict[str, tuple[str, ...]] = {
     OUTPUT: ("run_dir", "overwrite", "log_format", "quiet", "config", "print_config"),
     BENCH: (),  # bench's own --amp, --compile, --shard... (commands/bench.py names their panel)
-    LAUNCH: ("nproc_per_node", "max_restarts", "monitor_interval", "dry_run", "launcher", "module"),
+    LAUNCH: ("nproc_per_node", "max_restarts", "monitor_interval", "dry_run", "launcher", "module", "standalone"),
     RENDEZVOUS: ("nnodes", "from_env", "endpoint", "node_rank", "rdzv_id", "rdzv_timeout", "rdzv_last_call",
                  "is_host", "local_addr", "ifname"),
     SLURM: ("emit_slurm", "requeue_signal"),
@@ -102,7 +103,7 @@ NOT_MOST_USED_BY = {"bench": frozenset({"epochs", "checkpoint_every", "resume", 
 and a timing has no use for checkpoints, evaluations or trackers."""
 OWN_HELP = {"bench": {"steps": "Timed optimizer steps of each precision, after --warmup \\[default: 30]."}}
 """A shared training option's help where a command gives it another meaning: bench times --steps."""
-LAUNCH_DETAILS = frozenset({"overwrite", "log_format", "quiet", "monitor_interval", "rdzv_timeout",
+LAUNCH_DETAILS = frozenset({"overwrite", "log_format", "quiet", "monitor_interval", "standalone", "rdzv_timeout",
                             "rdzv_last_call", "is_host", "local_addr", "ifname", "requeue_signal", "k8s_kind",
                             "image", "namespace", "gpus_per_node", "cpu", "memory", "pvc"})
 """The commands' own options that a plain --help leaves to --help-all."""
@@ -125,7 +126,7 @@ def short_text(param, command: str) -> str | None:
     return SHORT_TEXT.get(param.name)
 
 
-class PanelledCommand(TyperCommand):
+class PanelledCommand(TorchrunNames):
     """A training command: every option in its panel (PANELS, COMMAND_PANELS; an option that names its own panel
     keeps it), the panels in ORDER; --help shows the most used options in a line each, --help-all every one."""
 

@@ -23,9 +23,11 @@ from ddp_amp.commands.options import (
     with_training_options,
 )
 from ddp_amp.commands.panels import with_full_help
+from ddp_amp.commands.torchrun_names import with_torchrun_flags
 
 
 @with_full_help
+@with_torchrun_flags("spawn")
 @with_config_file
 @with_training_options
 @with_output_options
@@ -45,6 +47,7 @@ def spawn(
 
 
 @with_full_help
+@with_torchrun_flags("run")
 @with_config_file
 @with_training_options
 @with_output_options
@@ -78,6 +81,7 @@ def run(
 
 
 @with_full_help
+@with_torchrun_flags("multinode")
 @with_config_file
 @with_training_options
 @with_output_options

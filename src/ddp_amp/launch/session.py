@@ -113,7 +113,7 @@ def spawn_launch(train: dict[str, Any], output: dict[str, Any], nproc_per_node: 
     from ddp_amp.launch.preflight import preflight, preflight_script
 
     # A count (or a bad word: one line) before the fork server starts; gpu, cpu and auto take torch's answer.
-    nproc = None if nproc_per_node in ("gpu", "cpu", "auto") else torchrun.parse_nproc(nproc_per_node)
+    nproc = torchrun.nproc_before_torch(nproc_per_node)
     config = warm_start(train)
     nproc = nproc or torchrun.parse_nproc(nproc_per_node)
     common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],

@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from ddp_amp.errors import UsageError
-from ddp_amp.launch.torchrun import Nnodes, parse_nproc
+from ddp_amp.launch.torchrun import Nnodes, nproc_before_torch
 from ddp_amp.process import usable_cores
 
 SLURM_STOP_WARNING_S = 120
@@ -143,8 +143,7 @@ def sbatch_script(shared_args: list[str], *, port: int, nodes: Nnodes, nproc_per
     found on each node. Its options checked first (UsageError)."""
     if requeue_signal not in REQUEUE_SIGNALS:
         raise UsageError(f"--requeue-signal must be one of {', '.join(REQUEUE_SIGNALS)}, got {requeue_signal!r}")
-    if nproc_per_node not in ("gpu", "cpu", "auto"):
-        parse_nproc(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
+    nproc_before_torch(nproc_per_node)  # a count is checked here; gpu/cpu/auto resolve on each node
     rendezvous = [] if command == "run" else [
         "--rdzv-timeout", f"{rdzv_timeout:g}", *(["--rdzv-last-call", str(rdzv_last_call)] if nodes.min != nodes.max
                                                  else [])]

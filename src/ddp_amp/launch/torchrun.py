@@ -61,14 +61,19 @@ def parse_nnodes(text: str) -> Nnodes:
     return Nnodes(lo, hi)
 
 
+NPROC_WORDS = ("gpu", "cpu", "auto")
+"""--nproc-per-node's words, as torchrun takes them: a GPU count, a core count, or the first where there is one."""
+
+
 def parse_nproc(text: str) -> int:
-    """--nproc-per-node: a count, or torchrun's gpu / cpu / auto, resolved to a count here so it is shown."""
+    """--nproc-per-node: a count, or torchrun's gpu / cpu / auto, resolved to a count here so it is shown. The one
+    reading of it: spawn, run, multinode, bench and doctor."""
     if text.lstrip("-").isdigit():
         count = int(text)
         if count < 1:
             raise UsageError(f"--nproc-per-node must be >= 1, got {count}")
         return count
-    if text not in ("gpu", "cpu", "auto"):
+    if text not in NPROC_WORDS:
         raise UsageError(f"--nproc-per-node {text!r} is not a number, gpu, cpu or auto")
     import torch
 
@@ -78,6 +83,12 @@ def parse_nproc(text: str) -> int:
     if text == "gpu" or (text == "auto" and gpus):
         return gpus
     return os.cpu_count() or 1
+
+
+def nproc_before_torch(text: str) -> int | None:
+    """--nproc-per-node checked before torch is imported: a count, or None for gpu, cpu and auto (parse_nproc
+    resolves them with torch's answer later); a bad word or count is refused now, before anything starts."""
+    return None if text in NPROC_WORDS else parse_nproc(text)
 
 
 @dataclass
