@@ -52,9 +52,10 @@ def main() -> None:
     resumed = loop.setup(run_dir=args.run_dir, grad_accum=2, resume=f"{args.run_dir}/checkpoints/step-2.pt")
     other_model, other_optimizer = resumed.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
     found += errors_of([lambda: resumed.restore(model=other_model, optimizer=other_optimizer)])
+    run.finish()
+    found += errors_of([run.finish])
     with open(args.out, "w") as out:
         json.dump(found, out)
-    run.finish()
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ class Loop:
         """log()'s metrics of the step in progress: steps() reports them after it."""
         self._checkpoints = LoopCheckpoints(self)
         self._progress = Progress(self)
+        self._finished = False
 
     def prepare(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """`model` moved to this rank's device and wrapped for the run's parallel mode, and each of `optimizers`
@@ -362,6 +363,9 @@ class Loop:
         from ddp_amp.outputs import save_weights
         from ddp_amp.process import STOP_SIGNALS
 
+        if self._finished:  # its process group is gone: the second call would fail in a collective, unnamed
+            raise LoopError("finish(): called a second time; call it once, after the loop")
+        self._finished = True
         self._checkpoints.close()
         if models and self.stopped_at is None:
             weights = {name: self.full_state_dict(model) for name, model in models.items()}
