@@ -61,6 +61,20 @@ def test_sigterm_stops_every_rank_with_one_line_and_exit_143(command, long_run):
     assert run.wait_until_gone() == []
 
 
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_a_killed_ranks_verdict_says_where_the_work_is(command, tmp_path, helper_task):
+    """Rank 1 SIGKILLed in its third step, after the checkpoint of step 2: the verdict names it and, as a loop
+    script's does, the checkpoint to continue from and how."""
+    run = tmp_path / "run"
+    result = run_cli(command, "-n", "2", "--device", "cpu", "--task", helper_task("killed_once"), "--steps", "10",
+                     "--checkpoint-every", "2", "--no-async-checkpoint", "--run-dir", str(run), timeout=180)
+    assert result.returncode == 1, result.stderr
+    verdict = last_line(result.stderr)
+    assert "rank 1 " in verdict and "SIGKILL" in verdict, verdict
+    assert f"; the newest complete checkpoint is {run / 'checkpoints' / 'step-2.pt'} (continue with --resume auto " \
+           f"--run-dir {run})" in verdict, verdict
+
+
 def test_a_second_launch_into_a_busy_run_dir_is_refused(tmp_path, long_run):
     first = long_run("spawn")
     second = run_cli("spawn", "-n", "2", "--device", "cpu", "--steps", "5", "--run-dir", str(tmp_path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -358,3 +359,28 @@ def with_earlier_launches(plan, record: dict[str, Any] | None = None) -> None:
             write_summary(Path(plan.config.run_dir), now)
         except OSError:
             pass  # the launch's own verdict comes through; the record keeps this launch's figures
+
+
+def settle_overwritten(plan, *, trained: bool | None = None) -> None:
+    """--overwrite: the earlier run's files, set aside at the preflight, deleted now that this run has trained
+    (logged a step, or kept a checkpoint or model.pt), or put back after a launch that failed before; --resume:
+    the stopped attempt's record, the same way."""
+    run_dir = Path(plan.config.run_dir)
+    if trained is None:
+        trained = trained_since(run_dir, plan.output_before)
+    try:
+        restored = settle_earlier_run(run_dir, plan.set_aside, trained=trained)
+        if not trained and plan.logs_before is not None:  # after: settling clears FAILED_LAUNCH_DIR first
+            put_back_logs(run_dir, plan.logs_before)
+    except OSError as exc:  # said, never raised: it runs after the launch, whose own outcome must come through
+        _say(f"ddp-amp: warning: the earlier run's files could not be "
+            f"{'deleted' if trained else 'put back'} ({exc}); they are in {plan.set_aside}")
+        return
+    if restored:
+        kept = run_dir / FAILED_LAUNCH_DIR
+        _say(f"ddp-amp: this launch ended before it trained, so the earlier run's files in {run_dir} are "
+            "back as they were" + (f"; this launch's record and logs are in {kept}" if kept.exists() else ""))
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

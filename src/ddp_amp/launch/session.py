@@ -25,6 +25,7 @@ from ddp_amp.config import JobKind, TrainConfig
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.preflight import LaunchPlan
 from ddp_amp.launch.torchrun import ElasticJob
+from ddp_amp.launch.verdict import with_resume_hint
 from ddp_amp.outputs import read_summary
 from ddp_amp.parallel import MODES
 from ddp_amp.process import StopSignal, stop_signals_raise
@@ -160,33 +161,10 @@ def run_launch(launch: Launch, display, *, announce: bool = True) -> None:
         try:
             _run_and_judge(launch, display, announce)
         finally:
-            from ddp_amp.launch.run_dir import with_earlier_launches
+            from ddp_amp.launch.run_dir import settle_overwritten, with_earlier_launches
 
             with_earlier_launches(launch.plan)
             settle_overwritten(launch.plan)
-
-
-def settle_overwritten(plan: LaunchPlan, *, trained: bool | None = None) -> None:
-    """--overwrite: the earlier run's files, set aside at the preflight, deleted now that this run has trained
-    (logged a step, or kept a checkpoint or model.pt), or put back after a launch that failed before; --resume:
-    the stopped attempt's record, the same way."""
-    from ddp_amp.launch.run_dir import FAILED_LAUNCH_DIR, put_back_logs, settle_earlier_run, trained_since
-
-    run_dir = Path(plan.config.run_dir)
-    if trained is None:
-        trained = trained_since(run_dir, plan.output_before)
-    try:
-        restored = settle_earlier_run(run_dir, plan.set_aside, trained=trained)
-        if not trained and plan.logs_before is not None:  # after: settling clears FAILED_LAUNCH_DIR first
-            put_back_logs(run_dir, plan.logs_before)
-    except OSError as exc:  # said, never raised: it runs after the launch, whose own outcome must come through
-        say(f"ddp-amp: warning: the earlier run's files could not be "
-            f"{'deleted' if trained else 'put back'} ({exc}); they are in {plan.set_aside}")
-        return
-    if restored:
-        kept = run_dir / FAILED_LAUNCH_DIR
-        say(f"ddp-amp: this launch ended before it trained, so the earlier run's files in {run_dir} are "
-            "back as they were" + (f"; this launch's record and logs are in {kept}" if kept.exists() else ""))
 
 
 def _run_and_judge(launch: Launch, display, announce: bool) -> None:
@@ -197,7 +175,7 @@ def _run_and_judge(launch: Launch, display, announce: bool) -> None:
         _announce(launch)
     failure = _start_ranks(launch, LiveProgress(display, plan.config_path.parent))
     if failure is not None and failure.exit_code <= 128:
-        raise failure
+        raise with_resume_hint(failure, Path(config.run_dir)) if launch.kind == "train" else failure
     if failure is not None:
         # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
         # finished before the stop took effect.
@@ -235,7 +213,7 @@ def run_script_launch(launch: Launch, display) -> None:
     summary.json (launch.script.script_record), which `ddp-amp show` lists."""
     import time
 
-    from ddp_amp.launch.run_dir import trained_since, with_earlier_launches
+    from ddp_amp.launch.run_dir import settle_overwritten, trained_since, with_earlier_launches
     from ddp_amp.launch.script import loop_stop_signal, newest_checkpoint, script_record, script_stop_line
     from ddp_amp.launch.verdict import script_restart_causes
     from ddp_amp.outputs import write_summary

@@ -25,6 +25,17 @@ def first_failure_named(exc: RunFailed, session) -> RunFailed:
     return exc.retold(first[0], f"failed: {failure_line(exception_line(first[1]))}")
 
 
+def with_resume_hint(failure: RunFailed, run_dir: Path) -> RunFailed:
+    """A failed training run's verdict, with where its work is when it kept a checkpoint (a rank killed, a full
+    disk), as a loop script's says: the newest checkpoint and the command that continues from it."""
+    from ddp_amp.launch.script import newest_checkpoint
+
+    if failure.exit_code != 1 or (kept := newest_checkpoint(run_dir)) is None:
+        return failure
+    return RunFailed(f"{failure}; the newest complete checkpoint is {kept} (continue with --resume auto --run-dir "
+                     f"{run_dir})", exit_code=failure.exit_code, details=failure.details)
+
+
 def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: int | None) -> RunFailed:
     """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
     out waiting, and the cause is the one it waited for), and where the ranks' flight records say they parted."""
