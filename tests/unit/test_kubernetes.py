@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import run_cli, run_main
+from helpers import one_line, run_cli, run_main
 
 from ddp_amp.launch.kubernetes import rendezvous_from_env
 
@@ -128,6 +128,13 @@ def test_a_field_the_schema_does_not_know_fails_the_check(tmp_path):
     (["--image", "i:1", "--namespace", "Team A"], "--namespace"),
     (["--image", "i:1", "--gpus-per-node", "2"], "--gpus-per-node"),
     (["--image", "i:1", "--k8s-kind", "mpijob"], "--k8s-kind"),
+    (["--image", "i:1", "--cpu", "abc"], "--cpu"),
+    (["--image", "i:1", "--cpu", "-2"], "--cpu"),
+    (["--image", "i:1", "--memory", "lots"], "--memory"),
+    (["--image", "i:1", "--memory", "16 Gi"], "--memory"),
+    (["--image", "img with space"], "--image"),
+    (["--image", "Registry/Img:1"], "--image"),
+    (["--image", "i:1", "--emit-slurm", "job.sbatch"], "--emit-slurm"),
 ])
 def test_bad_kubernetes_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, flag):
     path = tmp_path / "job.yaml"
@@ -135,7 +142,31 @@ def test_bad_kubernetes_input_is_one_line_exit_2_and_writes_nothing(tmp_path, ar
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in result.stderr, result.stderr
-    assert not path.exists()
+    assert not path.exists() and not (tmp_path / "job.sbatch").exists()
+
+
+@pytest.mark.parametrize("nproc", ["3", "cpu"])
+def test_more_ranks_per_pod_than_its_gpus_is_one_line_exit_2(tmp_path, capsys, nproc):
+    path = tmp_path / "job.yaml"
+    code, out, err = run_main(["multinode", "--nnodes", "2", "--nproc-per-node", nproc, "--gpus-per-node", "2",
+                               "--emit-k8s", str(path), "--image", "i:1"], capsys)
+    line = one_line(err)
+    assert code == 2 and out == "" and not path.exists()
+    assert line.startswith(f"ddp-amp: error: --nproc-per-node {nproc} starts ") and "--gpus-per-node 2" in line
+
+
+@pytest.mark.parametrize("quantity", ["500m", "2", "1.5", "4Gi", "512Mi", "1e3", "2E", ".5"])
+def test_kubernetes_quantities_and_image_references_are_taken(tmp_path, capsys, quantity):
+    path = tmp_path / "job.yaml"
+    image = "ghcr.io:443/org/ddp-amp:v1.2@sha256:" + "0123456789abcdef" * 4
+    code, _, err = run_main(["multinode", "--nnodes", "2", "--nproc-per-node", "2", "--gpus-per-node", "2",
+                             "--emit-k8s", str(path), "--image", image, "--cpu", quantity, "--memory", quantity,
+                             "--k8s-kind", "pytorchjob"], capsys)
+    assert code == 0, err
+    container = yaml.safe_load(path.read_text())["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]
+    assert container["image"] == image and container["resources"]["requests"] == {"cpu": quantity,
+                                                                                  "memory": quantity}
 
 
 def test_without_a_claim_the_manifest_says_checkpoints_do_not_outlive_a_pod(tmp_path):

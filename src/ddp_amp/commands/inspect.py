@@ -42,15 +42,20 @@ def diagnose(
     """Where the ranks of a failed or hung run parted, from their flight records.
 
     The collective a rank never entered (or a mismatch), then each rank's last collectives."""
-    from ddp_amp.results.diagnosis import DUMP_DIR, read_dumps, timeline, where_ranks_parted
+    from ddp_amp.results.diagnosis import DUMP_DIR, read_records, timeline, where_ranks_parted
 
     if last < 1:
         raise UsageError(f"--last must be >= 1, got {last}")
-    dumps = read_dumps(run_dir)
+    dumps, damaged = read_records(run_dir)
+    if not dumps and damaged:
+        raise UsageError(f"diagnose: no flight record in {str(run_dir / DUMP_DIR)!r} could be read: " +
+                         "; ".join(f"{path.name}: {why}" for path, why in damaged.items()))
     if not dumps:
         raise UsageError(f"diagnose: {str(run_dir)!r} has no flight records ({DUMP_DIR}/rank<N>.json): the ranks "
                          "write them when a run fails or stalls")
-    typer.echo(where_ranks_parted(dumps).line)
+    for path, why in damaged.items():
+        typer.echo(f"ddp-amp: warning: skipped the damaged flight record {path}: {why}", err=True)
+    typer.echo(where_ranks_parted(dumps, damaged=damaged).line)
     for line in timeline(dumps, last):
         typer.echo(line)
 

@@ -30,6 +30,15 @@ TRAINJOB_CONTAINER = "node"
 PYTORCHJOB_CONTAINER = "pytorch"
 """The container name the Training Operator looks for in a PyTorchJob."""
 DNS_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+QUANTITY = re.compile(r"\+?(?P<number>[0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|[mkMGTPE])?")
+"""Kubernetes' resource quantity (its serialization grammar: a number, then a binary or decimal SI suffix or an
+exponent), unsigned: a request is never negative."""
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+IMAGE_REFERENCE = re.compile(rf"(?:{_DOMAIN}/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?"
+                             r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
+"""An image reference as the container runtimes parse it (distribution's reference grammar): [registry/]path
+[:tag][@digest], the path in lower case."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,23 @@ def check_dns_name(value: str, flag: str) -> str:
     if len(value) > 63 or not DNS_1123_LABEL.fullmatch(value):
         raise UsageError(f"{flag} {value!r} is not a valid Kubernetes name (RFC 1123: lower-case letters, digits "
                          "and '-', starting and ending with a letter or digit, at most 63 characters)")
+    return value
+
+
+def check_quantity(value: str, flag: str) -> str:
+    """A positive Kubernetes resource quantity: 500m, 2, 1.5, 4Gi, 512Mi, 1e3."""
+    found = QUANTITY.fullmatch(value)
+    if found is None or float(found["number"]) == 0:
+        raise UsageError(f"{flag} {value!r} is not a positive Kubernetes quantity (a number with an optional suffix: "
+                         "500m, 2, 1.5, 4Gi, 512Mi, 1e3)")
+    return value
+
+
+def check_image(value: str) -> str:
+    if not IMAGE_REFERENCE.fullmatch(value):
+        why = "it holds whitespace" if re.search(r"\s", value) else "expected [registry/]name[:tag][@digest], the " \
+            "name in lower case"
+        raise UsageError(f"--image {value!r} is not a container image reference: {why}")
     return value
 
 
@@ -236,7 +262,11 @@ def manifest_text(k8s: dict, shared_args: list[str], nodes, *, device: str, run_
     pod passes), its options checked first (UsageError)."""
     if not k8s["image"]:
         raise UsageError("--emit-k8s needs --image: the container image the pods run (with ddp-amp installed)")
+    check_image(k8s["image"])
     check_dns_name(k8s["namespace"], "--namespace")
+    for flag in ("cpu", "memory"):
+        if k8s[flag] is not None:
+            check_quantity(k8s[flag], f"--{flag}")
     if k8s["pvc"] is not None:
         check_dns_name(k8s["pvc"], "--pvc")
     gpus = k8s["gpus_per_node"]
@@ -245,6 +275,10 @@ def manifest_text(k8s: dict, shared_args: list[str], nodes, *, device: str, run_
                          "--device cpu trains on CPUs; drop --gpus-per-node, or use --device cuda or auto"))
     if nproc_per_node == "1" and gpus:
         nproc_per_node = str(gpus)  # a rank per GPU, as --nproc-per-node gpu would
+    if gpus and (nproc_per_node == "cpu" or nproc_per_node.isdigit() and int(nproc_per_node) > gpus):
+        ranks = "a rank per core" if nproc_per_node == "cpu" else f"{nproc_per_node} ranks"
+        raise UsageError(f"--nproc-per-node {nproc_per_node} starts {ranks} on each pod, more than its --gpus-per-node "
+                         f"{gpus} GPUs (a rank per GPU): pass --nproc-per-node {gpus} or gpu, or more --gpus-per-node")
     run_dir = (run_dir or "run").strip("/")
     spec = PodSpec(name=job_name(run_dir), image=k8s["image"], namespace=k8s["namespace"], nnodes_min=nodes.min,
                    nnodes_max=nodes.max, nproc_per_node=nproc_per_node, args=shared_args, run_dir=run_dir,

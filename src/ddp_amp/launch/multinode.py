@@ -21,6 +21,8 @@ def multinode_launch(train: dict, output: dict, node: dict, k8s: dict, *, as_fla
     from ddp_amp import network
     from ddp_amp.config import TrainConfig
 
+    if k8s["emit_k8s"] is not None and node["emit_slurm"] is not None:
+        raise UsageError("--emit-slurm and --emit-k8s write a job for two different schedulers: pass one of them")
     torchrun.check_restart_options(max_restarts, monitor_interval)
     nnodes, endpoint, node_rank, nproc_per_node = _where_nodes_meet(node, nproc_per_node)
     if node["from_env"] and k8s["emit_k8s"] is None and script is None:

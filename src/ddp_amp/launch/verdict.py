@@ -39,10 +39,11 @@ def with_resume_hint(failure: RunFailed, run_dir: Path) -> RunFailed:
 def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: int | None) -> RunFailed:
     """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
     out waiting, and the cause is the one it waited for), and where the ranks' flight records say they parted."""
-    from ddp_amp.results.diagnosis import DUMP_DIR, read_dumps, where_ranks_parted
+    from ddp_amp.results.diagnosis import DUMP_DIR, read_records, where_ranks_parted
 
     run_dir = Path(config.run_dir)
-    parting = where_ranks_parted(read_dumps(run_dir), world_size)
+    dumps, damaged = read_records(run_dir)
+    parting = where_ranks_parted(dumps, world_size, damaged)
     collectives = (f"; {parting.line} (flight records: {run_dir / DUMP_DIR}; ddp-amp diagnose {run_dir})"
                    if parting is not None else "")
     if parting is not None and parting.mismatch:
