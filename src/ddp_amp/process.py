@@ -9,7 +9,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 """Where a launcher on one machine serves its rendezvous store: reachable from this machine only."""
@@ -223,3 +224,56 @@ def signal_processes(pids, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+class ChildDied(Exception):
+    """call_in_child's child ended without an answer (killed by a signal, or it exited the process itself)."""
+
+
+def call_spawned(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a fresh child interpreter (multiprocessing's spawn), as call_in_child answers: for a
+    command that starts no fork server (export) but must not run a user's code in its own process. Spawn rather
+    than the launcher's fork server, started for one call: it preloads what only ranks need (torch._dynamo, the
+    worker); and rather than fork: this process has torch's threads running already. It dies with this one."""
+    import multiprocessing
+
+    return call_in_child(multiprocessing.get_context("spawn"), "ddp-amp-child", function, args)
+
+
+def call_in_child(context, name: str, function: Callable[..., Any], args: tuple) -> Any:
+    """`function(*args)` in a child of multiprocessing `context`, with this process's environment and working
+    directory as they are now: its result, or its exception raised here; ChildDied where it died unanswered."""
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_call_and_send, args=(send, dict(os.environ), os.getcwd(), function, args),
+                            daemon=True, name=name)
+    child.start()
+    send.close()
+    try:
+        succeeded, value = receive.recv()
+    except EOFError:  # the child died without an answer
+        child.join(5)
+        raise ChildDied(f"exit code {child.exitcode}") from None
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.kill()
+        child.join()
+    if not succeeded:
+        raise value
+    return value
+
+
+def _call_and_send(send, environ: dict[str, str], cwd: str, function: Callable[..., Any], args: tuple) -> None:
+    die_with_parent(signal.SIGKILL)  # the fork server (which dies with the launcher), or call_spawned's caller
+    # As in this launcher now, not as when the fork server started (a variable set in between, a chdir).
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    try:
+        result = (True, function(*args))
+    except BaseException as exc:  # noqa: BLE001 -- handed to the launcher, which raises it
+        result = (False, exc)
+    try:
+        send.send(result)
+    except Exception as exc:  # an unpicklable exception or result
+        send.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}"[:2000] + f" ({exc})")))

@@ -553,3 +553,30 @@ def validation_loss_only() -> Task:
     task = with_validation()
     task.val_metrics = None
     return task
+
+
+class _SavesPretrained(nn.Module):
+    """A model of the user's own with a save_pretrained (its state_dict in pytorch_model.bin), as export --hf
+    writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def save_pretrained(self, directory) -> None:
+        if why := os.environ.get("DDP_AMP_TEST_SAVE_PRETRAINED_RAISES"):
+            (Path(directory) / "partial.bin").write_bytes(b"half")
+            raise OSError(why)
+        torch.save(self.state_dict(), Path(directory) / "pytorch_model.bin")
+
+
+def saves_pretrained() -> Task:
+    """Records the pid that built it in DDP_AMP_TEST_FACTORY_PID's file; raises DDP_AMP_TEST_FACTORY_RAISES."""
+    if record := os.environ.get("DDP_AMP_TEST_FACTORY_PID"):
+        Path(record).write_text(str(os.getpid()))
+    if why := os.environ.get("DDP_AMP_TEST_FACTORY_RAISES"):
+        raise ValueError(why)
+    return Task(model=_SavesPretrained(), dataset=_Regression(), loss_fn=nn.functional.mse_loss)

@@ -108,3 +108,19 @@ def test_a_sidecar_that_no_longer_parses_makes_its_checkpoint_damaged_not_unchec
     with pytest.raises(storage.CheckpointError, match="damaged, its step-10.json is unreadable$"):
         storage.load_checkpoint(path)
 
+
+
+@pytest.mark.parametrize("name", ["model.pt", "model_best.pt"])
+@pytest.mark.parametrize("bytes_of", [lambda whole: b"", lambda whole: bytes(range(256)) * 4,
+                                      lambda whole: whole[:len(whole) // 2]], ids=["empty", "random", "truncated"])
+def test_verify_of_weights_without_a_checksum_that_cannot_load_is_unreadable(tmp_path, capsys, name, bytes_of):
+    weights = _state(0, seed=3)["trainer"]["model"]
+    paths = {other: save_weights(tmp_path, weights, other) for other in ("model.pt", "model_best.pt")}
+    path = paths[name]
+    (tmp_path / f"{name}.checksum").unlink()
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 0 and f"unchecked  {path}: no checksum recorded beside it" in out.splitlines()
+    path.write_bytes(bytes_of(path.read_bytes()))
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 1 and any(line.startswith(f"unreadable {path}: ") for line in out.splitlines()), out
+    assert out.splitlines()[-1] == "2 files: 1 ok, 1 unreadable"

@@ -19,11 +19,10 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
-import signal
 from collections.abc import Callable
 from typing import Any
 
-from ddp_amp.process import LAUNCHER_PID_VAR, die_with_parent, stop_signals_blocked
+from ddp_amp.process import LAUNCHER_PID_VAR, ChildDied, call_in_child, stop_signals_blocked
 
 PRELOAD = ["ddp_amp.launch.forkserver_tether", "torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
 
@@ -31,8 +30,8 @@ PRELOAD = ["ddp_amp.launch.forkserver_tether", "torch", "torch.distributed", "to
 _started = False
 
 
-class WarmChildDied(Exception):
-    """call_warm's child ended without an answer (killed by a signal, or it exited the process itself)."""
+WarmChildDied = ChildDied
+"""call_warm's child ended without an answer (killed by a signal, or it exited the process itself)."""
 
 
 def start_forkserver() -> None:
@@ -84,38 +83,4 @@ def call_warm(function: Callable[..., Any], *args: Any) -> Any:
     launcher interrupted (Ctrl-C) kills it."""
     if not _started:
         return function(*args)
-    context = multiprocessing.get_context("forkserver")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_call_and_send, args=(send, dict(os.environ), os.getcwd(), function, args),
-                            daemon=True, name="ddp-amp-checks")
-    child.start()
-    send.close()
-    try:
-        succeeded, value = receive.recv()
-    except EOFError:  # the child died without an answer
-        child.join(5)
-        raise WarmChildDied(f"exit code {child.exitcode}") from None
-    finally:
-        receive.close()
-        if child.is_alive():
-            child.kill()
-        child.join()
-    if not succeeded:
-        raise value
-    return value
-
-
-def _call_and_send(send, environ: dict[str, str], cwd: str, function: Callable[..., Any], args: tuple) -> None:
-    die_with_parent(signal.SIGKILL)  # the fork server: it dies with the launcher
-    # As in this launcher now, not as when the fork server started (a variable set in between, a chdir).
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
-    try:
-        result = (True, function(*args))
-    except BaseException as exc:  # noqa: BLE001 -- handed to the launcher, which raises it
-        result = (False, exc)
-    try:
-        send.send(result)
-    except Exception as exc:  # an unpicklable exception or result
-        send.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}"[:2000] + f" ({exc})")))
+    return call_in_child(multiprocessing.get_context("forkserver"), "ddp-amp-checks", function, args)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_amp.errors import UsageError
-from ddp_amp.files import damage_of, recorded_checksum
+from ddp_amp.files import damage_of, not_a_torch_file, recorded_checksum
 from ddp_amp.outputs import BEST_MODEL_FILE, MODEL_FILE
 
 
@@ -16,7 +16,8 @@ from ddp_amp.outputs import BEST_MODEL_FILE, MODEL_FILE
 class Verdict:
     path: Path
     status: str
-    """ok (its checksum matches), damaged, or unchecked (no checksum was written with it)."""
+    """ok (its checksum matches), damaged, unreadable (it cannot be loaded), or unchecked (no checksum was written
+    with it, and it loads)."""
     why: str = ""
 
 
@@ -55,9 +56,39 @@ def _checkpoint(storage, sharded, path: Path) -> Verdict:
 def _weights(path: Path) -> Verdict:
     if damage := damage_of(path):
         return Verdict(path, "damaged", damage.removeprefix(f"{path}: damaged, "))
-    if recorded_checksum(path) is None:
+    if recorded_checksum(path) is None:  # nothing proves its bytes: at least it must load
+        if why := _unloadable_because(path):
+            return Verdict(path, "unreadable", why)
         return Verdict(path, "unchecked", "no checksum recorded beside it")
     return Verdict(path, "ok")
+
+
+def _unloadable_because(path: Path) -> str | None:
+    """Why the weights file `path` cannot be loaded (a torn or foreign file), or None: opened as export and
+    --init-from would open it, its tensors left on disk (mmap, safetensors' header)."""
+    import torch
+
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as file:
+                file.keys()
+            return None
+        if why := not_a_torch_file(path):
+            return why
+        # mmap needs torch.save's zip format; a legacy pickle (its first byte 0x80) is loaded whole.
+        with open(path, "rb") as file:
+            legacy = file.read(1) == b"\x80"
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=not legacy)
+    except Exception as exc:  # a truncated archive, a header that is not JSON, ...
+        text = str(exc).strip()
+        return f"cannot be loaded ({type(exc).__name__}{': ' + text.splitlines()[0][:160] if text else ''})"
+    if isinstance(state, dict) and {"trainer", "step", "config"} <= state.keys():  # a checkpoint without sidecar
+        return None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        return "holds no state_dict (a mapping of names to tensors)"
+    return None
 
 
 def report(verdicts: list[Verdict]) -> tuple[list[str], int]:
