@@ -35,7 +35,7 @@ def choose_source(source: Path, which: str) -> tuple[Path, dict[str, Any] | None
         return chosen, config
     if source.is_dir() and not storage.sharded.is_complete(source):
         return source, None  # a save_pretrained directory
-    if source.suffix != ".safetensors" and (why := not_a_torch_file(source)):  # a run's config.json, say
+    if source.is_file() and source.suffix != ".safetensors" and (why := not_a_torch_file(source)):  # config.json
         raise UsageError(f"export {str(source)!r}: {why}; export takes a run directory, a checkpoint, a weights "
                          "file (.pt, .bin, .safetensors) or a save_pretrained directory")
     try:  # a checkpoint knows its run (from its sidecar step-N.json)
