@@ -53,48 +53,35 @@ class Stop(Exception):
     """Raised by a stub where the command would start measuring: what reached it is recorded."""
 
 
-def _ranks_bench_measures(args: list[str], monkeypatch) -> int:
-    import ddp_amp.measure.bench as measure
+MEASURED_BY = {"bench": ("ddp_amp.measure.bench", "run_bench"), "doctor": ("ddp_amp.launch.session", "launch_quietly")}
+"""Where each command hands its rank count on to start measuring: a stub there records it and stops."""
+
+
+def _ranks_measured(command: str, args: list[str], monkeypatch) -> int:
+    import importlib
+
     from ddp_amp.cli import main
 
     seen = []
 
-    def run_bench(train, options, *, nproc, **_):
+    def measure(*_, nproc, **__):
         seen.append(nproc)
         raise Stop
 
-    monkeypatch.setattr(measure, "run_bench", run_bench)
+    module, function = MEASURED_BY[command]
+    monkeypatch.setattr(importlib.import_module(module), function, measure)
     with pytest.raises(Stop):
-        main(["bench", "--device", "cpu", *args])
+        main([command, "--device", "cpu", *args])
     return seen[0]
 
 
-def _ranks_doctor_measures(args: list[str], monkeypatch) -> int:
-    import ddp_amp.launch.session as session
-    from ddp_amp.cli import main
-
-    seen = []
-
-    def launch_quietly(options, root, *, nproc, **_):
-        seen.append(nproc)
-        raise Stop
-
-    monkeypatch.setattr(session, "launch_quietly", launch_quietly)
-    with pytest.raises(Stop):
-        main(["doctor", "--device", "cpu", *args])
-    return seen[0]
-
-
-MEASURES = {"bench": _ranks_bench_measures, "doctor": _ranks_doctor_measures}
-
-
-@pytest.mark.parametrize("command", MEASURES)
+@pytest.mark.parametrize("command", MEASURED_BY)
 @pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc_per_node", "-n"])
 def test_bench_and_doctor_take_torchruns_spelling_of_the_rank_count(command, spelling, monkeypatch, tmp_path):
-    assert MEASURES[command]([spelling, "3", "--run-dir", str(tmp_path / "r")], monkeypatch) == 3
+    assert _ranks_measured(command, [spelling, "3", "--run-dir", str(tmp_path / "r")], monkeypatch) == 3
 
 
-@pytest.mark.parametrize("command", MEASURES)
+@pytest.mark.parametrize("command", MEASURED_BY)
 @pytest.mark.parametrize("word", ["cpu", "auto"])
 def test_bench_and_doctor_resolve_cpu_and_auto_as_spawn_does(command, word, monkeypatch, tmp_path):
     """spawn's reading (tests/unit/test_help.py): cpu a rank per core; auto a rank per GPU where there is one."""
@@ -102,10 +89,10 @@ def test_bench_and_doctor_resolve_cpu_and_auto_as_spawn_does(command, word, monk
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     expected = gpus if word == "auto" and gpus else os.cpu_count() or 1
-    assert MEASURES[command](["-n", word, "--run-dir", str(tmp_path / "r")], monkeypatch) == expected
+    assert _ranks_measured(command, ["-n", word, "--run-dir", str(tmp_path / "r")], monkeypatch) == expected
 
 
-@pytest.mark.parametrize("command", MEASURES)
+@pytest.mark.parametrize("command", MEASURED_BY)
 @pytest.mark.parametrize(("value", "line"), [
     ("gpu", "--nproc-per-node gpu: no CUDA GPU is visible"),
     ("many", "--nproc-per-node 'many' is not a number, gpu, cpu or auto"),
