@@ -284,8 +284,7 @@ def write_new_file(path: Path, text: str, flag: str) -> None:
 
     if path.exists():
         raise UsageError(f"{flag} {str(path)!r} already exists; remove it or choose another name")
-    if not path.parent.is_dir():
-        raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    check_parent_dir(path, flag)
     try:
         atomic_write(path, text.encode())
     except OSError as exc:
@@ -300,6 +299,17 @@ MARK_SCAN_BYTES = 16 << 20
 """How much of an existing file is searched for the mark: reports are far smaller."""
 PLOT_FORMATS = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}
 """--plot's formats, by suffix, and the metadata key that carries the mark in each."""
+
+
+def check_parent_dir(path: Path, flag: str) -> None:
+    """The directory a file `flag` names will be written in exists and can be written: one line naming `flag`."""
+    from ddp_amp.errors import UsageError
+
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} is not writable")
 
 
 def written_by_ddp_amp(path: Path) -> bool:
@@ -322,10 +332,7 @@ def check_report_path(path: Path | None, flag: str, suffixes: tuple[str, ...] = 
         raise UsageError(f"{where}: the suffix chooses the format: {', '.join(suffixes)}")
     if path.is_dir():
         raise UsageError(f"{where} is a directory; name a file")
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"{where}: directory {str(path.parent)!r} does not exist")
-    if not os.access(path.resolve().parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{where}: directory {str(path.parent)!r} is not writable")
+    check_parent_dir(path, flag)
     if path.exists() and not written_by_ddp_amp(path):
         raise UsageError(f"{where} already exists and is not a report ddp-amp wrote; remove it or choose another "
                          "name")

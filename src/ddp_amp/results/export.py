@@ -10,7 +10,7 @@ from typing import Any
 
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import RunFailed, UsageError
-from ddp_amp.files import checksum_file_of, not_a_torch_file
+from ddp_amp.files import check_parent_dir, checksum_file_of, not_a_torch_file
 from ddp_amp.outputs import BEST_MODEL_FILE, MODEL_FILE
 
 WHICH = ("auto", "best", "last")
@@ -76,10 +76,8 @@ def _check_outputs(output: Path | None, hf: Path | None) -> None:
         raise UsageError(f"-o {str(output)!r}: {str(checksum_file_of(output))!r} (where its checksum goes) already "
                          "exists; remove it or choose another name")
     for flag, path in (("-o", output), ("--hf", hf)):
-        if path is not None and not path.resolve().parent.is_dir():
-            raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
-        if path is not None and not os.access(path.resolve().parent, os.W_OK | os.X_OK):
-            raise UsageError(f"{flag} {str(path)!r}: directory {str(path.parent)!r} is not writable")
+        if path is not None:
+            check_parent_dir(path, flag)
 
 
 def write(chosen: Path, config: dict[str, Any] | None, source: Path, output: Path | None, hf: Path | None
