@@ -1,0 +1,50 @@
+"""--dtype fp8's training path on 2-rank gloo runs, where CI can run it: the GPU test's checks
+(tests/system/test_gpu.py::test_fp8_trains_resumes_bit_exact_and_continues_in_bf16) on the CPU.
+
+ddp-amp refuses fp8 on CPU ranks (tests/unit/test_fp8.py): torch's CPU `_scaled_mm` emulates fp8, slowly. But it
+computes, so with that one refusal lifted in every process of the launch (a sitecustomize on PYTHONPATH) the rest
+runs as on a GPU: torchao's float8 layers under DDP and FSDP2, their checkpoints, a bit-exact resume, a checkpoint
+that continues in bf16."""
+
+import os
+
+import pytest
+import torch
+from helpers import assert_ok, load_weights, read_summary, run_cli
+
+pytest.importorskip("torchao.float8")
+
+LIFT_THE_REFUSAL = """\
+import ddp_amp.precision
+
+ddp_amp.precision.fp8_refusal = lambda *args, **kwargs: None
+"""
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_fp8_trains_resumes_bit_exact_and_continues_in_bf16_on_gloo(tmp_path, mode):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LIFT_THE_REFUSAL)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    common = ["spawn", "-n", "2", "--device", "cpu", "--task", "gpt", "--steps", "12", "--shard", mode]
+
+    def train(name: str, *args: str) -> dict:
+        assert_ok(run_cli(*common, *args, "--run-dir", str(tmp_path / name), env=env, timeout=300))
+        return read_summary(tmp_path / name)
+
+    whole = train("whole", "--dtype", "fp8", "--checkpoint-every", "6")
+    bf16 = train("bf16", "--dtype", "bf16")
+    assert whole["precision"] == "fp8" and whole["fp8"] == {"recipe": "tensorwise", "layers": 9}
+    # fp8's own loss: near bf16's, not bf16's (the layers did compute in fp8)
+    assert whole["final_loss"] == pytest.approx(bf16["final_loss"], rel=0.05)
+    assert whole["final_loss"] != bf16["final_loss"]
+    weights = load_weights(tmp_path / "whole")
+    assert load_weights(tmp_path / "bf16").keys() == weights.keys()  # nn.Linear's names, the tied head included
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    checkpoint = str(tmp_path / "whole" / "checkpoints" / "step-6.pt")
+    resumed = train("resumed", "--dtype", "fp8", "--resume", checkpoint)
+    assert resumed["resumed_from_step"] == 6
+    assert (tmp_path / "resumed" / "model.pt").read_bytes() == (tmp_path / "whole" / "model.pt").read_bytes()
+    in_bf16 = train("in-bf16", "--dtype", "bf16", "--resume", checkpoint)
+    assert in_bf16["precision"] == "bf16" and "fp8" not in in_bf16 and in_bf16["steps"] == 12
