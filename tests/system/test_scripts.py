@@ -277,3 +277,17 @@ def test_show_lists_a_script_run_beside_a_task_run(tmp_path):
     assert rows["task"] == ["finished", "│", "linear"], shown.stdout
     assert rows["script"] == ["failed", "│", "script_checks.py"], shown.stdout
     assert "script_checks.py --fail-rank 0 --fail-step 0" in shown.stdout
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
+def test_a_rank_whose_script_ends_early_is_named_and_its_peers_fail_at_once(command, tmp_path):
+    """Rank 1's script exits 0 at step 2; rank 0 enters the next all-reduce alone. As under torchrun, rank 1's
+    process is gone, so rank 0 fails at once ("Connection closed by peer"), not at the group's 60 s timeout
+    (run's workers used to stay alive until every rank was done); the verdict names rank 1 as the cause."""
+    result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--leave-rank", "1", command=command)
+    assert result.returncode == 1, result.stderr
+    verdict = last_line(result.stderr)
+    assert verdict.startswith("ddp-amp: error: rank 1 ended early (its script exited 0) while the other ranks still "
+                              "ran collectives (rank 0 failed: RuntimeError: "), verdict
+    assert "Connection closed by peer" in verdict or "Connection reset by peer" in verdict, verdict
+    assert read_summary(tmp_path / "run")["failure"].startswith("rank 1 ended early")

@@ -6,6 +6,7 @@
                          the start method of its own processes
     --fail-rank R        raise ValueError("rank R fails on purpose") on that rank at --fail-step
     --then-fail-rank R   raise RuntimeError on that rank 50 ms after --fail-rank raised (both ranks fail)
+    --leave-rank R       end the script there on that rank (sys.exit(0)): the others' next all-reduce has no peer
     --hang-rank R        sleep for an hour on that rank at --fail-step instead of entering the all-reduce
     --signals-to DIR     on SIGTERM (or SIGUSR1), write DIR/rank<R>.<SIGNAL> and exit 128 + its number
     --slow-save-rank R   with --signals-to: that rank first ignores further stop signals and takes --save-s
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int)
     parser.add_argument("--then-fail-rank", type=int)
     parser.add_argument("--hang-rank", type=int)
+    parser.add_argument("--leave-rank", type=int)
     parser.add_argument("--kill-once-rank", type=int)
     parser.add_argument("--fail-step", type=int, default=2)
     parser.add_argument("--signals-to")
@@ -69,6 +71,8 @@ def main() -> None:
             if rank == args.then_fail_rank:
                 time.sleep(0.05)
                 raise RuntimeError(f"rank {rank} fails after the other")
+            if rank == args.leave_rank:
+                sys.exit(0)
             if rank == args.hang_rank:
                 time.sleep(3600)
             if rank == args.kill_once_rank and restart == 0:

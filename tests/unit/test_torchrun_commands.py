@@ -282,43 +282,29 @@ def test_a_bad_requeue_signal_is_one_line_exit_2(tmp_path, capsys):
 
 def test_torch_still_has_what_the_worker_context_patch_wraps():
     """The one patch of a private torch API applies to the installed torch: if torch renames
-    MultiprocessContext._close, changes its parameters or drops its finished-reading event, this fails (and
-    the guard leaves torch alone, so resizes cost torch's 30 s again)."""
+    MultiprocessContext._start, changes its parameters or drops its finished-reading event, this fails (and the
+    guard leaves torch alone: finished ranks then wait for the agent's read, as before)."""
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
-    from ddp_amp.launch.agent import let_stopped_workers_leave
+    from ddp_amp.launch.agent import let_workers_leave_when_done
 
-    assert let_stopped_workers_leave() is True
-    assert MultiprocessContext._close.lets_workers_leave
-
-
-class _Alive:
-    def __init__(self, alive=True):
-        self.alive = alive
-
-    def is_alive(self):
-        return self.alive
-
-
-class _Processes:
-    def __init__(self, *alive):
-        self.processes = [_Alive(a) for a in alive]
+    assert let_workers_leave_when_done() is True
+    assert MultiprocessContext._start.lets_workers_leave
 
 
 class _ContextAsTorchHasIt:
-    def __init__(self, *alive):
+    def __init__(self):
         import threading
 
         self._worker_finished_event = threading.Event()
-        self._pc = _Processes(*(alive or (True, True)))
-        self.closed_with = None
+        self.set_at_start = None
 
-    def _close(self, death_sig, timeout: int = 30) -> None:
-        self.closed_with = (death_sig, timeout, self._worker_finished_event.is_set())
+    def _start(self) -> None:
+        self.set_at_start = self._worker_finished_event.is_set()
 
 
 class _ContextWithoutTheEvent:
-    def _close(self, death_sig, timeout: int = 30) -> None:
+    def _start(self) -> None:
         pass
 
 
@@ -326,59 +312,28 @@ class _ContextWithOtherParameters:
     def __init__(self):
         self._worker_finished_event = None
 
-    def _close(self, signal_to_send) -> None:
+    def _start(self, processes) -> None:
         pass
 
 
-def test_the_patch_sets_the_finished_reading_event_before_torchs_close():
-    from ddp_amp.launch.agent import let_stopped_workers_leave
+def test_the_patch_sets_the_finished_reading_event_before_any_worker_starts():
+    """Set before torch starts the workers: none ever sleeps on it (multiprocessing's Event.set would wait for a
+    sleeper to wake), and each leaves as soon as it has put its return value."""
+    from ddp_amp.launch.agent import let_workers_leave_when_done
 
-    assert let_stopped_workers_leave(_ContextAsTorchHasIt) is True
+    assert let_workers_leave_when_done(_ContextAsTorchHasIt) is True
     context = _ContextAsTorchHasIt()
-    context._close(15, 5)
-    assert context.closed_with == (15, 5, True)
-
-
-def test_the_patch_leaves_the_event_alone_once_a_worker_has_died():
-    """multiprocessing's Event.set waits for every sleeper to wake: one killed while it slept never does."""
-    from ddp_amp.launch.agent import let_stopped_workers_leave
-
-    assert let_stopped_workers_leave(_ContextAsTorchHasIt) is True
-    context = _ContextAsTorchHasIt(True, False)
-    context._close(15, 5)
-    assert context.closed_with == (15, 5, False)  # torch's close still ran: it signals, waits and kills
-
-
-def _sleep_on(event):
-    event.wait()
-
-
-def test_releasing_workers_never_hangs_on_a_sleeper_that_was_killed():
-    """The race the alive check cannot close: a worker dies between the check and the set. The set is given
-    RELEASE_TIMEOUT_S and the close goes on without it."""
-    import multiprocessing
-    import signal
-    import time
-
-    from ddp_amp.launch.agent import release_waiting_workers
-
-    context = multiprocessing.get_context("fork")
-    event = context.Event()
-    sleeper = context.Process(target=_sleep_on, args=(event,))
-    sleeper.start()
-    time.sleep(0.5)  # asleep in the event's condition
-    os.kill(sleeper.pid, signal.SIGKILL)
-    sleeper.join()
-    assert release_waiting_workers(_ContextAsTorchHasIt(), event) is False  # returned: did not hang
+    context._start()
+    assert context.set_at_start is True
 
 
 @pytest.mark.parametrize("context_class", [_ContextWithoutTheEvent, _ContextWithOtherParameters, object])
 def test_the_patch_leaves_a_changed_torch_alone(context_class):
-    from ddp_amp.launch.agent import let_stopped_workers_leave
+    from ddp_amp.launch.agent import let_workers_leave_when_done
 
-    before = getattr(context_class, "_close", None)
-    assert let_stopped_workers_leave(context_class) is False
-    assert getattr(context_class, "_close", None) is before
+    before = getattr(context_class, "_start", None)
+    assert let_workers_leave_when_done(context_class) is False
+    assert getattr(context_class, "_start", None) is before
 
 
 @pytest.mark.parametrize(("given", "checkpoint", "added"), [

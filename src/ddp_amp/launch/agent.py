@@ -78,73 +78,55 @@ def script_entry(script: dict, run_dir: str, env: dict[str, str]) -> None:
     leave_once_stopped()
 
 
-def let_stopped_workers_leave(context_class: type | None = None) -> bool:
-    """Make torch's function-entry worker context let its workers leave once it has sent them its death signal;
-    whether it now does.
+def let_workers_leave_when_done(context_class: type | None = None) -> bool:
+    """Make torch's function-entry worker context let each worker leave as soon as it is done, as torchrun's
+    subprocess workers do; whether it now does.
 
     A worker run as a function hands its return value to the agent and then waits until the agent says it has
-    read it (MultiprocessContext's finished-reading event). At a membership change the agent sends SIGTERM and
-    joins its workers without ever reading: our ranks take the SIGTERM as a stop, finish gracefully (one step, a
-    checkpoint), return, and wait on that event until the agent SIGKILLs them 30 s later. Every resize would
-    cost 30 s (torchrun's own subprocess workers exit when they are done). Setting the event before the signal
-    lets them exit as soon as they are done; no return value is read after a close anyway.
+    read every worker's (MultiprocessContext's finished-reading event). A rank whose work is done stays alive,
+    its connections open: a script whose rank 1 returns early leaves rank 0 hanging in its next collective until
+    its timeout (under torchrun it fails at once, "Connection closed by peer"); at a membership change the agent
+    sends SIGTERM and joins its workers without ever reading, so our ranks, which take the SIGTERM as a stop
+    (one step, a checkpoint), would wait until its SIGKILL 30 s later. The event is set as the context starts,
+    before any worker can sleep on it: each worker puts its return value (None: a small write to a pipe, read
+    by the agent's next poll) and exits. (Setting it later risks a hang: multiprocessing's Event.set waits for
+    every sleeper to wake, and one killed while it slept never does.)
 
-    The one patch of a private torch API, so it is guarded: where the class no longer has `_close(self,
-    death_sig, timeout)`, or no longer makes `_worker_finished_event`, torch's behaviour is left as it is (the
-    resize then costs torch's 30 s again, and nothing breaks)."""
+    The one patch of a private torch API, so it is guarded: where the class no longer has `_start(self)`, or no
+    longer makes `_worker_finished_event`, torch's behaviour is left as it is (finished ranks then leave at the
+    agent's signal: rank.signals.leave_once_stopped)."""
     if context_class is None:
         from torch.distributed.elastic.multiprocessing.api import MultiprocessContext as context_class
-    close = getattr(context_class, "_close", None)
-    if getattr(close, "lets_workers_leave", False):
+    start = getattr(context_class, "_start", None)
+    if getattr(start, "lets_workers_leave", False):
         return True
-    if not _close_is_as_patched(context_class, close):
+    if not _start_is_as_patched(context_class, start):
         return False
 
-    def _close(self, death_sig, timeout: int = 30) -> None:
+    def _start(self) -> None:
         finished_reading = getattr(self, "_worker_finished_event", None)
         if finished_reading is not None:
-            release_waiting_workers(self, finished_reading)
-        close(self, death_sig, timeout)
+            finished_reading.set()  # no worker is running yet, so none sleeps on it
+        start(self)
 
-    _close.lets_workers_leave = True
-    context_class._close = _close
+    _start.lets_workers_leave = True
+    context_class._start = _start
     return True
 
 
-RELEASE_TIMEOUT_S = 2.0
-
-
-def release_waiting_workers(context, event) -> bool:
-    """Set the workers' finished-reading event; whether that was done. Only while every worker is alive:
-    multiprocessing's Event.set waits for each sleeper to wake, and a worker killed while it slept never does
-    (the agent would hang for ever). A worker can still die between the check and the set, so the set runs in
-    a thread waited on for at most RELEASE_TIMEOUT_S; a worker left waiting then leaves at the agent's signal
-    (rank.signals.leave_once_stopped)."""
-    processes = getattr(getattr(context, "_pc", None), "processes", None)
-    if not processes or not all(process.is_alive() for process in processes):
-        return False
-    setter = threading.Thread(target=event.set, name="ddp-amp-release-workers", daemon=True)
-    setter.start()
-    setter.join(RELEASE_TIMEOUT_S)
-    return not setter.is_alive()
-
-
-PATCHED_CLOSE_PARAMETERS = ["self", "death_sig", "timeout"]
-
-
-def _close_is_as_patched(context_class: type, close) -> bool:
-    """torch's worker context still has what the patch wraps: `_close(self, death_sig, timeout)`, and the
-    finished-reading event it sets."""
+def _start_is_as_patched(context_class: type, start) -> bool:
+    """torch's worker context still has what the patch wraps: `_start(self)`, and the finished-reading event
+    its __init__ makes."""
     import inspect
 
-    if not callable(close):
+    if not callable(start):
         return False
     try:
-        parameters = list(inspect.signature(close).parameters)
+        parameters = list(inspect.signature(start).parameters)
         source = inspect.getsource(context_class)
     except (TypeError, ValueError, OSError):
         return False
-    return parameters == PATCHED_CLOSE_PARAMETERS and "self._worker_finished_event =" in source
+    return parameters == ["self"] and "self._worker_finished_event =" in source
 
 
 def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log_path: Path, *,
@@ -156,7 +138,7 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
     start_forkserver()  # usually running already: the CLI starts it before importing torch
-    let_stopped_workers_leave()
+    let_workers_leave_when_done()
     # The agent reads some of these itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE); the workers get them all.
     os.environ.update(job.env)
     config = LaunchConfig(

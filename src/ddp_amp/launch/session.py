@@ -193,13 +193,13 @@ def _start_ranks(launch: Launch, session) -> RunFailed | None:
         with session, stop_signals_raise():
             launch.start(session)
     except RunFailed as exc:
-        from ddp_amp.launch.verdict import explained_failure, first_failure_named
+        from ddp_amp.launch.verdict import explained_failure, first_failure_named, with_ranks_that_ended
 
         if session.failure_shown():
             exc.details = ""  # the display has shown the failing rank's traceback already
         if exc.exit_code > 128:
             return exc
-        exc = first_failure_named(exc, session)
+        exc = with_ranks_that_ended(first_failure_named(exc, session), session)
         if session.failed_for_usage():
             exc = exc.as_usage_error()
         # One node's records only under multinode (the others are on their hosts): no "left no record" there.

@@ -25,6 +25,22 @@ def first_failure_named(exc: RunFailed, session) -> RunFailed:
     return exc.retold(first[0], f"failed: {failure_line(exception_line(first[1]))}")
 
 
+def with_ranks_that_ended(exc: RunFailed, session) -> RunFailed:
+    """A script's rank failed only because a peer vanished ("Connection closed by peer", a timeout) while a
+    peer's script had already ended, exit 0 (an early return or sys.exit on some ranks): the verdict names the
+    ranks that ended, the cause the failed one could not see."""
+    from ddp_amp.errors import is_peer_symptom
+
+    view, first = session.display.view, session.first_failure()
+    if not view.script or first is None or not is_peer_symptom(first[1]):
+        return exc
+    ended = sorted(state.rank for state in view.ranks.values() if state.status == "done" and state.exit_code == 0)
+    if not ended:
+        return exc
+    return RunFailed(f"rank {', '.join(map(str, ended))} ended early (its script exited 0) while the other ranks "
+                     f"still ran collectives ({exc})", exit_code=exc.exit_code, details=exc.details)
+
+
 def with_resume_hint(failure: RunFailed, run_dir: Path) -> RunFailed:
     """A failed training run's verdict, with where its work is when it kept a checkpoint (a rank killed, a full
     disk), as a loop script's says: the newest checkpoint and the command that continues from it."""
