@@ -29,8 +29,11 @@ class Endpoint:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-def parse_endpoint(text: str, flag: str = "--endpoint") -> Endpoint:
-    """host:port, host (port 29400), 1.2.3.4:port or [v6::addr]:port."""
+def parse_endpoint(text: str | None, flag: str = "--endpoint") -> Endpoint:
+    """host:port, host (port 29400), 1.2.3.4:port or [v6::addr]:port; None: the flag was not given."""
+    if text is None:
+        raise UsageError(f"{flag} is required: host:port of the node that hosts the rendezvous, "
+                         f"e.g. node0:{DEFAULT_PORT}")
     if not text:
         raise UsageError(f"{flag} is empty; expected host:port, e.g. node0:{DEFAULT_PORT}")
     if text.startswith("["):
@@ -54,7 +57,7 @@ def parse_endpoint(text: str, flag: str = "--endpoint") -> Endpoint:
         raise UsageError(f"{flag} {text!r} has no host; expected host:port")
     if port_text is None:
         return Endpoint(host, DEFAULT_PORT)
-    if not port_text.isdigit():
+    if not (port_text.isascii() and port_text.isdigit()):  # not "²" (int() refuses it) nor "٣" (int() takes it)
         raise UsageError(f"{flag} {text!r}: port {port_text!r} is not a number from 1 to 65535")
     port = int(port_text)
     if not 1 <= port <= 65535:

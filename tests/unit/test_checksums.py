@@ -124,3 +124,98 @@ def test_verify_of_weights_without_a_checksum_that_cannot_load_is_unreadable(tmp
     code, out, _ = run_main(["verify", str(tmp_path)], capsys)
     assert code == 1 and any(line.startswith(f"unreadable {path}: ") for line in out.splitlines()), out
     assert out.splitlines()[-1] == "2 files: 1 ok, 1 unreadable"
+
+
+def test_verify_names_a_checkpoint_and_a_weights_file_missing_beside_their_records(tmp_path, capsys):
+    """ddp-amp writes a file before its record and removes the record first: a record without its file is a
+    file lost (a copy that left it out, a deletion), never a state a launch leaves."""
+    for step in (10, 20):
+        storage.save_checkpoint(tmp_path, _state(step, seed=step), keep=5)
+    model = save_weights(tmp_path, _state(0, seed=3)["trainer"]["model"])
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step-20.pt").unlink()
+    model.unlink()
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 1 and out.splitlines() == [
+        f"ok         {checkpoints / 'step-10.pt'}",
+        f"damaged    {checkpoints / 'step-20.pt'}: missing (its step-20.json is there)",
+        f"damaged    {model}: missing (its model.pt.checksum is there)",
+        "3 files: 1 ok, 2 damaged"]
+
+
+def test_verify_of_a_run_dir_holding_only_a_weights_files_record_names_the_file_missing(tmp_path, capsys):
+    model = save_weights(tmp_path, _state(0, seed=3)["trainer"]["model"])
+    model.unlink()
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 1 and out.splitlines() == [f"damaged    {model}: missing (its model.pt.checksum is there)",
+                                              "1 file: 0 ok, 1 damaged"]
+
+
+@pytest.mark.parametrize("record", ["checkpoints/step-10.json", "model.pt.checksum"])
+def test_verify_of_a_checksum_record_is_refused_naming_the_file_it_records(record, tmp_path, capsys):
+    storage.save_checkpoint(tmp_path, _state(10), keep=2)
+    save_weights(tmp_path, _state(0, seed=3)["trainer"]["model"])
+    recorded = {"checkpoints/step-10.json": "checkpoints/step-10.pt", "model.pt.checksum": "model.pt"}[record]
+    code, out, err = run_main(["verify", str(tmp_path / record)], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == (f"ddp-amp: error: verify {tmp_path / record}: the record written beside "
+                             f"{tmp_path / recorded}, not a checkpoint or weights file; verify "
+                             f"{tmp_path / recorded} or the run directory")
+
+
+def _sharded_checkpoint(run_dir):
+    """A sharded checkpoint's directory as DCP and rank 0 leave it (parts, .metadata, extras.pt, the manifest of
+    their checksums), its parts' bytes made up: verify checks their checksums before it reads any."""
+    from ddp_amp.checkpoint import sharded
+
+    path = run_dir / "checkpoints" / "step-10"
+    path.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", sharded.DCP_METADATA_FILE, sharded.EXTRAS_FILE):
+        (path / name).write_bytes(name.encode() * 100)
+    sharded.write_checksums(path, {})
+    storage.write_sidecar(path, _state(10))
+    return path
+
+
+@pytest.mark.parametrize("lost", [".metadata", "extras.pt", "__1_0.distcp"])
+def test_verify_of_a_sharded_checkpoint_with_a_part_lost_names_the_part_whether_given_or_found(lost, tmp_path,
+                                                                                              capsys):
+    path = _sharded_checkpoint(tmp_path)
+    (path / lost).unlink()
+    for given in (tmp_path, path):
+        code, out, _ = run_main(["verify", str(given)], capsys)
+        assert code == 1 and out.splitlines() == [f"damaged    {path}: its part {lost} is missing",
+                                                  "1 file: 0 ok, 1 damaged"], given
+
+
+def test_verify_of_a_checksum_of_an_algorithm_it_does_not_know_is_unchecked_not_ok(tmp_path, capsys):
+    path = storage.save_checkpoint(tmp_path, _state(10), keep=2)
+    model = save_weights(tmp_path, _state(0, seed=3)["trainer"]["model"])
+    sidecar = json.loads(storage.sidecar(path).read_text())
+    storage.sidecar(path).write_text(json.dumps({**sidecar, "checksum": {**sidecar["checksum"], "algorithm": "x"}}))
+    (tmp_path / "model.pt.checksum").write_text(json.dumps({"algorithm": "x", "value": "0", "bytes": 1}))
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 0 and out.splitlines() == [
+        f"unchecked  {path}: its checksum is of an algorithm this version does not know ('x')",
+        f"unchecked  {model}: its checksum is of an algorithm this version does not know ('x')",
+        "2 files: 0 ok, 2 unchecked"]
+
+
+def test_a_checkpoint_pruned_while_verify_reads_the_run_is_left_out_not_damaged(tmp_path, capsys, monkeypatch):
+    """A launch still training prunes checkpoints (--keep): one verify listed and that is gone when it reads it
+    was not damaged."""
+    for step in (10, 20):
+        storage.save_checkpoint(tmp_path, _state(step, seed=step), keep=5)
+    pruned = tmp_path / "checkpoints" / "step-10.pt"
+    load = storage.load_checkpoint
+
+    def pruned_first(path, **kwargs):
+        if path == pruned:  # the launch prunes it as storage.prune does: its sidecar, then the file
+            storage.sidecar(pruned).unlink()
+            pruned.unlink()
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(storage, "load_checkpoint", pruned_first)
+    code, out, _ = run_main(["verify", str(tmp_path)], capsys)
+    assert code == 0 and out.splitlines() == [f"ok         {tmp_path / 'checkpoints' / 'step-20.pt'}",
+                                              "1 file: 1 ok"]

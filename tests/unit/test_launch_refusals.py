@@ -549,3 +549,13 @@ def test_export_to_a_dangling_symlink_is_refused_and_leaves_it(tmp_path, capsys)
     assert code == 2 and one_line(err) == f"ddp-amp: error: -o {str(tmp_path / 'link.pt')!r} already exists; " \
                                           "remove it or choose another name"
     assert (tmp_path / "link.pt").is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
+@pytest.mark.parametrize("command", ["spawn", "run", "doctor"])
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_device_cuda_where_no_gpu_is_visible_says_so_not_lower_the_rank_count(command, nproc, tmp_path, capsys):
+    code, _, err = run_main([command, "-n", nproc, "--device", "cuda", "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert one_line(err) == "ddp-amp: error: --device cuda: no CUDA GPU is visible; use --device cpu or auto"
+    assert not (tmp_path / "run").exists()

@@ -1,6 +1,7 @@
 """`ddp-amp show` without launching: bad paths refused in one line, older run dirs shown. Real run directories
 read back, compared and plotted: tests/system/test_show_runs.py."""
 
+import os
 import subprocess
 import sys
 
@@ -8,8 +9,9 @@ import pytest
 
 
 def show(*args, columns=200):
+    where = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}  # this checkout's code
     return subprocess.run([sys.executable, "-m", "ddp_amp", "show", *map(str, args)], capture_output=True,
-                          text=True, timeout=60, env={"COLUMNS": str(columns), "PATH": ""})
+                          text=True, timeout=60, env={"COLUMNS": str(columns), "PATH": "", **where})
 
 
 @pytest.mark.parametrize("make", ["missing", "file", "not_a_run", "config_a_list", "summary_a_list",
@@ -105,3 +107,19 @@ def test_a_runs_mfu_is_shown_beside_its_throughput(tmp_path):
     cells = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.stdout.splitlines()
              if line.count("│") == 3}
     assert cells["MFU"] == "40.4%" and cells["samples/s"] == "170"
+
+
+@pytest.mark.parametrize(("steps", "shown"), [(100, "0/100"), (None, "0")])
+def test_a_run_that_has_logged_nothing_yet_shows_its_steps_without_none(tmp_path, steps, shown):
+    """A launch killed before its first log (or one still starting): config.json alone. An --epochs run's
+    config has no step count: its total is not known."""
+    import json
+
+    run = tmp_path / "starting"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"task": "mlp", "steps": steps}))
+    result = show(run, columns=60)
+    assert result.returncode == 0, result.stderr
+    cells = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.stdout.splitlines()
+             if line.count("│") == 3}
+    assert cells["state"] == "unfinished" and cells["steps"] == shown

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import one_line, run_main
 
 from ddp_amp.cli import main
 
@@ -22,6 +23,8 @@ BAD_INPUTS = [
     (["multinode", "--nnodes", "2", "--endpoint", "host:"], "--endpoint"),
     (["multinode", "--nnodes", "2", "--endpoint", "host:abc"], "--endpoint"),
     (["multinode", "--nnodes", "2", "--endpoint", "host:70000"], "--endpoint"),
+    (["multinode", "--nnodes", "2", "--endpoint", "127.0.0.1:\u00b2"], "--endpoint"),  # superscript two
+    (["multinode", "--nnodes", "2", "--endpoint", "[::1]:\u0663"], "--endpoint"),  # Arabic-Indic three
     (["multinode", "--nnodes", "2", "--endpoint", ":29400"], "--endpoint"),
     (["multinode", "--nnodes", "2", "--endpoint", "[::1"], "--endpoint"),
     (["multinode", "--nnodes", "2", "--endpoint", "no-such-host.invalid:29400"], "--endpoint"),
@@ -50,6 +53,15 @@ def test_bad_input_is_one_line_exit_2(args, flag, capsys, tmp_path):
     assert exit_info.value.code == 2
     assert len(lines) == 1 and flag in lines[0], captured.err
     assert "Traceback" not in captured.out + captured.err
+    assert not (tmp_path / "run").exists()
+
+
+def test_multinode_without_an_endpoint_says_it_is_required(tmp_path, capsys):
+    code, _, err = run_main(["multinode", "--nnodes", "2", "--device", "cpu", "--run-dir", str(tmp_path / "run")],
+                            capsys)
+    assert code == 2
+    assert one_line(err) == ("ddp-amp: error: --endpoint is required: host:port of the node that hosts the "
+                             "rendezvous, e.g. node0:29400")
     assert not (tmp_path / "run").exists()
 
 

@@ -22,7 +22,7 @@ from ddp_amp.files import UNREADABLE_RECORD, atomic_write, checksum_mismatch, no
 from ddp_amp.files import damage_of as file_damage
 
 CHECKPOINT_DIR = "checkpoints"
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 """step-<N>.pt (one file) or step-<N>/ (--checkpoint-format sharded: a DCP directory, checkpoint.sharded)."""
 # What a resume must share with the run that wrote the checkpoint (the batches and the schedule depend on it).
 MUST_MATCH = ("task", "batch_size", "grad_accum", "schedule", "warmup_steps", "min_lr_ratio", "steps", "epochs",
@@ -51,7 +51,7 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     metadata cannot be read ranks last."""
     found = []
     for path in checkpoint_dir(run_dir).glob("step-*"):
-        if (match := _CHECKPOINT_NAME.match(path.name)) and (path.suffix == ".pt") != path.is_dir():
+        if (match := CHECKPOINT_NAME.match(path.name)) and (path.suffix == ".pt") != path.is_dir():
             try:
                 metadata = read_metadata(path)
                 when = (metadata["config"].get("launch_time") or 0.0, metadata.get("saved_at") or 0.0)

@@ -276,6 +276,8 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
         world_size = nproc_per_node
     devices = device_facts(config.device, nproc_per_node)
     device_type = devices.device_type
+    if device_type == "cuda" and not devices.visible:
+        raise UsageError("--device cuda: no CUDA GPU is visible; use --device cpu or auto")
     if device_type == "cuda" and nproc_per_node > devices.visible:
         raise UsageError(f"{flag} {nproc_per_node} needs {nproc_per_node} GPUs but {devices.visible} "
                          f"{'is' if devices.visible == 1 else 'are'} visible with --device cuda; "

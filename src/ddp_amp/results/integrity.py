@@ -8,7 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_amp.errors import UsageError
-from ddp_amp.files import damage_of, not_a_torch_file, recorded_checksum
+from ddp_amp.files import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUM_SUFFIX,
+    UNREADABLE_RECORD,
+    checksum_file_of,
+    damage_of,
+    not_a_torch_file,
+    read_checksum_record,
+    recorded_checksum,
+)
 from ddp_amp.outputs import BEST_MODEL_FILE, MODEL_FILE
 
 
@@ -23,40 +32,100 @@ class Verdict:
 
 def verify(path: Path) -> list[Verdict]:
     """Every checkpoint of the run dir `path` (newest first), then model.pt and model_best.pt; or the one
-    checkpoint or weights file `path` is."""
+    checkpoint or weights file `path` is. A file missing beside its checksum record is damaged (ddp-amp writes
+    a file before its record and removes the record first); one a launch pruned while this read is left out."""
     from ddp_amp.checkpoint import sharded, storage
 
     if not path.exists():
         raise UsageError(f"verify {path}: no such file or directory")
-    if path.is_file() or sharded.is_complete(path):
+    if (recorded := _recorded_by(storage, path)) is not None:
+        raise UsageError(f"verify {path}: the record written beside {recorded}, not a checkpoint or weights "
+                         f"file; verify {recorded} or the run directory")
+    if path.is_file() or _sharded_checkpoint(sharded, path):
         checkpoints, weights = ([path], []) if storage.sidecar(path).is_file() or path.is_dir() else ([], [path])
-    elif (path / storage.CHECKPOINT_DIR).is_dir() or (path / MODEL_FILE).is_file():
-        checkpoints = storage.checkpoints(path)
-        weights = [path / name for name in (MODEL_FILE, BEST_MODEL_FILE) if (path / name).is_file()]
-    else:
+        return [_checkpoint(storage, sharded, p) for p in checkpoints] + [_weights(p) for p in weights]
+    names = (MODEL_FILE, BEST_MODEL_FILE)
+    if not ((path / storage.CHECKPOINT_DIR).is_dir() or any((path / name).is_file()
+                                                           or checksum_file_of(path / name).is_file()
+                                                           for name in names)):
         raise UsageError(f"verify {path}: neither a run directory (no checkpoints/ or {MODEL_FILE} in it), a "
                          "checkpoint nor a weights file")
-    return [_checkpoint(storage, sharded, p) for p in checkpoints] + [_weights(p) for p in weights]
+    found = [_checkpoint(storage, sharded, p) for p in storage.checkpoints(path)]
+    lost = [Verdict(p, "damaged", f"missing (its {record.name} is there)") for p, record in _lost(storage, path)]
+    weights = [_weights(path / name) for name in names
+               if (path / name).is_file() or checksum_file_of(path / name).is_file()]
+    return [verdict for verdict in found if verdict is not None] + lost + weights
 
 
-def _checkpoint(storage, sharded, path: Path) -> Verdict:
+def _recorded_by(storage, path: Path) -> Path | None:
+    """The checkpoint or weights file whose checksum record the file `path` is (step-N.json, model.pt.checksum),
+    or None."""
+    if not path.is_file():
+        return None
+    if path.name.endswith(CHECKSUM_SUFFIX):
+        return path.with_name(path.name.removesuffix(CHECKSUM_SUFFIX))
+    if path.suffix == ".json" and storage.CHECKPOINT_NAME.match(path.stem):
+        single = path.with_suffix(".pt")
+        return single if single.is_file() or not path.with_suffix("").is_dir() else path.with_suffix("")
+    return None
+
+
+def _sharded_checkpoint(sharded, path: Path) -> bool:
+    """A sharded checkpoint's directory, whole or with a part lost: its DCP files, or the manifest of them."""
+    return sharded.is_complete(path) or (path / sharded.CHECKSUMS_FILE).is_file()
+
+
+def _lost(storage, run_dir: Path) -> list[tuple[Path, Path]]:
+    """(checkpoint, its sidecar) of every sidecar whose checkpoint is gone: step-N.pt where the sidecar holds its
+    checksum, else step-N (it could have been either format)."""
+    lost = []
+    for record in sorted(storage.checkpoint_dir(run_dir).glob("step-*.json"), reverse=True):
+        stem = record.with_suffix("")
+        if storage.CHECKPOINT_NAME.match(stem.name) and not stem.exists() and not stem.with_suffix(".pt").exists():
+            single = read_checksum_record(record, key="checksum") is not None
+            lost.append((stem.with_suffix(".pt") if single else stem, record))
+    return lost
+
+
+def _checkpoint(storage, sharded, path: Path) -> Verdict | None:
     """Loaded as a resume would load it (the checksums first, then the file itself: a torn file has none to
-    fail)."""
+    fail). None when it is gone, file and sidecar, by the time it is read: a launch pruned it (--keep)."""
     try:
         storage.load_checkpoint(path)
     except storage.CheckpointError as exc:
+        if not path.exists() and not storage.sidecar(path).exists():
+            return None
         damaged = str(exc).startswith(f"{path}: damaged, ")
         return Verdict(path, "damaged" if damaged else "unreadable",
                        str(exc).removeprefix(f"{path}: damaged, " if damaged else f"{path}: "))
-    recorded = sharded.read_checksums(path) if path.is_dir() else storage.read_sidecar_checksum(path)
-    return Verdict(path, "ok") if recorded else Verdict(path, "unchecked", "no checksum recorded (written before "
-                                                                           "checksums)")
+    if path.is_dir():
+        records = list(sharded.read_checksums(path).values())
+    else:
+        records = [recorded] if (recorded := storage.read_sidecar_checksum(path)) else []
+    if not records:
+        return Verdict(path, "unchecked", "no checksum recorded (written before checksums)")
+    return _unknown_algorithm(path, records) or Verdict(path, "ok")
+
+
+def _unknown_algorithm(path: Path, records: list[dict]) -> Verdict | None:
+    """`unchecked` where a checksum is of an algorithm this version does not know (files.checksum_mismatch
+    checks nothing then)."""
+    unknown = sorted({str(r.get("algorithm")) for r in records} - {CHECKSUM_ALGORITHM})
+    if not unknown:
+        return None
+    return Verdict(path, "unchecked", "its checksum is of an algorithm this version does not know "
+                                      f"({', '.join(map(repr, unknown))})")
 
 
 def _weights(path: Path) -> Verdict:
+    if not path.exists():
+        return Verdict(path, "damaged", f"missing (its {checksum_file_of(path).name} is there)")
     if damage := damage_of(path):
         return Verdict(path, "damaged", damage.removeprefix(f"{path}: damaged, "))
-    if recorded_checksum(path) is None:  # nothing proves its bytes: at least it must load
+    if (recorded := recorded_checksum(path)) is not None and recorded is not UNREADABLE_RECORD:
+        if unknown := _unknown_algorithm(path, [recorded]):
+            return unknown if not (why := _unloadable_because(path)) else Verdict(path, "unreadable", why)
+    if recorded is None:  # nothing proves its bytes: at least it must load
         if why := _unloadable_because(path):
             return Verdict(path, "unreadable", why)
         return Verdict(path, "unchecked", "no checksum recorded beside it")

@@ -251,7 +251,7 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
     first_speed = first_loss = None
     for index, run in enumerate(runs):
         s = run.summary
-        total = s.steps if s else _last(run, "total_steps")
+        total = s.steps if s else _last(run, "total_steps") or run.config.get("steps")  # None: not known yet
         steps = s.steps if s.steps is not None else _last(run, "step") or 0
         speed = s.samples_per_s if s.samples_per_s is not None else _last(run, "samples_per_s")
         loss = s.final_loss if s.final_loss is not None else _last(run, run.loss_key)
@@ -264,7 +264,7 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
         row = [run.name, Text(run.state, style="green" if run.state == "finished" else "yellow"), run.work,
                s.precision or run.loop.get("precision", "-"), str(s.world_size or "-"),
                _script_steps(run) if s.outcome is not None else f"{steps}/{total}" if run.state != "finished"
-               else str(steps),
+               and total is not None else str(steps),
                _num(speed, ".0f")]
         if compare:
             row.append(f"{speed / first_speed:.2f}x" if speed and first_speed else "-")
