@@ -46,6 +46,24 @@ def test_an_option_an_older_run_lacks_is_shown_as_not_recorded():
     assert config_differences([newer, newer]) == {}
 
 
+def test_beside_a_task_run_a_scripts_run_differs_only_in_what_both_trained_with():
+    """A plain script's config.json holds ddp-amp's loop's defaults (--task mlp, --steps 100) it never ran, and
+    the launchers' own fields (job_id) are no options: neither is listed as differing; a difference between the
+    runs that used an option is, with "-" for the script's run."""
+    from pathlib import Path
+
+    from ddp_amp.outputs import RunRecord
+    from ddp_amp.results.runs import Run, config_differences
+
+    task = Run(Path("task"), {"task": "linear", "steps": 5, "device": "cpu", "job_id": "a"}, RunRecord({}), [],
+               "finished")
+    script = Run(Path("script"), {"task": "mlp", "steps": 100, "device": "cpu", "job_id": "b", "script": {
+        "target": "train.py", "args": []}}, RunRecord({"outcome": "finished"}), [], "finished")
+    assert config_differences([task, script]) == {}
+    other = Run(Path("other"), {"task": "mlp", "steps": 5, "device": "cpu"}, RunRecord({}), [], "finished")
+    assert config_differences([task, script, other]) == {"task": ["linear", "-", "mlp"]}
+
+
 def test_a_loop_scripts_run_shows_its_precision_steps_and_loss_of_its_reported_metrics(tmp_path):
     """A script run through ddp_amp.loop: its summary's `loop` gives the precision and the steps, its metrics.jsonl
     (report()'s names, a GAN's loss_d and loss_g) the final loss, named, and the curve."""
@@ -89,7 +107,7 @@ def test_plain_script_runs_differ_only_in_what_a_script_takes_and_a_failure_says
     assert "bad failed: rank 1 failed: ValueError: no" in result.stdout.splitlines()
     options = [line.split("│")[1].strip() for line in result.stdout.split("options that differ")[1].splitlines()
                if line.count("│") == 4]
-    assert options == ["--script", "--stop-timeout"], result.stdout
+    assert options == ["SCRIPT", "--stop-timeout"], result.stdout
 
 
 def test_a_runs_mfu_is_shown_beside_its_throughput(tmp_path):

@@ -317,7 +317,8 @@ def runs_table(runs: list, width: int | None = None) -> Any:
             for run in runs:
                 options.add_column(run.name)
             for key, values in differences.items():
-                options.add_row(f"--{key.replace('_', '-')}", *(str(v) for v in values))
+                options.add_row("SCRIPT" if key == "script" else f"--{key.replace('_', '-')}",
+                                *(str(v) for v in values))
             parts.append(options)
         else:
             parts.append(Text("same options in every run"))

@@ -104,20 +104,36 @@ NOT_RECORDED = "(not recorded)"
 SCRIPT_OPTIONS = {"script", "stop_timeout", "device"}
 """What a plain script's run is launched with: the other options of config.json are ddp-amp's loop's defaults,
 which it does not run (a difference there says nothing about the runs)."""
+NOT_USED = "-"
+"""The value shown for an option a run did not train with (a script's run, beside ddp-amp's loop's)."""
+
+
+def options_taken(run: Run) -> set[str] | None:
+    """The options of config.json that a run trained with: None for all of them (ddp-amp's loop); a script's:
+    what it is launched with, and ddp_amp.loop's options where it used that loop."""
+    if "script" not in run.config:
+        return None
+    from ddp_amp.config import LOOP_OPTIONS
+
+    return SCRIPT_OPTIONS | (set(LOOP_OPTIONS) if run.loop else set())
 
 
 def config_differences(runs: list[Run]) -> dict[str, list[Any]]:
-    """The options whose values are not the same in every run (run_dir and the like excepted), in order. Between
-    script runs only the options a script takes (those of ddp_amp.loop where one of them used it)."""
-    keys = sorted({key for run in runs for key in run.config} - IGNORED_DIFFERENCES)
-    if all("script" in run.config for run in runs):
-        from ddp_amp.config import LOOP_OPTIONS
+    """The options whose values differ between the runs that trained with them (run_dir, the launchers' own
+    fields and the like excepted), in order; a run that did not (a script's, for most of ddp-amp's loop's
+    options) shows NOT_USED there."""
+    from ddp_amp.config import NOT_OPTIONS
 
-        taken = SCRIPT_OPTIONS | (set(LOOP_OPTIONS) if any(run.loop for run in runs) else set())
-        keys = [key for key in keys if key in taken]
-    values = {key: [run.work if key == "script" and key in run.config else run.config.get(key, NOT_RECORDED)
-                    for run in runs] for key in keys}
-    return {key: row for key, row in values.items() if len({json.dumps(value) for value in row}) > 1}
+    keys = sorted({key for run in runs for key in run.config} - IGNORED_DIFFERENCES - set(NOT_OPTIONS))
+    taken = [options_taken(run) for run in runs]
+    differences = {}
+    for key in keys:
+        users = [t is None and key != "script" or t is not None and key in t for t in taken]
+        values = [run.work if key == "script" and key in run.config else run.config.get(key, NOT_RECORDED)
+                  for run in runs]
+        if len({json.dumps(value) for value, used in zip(values, users) if used}) > 1:
+            differences[key] = [value if used else NOT_USED for value, used in zip(values, users)]
+    return differences
 
 
 def why_not_finished(run: Run) -> str | None:
