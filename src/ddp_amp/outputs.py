@@ -258,13 +258,25 @@ def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
 
 
 
+def metrics_lines(text: str) -> list[str]:
+    """metrics.jsonl's lines, each ending in a newline: a last line without one, which does not parse, is half
+    of a write the machine did not finish (power lost, a filesystem that fails mid-write), and is left out."""
+    lines = [line for line in text.splitlines(keepends=True) if line.strip()]
+    if lines and not lines[-1].endswith("\n"):
+        try:
+            json.loads(lines[-1])
+            lines[-1] += "\n"
+        except ValueError:
+            lines.pop()
+    return lines
+
+
 def cut_metrics(run_dir: Path, step: int) -> None:
     """Drop the metrics logged after `step`: the resumed run logs those steps again."""
     path = run_dir / METRICS_FILE
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [line for line in metrics_lines(path.read_text()) if json.loads(line).get("step", 0) <= step]
     atomic_write(path, "".join(kept).encode())
 
 

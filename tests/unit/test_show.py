@@ -141,3 +141,26 @@ def test_a_run_that_has_logged_nothing_yet_shows_its_steps_without_none(tmp_path
     cells = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.stdout.splitlines()
              if line.count("│") == 3}
     assert cells["state"] == "unfinished" and cells["steps"] == shown
+
+
+def test_a_metrics_file_cut_mid_line_shows_its_whole_lines_and_a_resume_cuts_it_clean(tmp_path):
+    """metrics.jsonl ending in half a line (a write the machine did not finish): show reads the whole lines
+    before it, and the resume's cut drops it, so the next line appended starts a line of its own. Half a line
+    anywhere else is still damage (exit 2)."""
+    import json
+
+    from ddp_amp.outputs import append_metrics, cut_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"steps": 30}))
+    whole = "".join(json.dumps({"step": step, "loss": 1.0 / step}) + "\n" for step in (10, 20))
+    (run / "metrics.jsonl").write_text(whole + '{"step": 30, "lo')
+    result = show(run)
+    assert result.returncode == 0, result.stderr
+    assert "20/30" in result.stdout and "0.0500" in result.stdout
+    cut_metrics(run, 20)
+    append_metrics(run, {"step": 30, "loss": 0.03})
+    assert (run / "metrics.jsonl").read_text() == whole + json.dumps({"loss": 0.03, "step": 30}) + "\n"
+    (run / "metrics.jsonl").write_text('{"step": 5, "lo\n' + whole)
+    assert show(run).returncode == 2

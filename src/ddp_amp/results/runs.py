@@ -10,7 +10,7 @@ from typing import Any
 from ddp_amp.config import CONFIG_FILE
 from ddp_amp.errors import UsageError
 from ddp_amp.files import lock_holder
-from ddp_amp.outputs import METRICS_FILE, SUMMARY_FILE, RunRecord
+from ddp_amp.outputs import METRICS_FILE, SUMMARY_FILE, RunRecord, metrics_lines
 
 
 @dataclass
@@ -65,8 +65,8 @@ def load_run(path: Path) -> Run:
         config = _json_object((path / CONFIG_FILE).read_text(), CONFIG_FILE)
         summary = RunRecord(_json_object((path / SUMMARY_FILE).read_text(), SUMMARY_FILE)
                             if (path / SUMMARY_FILE).is_file() else {})
-        metrics = [_json_object(line, METRICS_FILE) for line in (path / METRICS_FILE).read_text().splitlines()
-                   if line.strip()] if (path / METRICS_FILE).is_file() else []
+        metrics = [_json_object(line, METRICS_FILE) for line in metrics_lines((path / METRICS_FILE).read_text())
+                   ] if (path / METRICS_FILE).is_file() else []
     except (OSError, ValueError) as exc:
         raise UsageError(f"show: {str(path)!r} has an unreadable file: {exc}") from None
     if lock_holder(path) is not None:
