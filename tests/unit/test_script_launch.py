@@ -71,7 +71,7 @@ def _write(path, text):
     (["-m", "no_such_module_here"], "-m no_such_module_here: no module of that name (from {cwd})"),
     (["-m", "no_such_package.train"], "-m no_such_package.train: no module of that name (from {cwd})"),
     (["-m", "trainpkg.nosuch"], "-m trainpkg.nosuch: trainpkg has no module nosuch"),
-    (["-m"], "-m needs a module to run: ddp-amp run -n 2 -m package.module [args]"),
+    (["-m"], "-m needs a module to run, as python -m does: -m package.module [ARGS]"),
     (["-m", "trainpkg"], "-m trainpkg: a package without a __main__ module, which python -m cannot run; give the "
                          "module that trains (-m package.module)"),
 ])

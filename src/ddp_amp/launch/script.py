@@ -34,7 +34,7 @@ def script_from_command_line(words: list[str] | None, module: bool) -> Script | 
     when the command trains a task. Checked here, before anything starts: one line per problem, exit 2."""
     if not words:
         if module:
-            raise UsageError("-m needs a module to run: ddp-amp run -n 2 -m package.module [args]")
+            raise UsageError("-m needs a module to run, as python -m does: -m package.module [ARGS]")
         return None
     target, args = words[0], tuple(words[1:])
     cwd = os.getcwd()
