@@ -6,6 +6,7 @@ Iterable tasks record every sample they train on in DDP_AMP_TEST_INDEX_LOG/<pid>
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -569,6 +570,8 @@ class _SavesPretrained(nn.Module):
     def save_pretrained(self, directory) -> None:
         if why := os.environ.get("DDP_AMP_TEST_SAVE_PRETRAINED_RAISES"):
             (Path(directory) / "partial.bin").write_bytes(b"half")
+            if why == "exit":
+                sys.exit(3)
             raise OSError(why)
         torch.save(self.state_dict(), Path(directory) / "pytorch_model.bin")
 

@@ -519,12 +519,15 @@ def test_export_hf_builds_the_users_model_in_a_child_not_in_the_cli(tmp_path, ca
 @pytest.mark.parametrize("variable, expected", [
     ("DDP_AMP_TEST_FACTORY_RAISES", "--task {task}: building its model for --hf failed: ValueError: boom"),
     ("DDP_AMP_TEST_SAVE_PRETRAINED_RAISES", "--hf '{hf}': save_pretrained of the model of --task {task} failed: "
-                                            "OSError: boom")])
+                                            "OSError: boom"),
+    ("DDP_AMP_TEST_SAVE_PRETRAINED_RAISES=exit", "--hf '{hf}': save_pretrained of the model of --task {task} "
+                                                 "failed: it called sys.exit(3)")])
 def test_the_users_code_failing_in_export_hf_is_one_line_exit_1_and_leaves_nothing(tmp_path, capsys, monkeypatch,
                                                                                    variable, expected):
     task = f"{USER_TASKS}:saves_pretrained"
     run_dir = _run_dir_of(tmp_path, task, PRETRAINED_WEIGHTS)
-    monkeypatch.setenv(variable, "boom")
+    variable, _, value = variable.partition("=")
+    monkeypatch.setenv(variable, value or "boom")
     before = sorted(tmp_path.iterdir())
     code, _, err = run_main(["export", str(run_dir), "-o", str(tmp_path / "a.pt"), "--hf", str(tmp_path / "hf")],
                             capsys)

@@ -87,6 +87,7 @@ def write(chosen: Path, config: dict[str, Any] | None, source: Path, output: Pat
     import shutil
 
     from ddp_amp.checkpoint.weights import WeightsError, read_weights, save_pretrained, save_weights_file
+    from ddp_amp.tasks.loading import USER_EXITS
 
     try:
         state = read_weights(chosen)
@@ -97,9 +98,11 @@ def write(chosen: Path, config: dict[str, Any] | None, source: Path, output: Pat
     if hf is not None:
         try:
             save_pretrained(model, hf)
-        except Exception as exc:  # the model's own code, or the disk: its staging directory is gone already
+        except USER_EXITS as exc:  # the model's own code, or the disk: its staging directory is gone already
+            why = _one_line(exc) if isinstance(exc, Exception) else (
+                f"it called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else "KeyboardInterrupt")
             raise RunFailed(f"--hf {str(hf)!r}: save_pretrained of the model of --task {config['task']} failed: "
-                            f"{_one_line(exc)}") from None
+                            f"{why}") from None
         written.append(f"ddp-amp: wrote {hf}/ with save_pretrained (from {chosen})")
     if output is not None:
         try:
