@@ -137,6 +137,9 @@ class RunRecord:
     stopped_by: str | None = _Key()
     keep_best_error: str | None = _Key()
     eval_error: str | None = _Key()
+    launch_failure: str | None = _Key()
+    """ddp-amp's loop: the verdict of a launch that failed after it trained (a rank killed or raising), written
+    by the launcher where the ranks wrote no summary (launch.verdict.record_failure)."""
     outcome: str | None = _Key()
     """A user's script's end as its launcher saw it (finished, failed, stopped); None for ddp-amp's loop."""
     data_ended_at_step: int | None = _Key()
@@ -196,7 +199,7 @@ class RunRecord:
     @property
     def finished(self) -> bool:
         """Trained to its end (its model.pt is written): neither diverged nor stopped by a signal."""
-        return self.diverged is None and self.stopped_at_step is None
+        return self.diverged is None and self.stopped_at_step is None and self.launch_failure is None
 
     @property
     def restarts(self) -> int:
@@ -223,7 +226,9 @@ class RunRecord:
 
     def failure(self, run_dir: str | Path) -> str | None:
         """The one line that fails a run whose ranks all finished: divergence, a --keep-best metric never
-        logged, or an evaluation that raised."""
+        logged, or an evaluation that raised; or the launcher's verdict on ranks that did not all finish."""
+        if self.launch_failure:
+            return self.launch_failure
         if diverged := self.diverged:
             where = f"step {diverged.step}" + (f" on rank {diverged.rank}" if diverged.rank is not None else "")
             kept = f"; the newest finite checkpoint is {self.checkpoint} (--resume {self.checkpoint})" \

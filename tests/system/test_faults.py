@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import HELPER_TASKS, last_line, read_metrics, run_cli
+from helpers import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +73,16 @@ def test_a_killed_ranks_verdict_says_where_the_work_is(command, tmp_path, helper
     assert "rank 1 " in verdict and "SIGKILL" in verdict, verdict
     assert f"; the newest complete checkpoint is {run / 'checkpoints' / 'step-2.pt'} (continue with --resume auto " \
            f"--run-dir {run})" in verdict, verdict
+    # The ranks wrote no summary.json: the launcher's holds the verdict, which show gives as the run's state
+    record = read_summary(run)
+    assert record["launch_failure"] == verdict.removeprefix("ddp-amp: error: ") and record["world_size"] == 2
+    shown = run_cli("show", str(run), env={"COLUMNS": "1000"})
+    assert shown.returncode == 0 and f"run failed: {record['launch_failure']}" in shown.stdout, shown.stdout
+    # and the resume it names counts this launch
+    assert_ok(run_cli(command, "-n", "2", "--device", "cpu", "--task", helper_task("killed_once"), "--steps", "10",
+                      "--checkpoint-every", "2", "--no-async-checkpoint", "--resume", "auto", "--run-dir", str(run),
+                      env={"DDP_AMP_TEST_SPARED": "1"}, timeout=180))
+    assert read_summary(run)["launches"] == 2 and "launch_failure" not in read_summary(run)
 
 
 def test_a_second_launch_into_a_busy_run_dir_is_refused(tmp_path, long_run):

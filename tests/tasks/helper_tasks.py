@@ -62,12 +62,16 @@ def fail_on_rank1_at_first_step() -> Task:
     return _regression_with(on_call)
 
 
+SPARED_VAR = "DDP_AMP_TEST_SPARED"
+
+
 def killed_once() -> Task:
-    """Rank 1 is SIGKILLed at its third step of the first attempt; a torchrun restart then runs clean."""
+    """Rank 1 is SIGKILLed at its third step of the first attempt; a torchrun restart then runs clean, and so
+    does a launch with $DDP_AMP_TEST_SPARED set."""
 
     def on_call(call, loss):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if call == 3 and first_attempt and os.environ.get("RANK") == "1":
+        if call == 3 and first_attempt and os.environ.get("RANK") == "1" and not os.environ.get(SPARED_VAR):
             os.kill(os.getpid(), signal.SIGKILL)
         return loss
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal as signals
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from ddp_amp.config import JobKind, TrainConfig
 from ddp_amp.errors import RunFailed
 from ddp_amp.launch.preflight import LaunchPlan
 from ddp_amp.launch.torchrun import ElasticJob
-from ddp_amp.launch.verdict import with_resume_hint
+from ddp_amp.launch.verdict import record_failure, with_resume_hint
 from ddp_amp.outputs import read_summary
 from ddp_amp.parallel import MODES
 from ddp_amp.process import StopSignal, stop_signals_raise
@@ -173,9 +174,14 @@ def _run_and_judge(launch: Launch, display, announce: bool) -> None:
     plan, config = launch.plan, launch.plan.config
     if announce:
         _announce(launch)
+    started = time.time()
     failure = _start_ranks(launch, LiveProgress(display, plan.config_path.parent))
     if failure is not None and failure.exit_code <= 128:
-        raise with_resume_hint(failure, Path(config.run_dir)) if launch.kind == "train" else failure
+        if launch.kind != "train":
+            raise failure
+        failure = with_resume_hint(failure, Path(config.run_dir))
+        record_failure(plan, failure, time.time() - started, None if config.job_id else launch.nproc)
+        raise failure
     if failure is not None:
         # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
         # finished before the stop took effect.
@@ -211,8 +217,6 @@ def run_script_launch(launch: Launch, display) -> None:
     """A launch of the user's script: its ranks under the live progress view, which captures their output, then the
     verdict (the script finished on every rank, a rank failed, or a stop ended it) and the run's record in
     summary.json (launch.script.script_record), which `ddp-amp show` lists."""
-    import time
-
     from ddp_amp.launch.run_dir import settle_overwritten, trained_since, with_earlier_launches
     from ddp_amp.launch.script import loop_stop_signal, newest_checkpoint, script_record, script_stop_line
     from ddp_amp.launch.verdict import script_restart_causes

@@ -52,6 +52,30 @@ def with_resume_hint(failure: RunFailed, run_dir: Path) -> RunFailed:
                      f"{run_dir})", exit_code=failure.exit_code, details=failure.details)
 
 
+def record_failure(plan, failure: RunFailed, wall_s: float, world_size: int | None) -> None:
+    """A launch of ddp-amp's loop that failed after it trained (a rank killed, or raising) leaves no summary.json
+    of its ranks: the launcher writes one holding its verdict (launch_failure), so that `show` says why the run
+    did not finish and a resume counts this launch (run_dir.with_earlier_launches). A launch that trained nothing
+    writes none: its run dir stays free for the next launch, as before."""
+    from ddp_amp.launch.run_dir import trained_since
+    from ddp_amp.launch.script import newest_checkpoint
+    from ddp_amp.outputs import SUMMARY_FILE, write_summary
+
+    run_dir = Path(plan.config.run_dir)
+    if (run_dir / SUMMARY_FILE).exists() or not trained_since(run_dir, plan.output_before):
+        return
+    record: dict[str, Any] = {"launch_failure": str(failure), "exit_code": failure.exit_code,
+                              "wall_s": round(wall_s, 3)}
+    if world_size:
+        record["world_size"] = world_size
+    if kept := newest_checkpoint(run_dir):
+        record["checkpoint"] = str(kept)
+    try:
+        write_summary(run_dir, record)
+    except OSError:  # a full disk, as a rank may have found: the verdict still comes through, on the terminal
+        pass
+
+
 def explained_failure(exc: RunFailed, session, config: TrainConfig, world_size: int | None) -> RunFailed:
     """A failed run's error; when ranks stalled, it names them (the rank that failed is usually one that timed
     out waiting, and the cause is the one it waited for), and where the ranks' flight records say they parted."""

@@ -251,7 +251,7 @@ def _run_rows(runs: list) -> tuple[list[str], list[list[Any]]]:
     first_speed = first_loss = None
     for index, run in enumerate(runs):
         s = run.summary
-        total = s.steps if s else _last(run, "total_steps") or run.config.get("steps")  # None: not known yet
+        total = s.steps if s.steps is not None else _last(run, "total_steps") or run.config.get("steps")
         steps = s.steps if s.steps is not None else _last(run, "step") or 0
         speed = s.samples_per_s if s.samples_per_s is not None else _last(run, "samples_per_s")
         loss = s.final_loss if s.final_loss is not None else _last(run, run.loss_key)
