@@ -166,7 +166,11 @@ def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_
         "save(): nothing to save; register the state with restore(model=..., optimizer=...) first"]
     assert errors[6].startswith(f"--resume {checkpoint}: its model does not fit the model given for it: ")
     assert "size mismatch for weight" in errors[6] and "\n" not in errors[6]
-    assert errors[7] == "finish(): called a second time; call it once, after the loop"
+    assert errors[7:9] == [
+        f"steps(): --{name} and no state to {what}; give steps() the state by name (steps(total, model=model, "
+        "optimizer=optimizer, ...)), or call restore(...) before it"
+        for name, what in (("resume auto", "resume"), ("checkpoint-every 2", "checkpoint"))]
+    assert errors[9] == "finish(): called a second time; call it once, after the loop"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2.json", "step-2.pt"]
     assert torch.load(checkpoint, weights_only=True)["trainer"]["model"]["weight"].shape == (3, 4)
 
