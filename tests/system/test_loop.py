@@ -7,11 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TASKS, TESTS, last_line, launch_script, launch_until, read_summary
+from helpers import MARK_VAR, TASKS, TESTS, last_line, launch_script, launch_until, read_summary, run_processes
 
 pytestmark = pytest.mark.slow
 EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
@@ -165,7 +166,11 @@ def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_
         "save(): nothing to save; register the state with restore(model=..., optimizer=...) first"]
     assert errors[6].startswith(f"--resume {checkpoint}: its model does not fit the model given for it: ")
     assert "size mismatch for weight" in errors[6] and "\n" not in errors[6]
-    assert errors[7] == "finish(): called a second time; call it once, after the loop"
+    assert errors[7:9] == [
+        f"steps(): --{name} and no state to {what}; give steps() the state by name (steps(total, model=model, "
+        "optimizer=optimizer, ...)), or call restore(...) before it"
+        for name, what in (("resume auto", "resume"), ("checkpoint-every 2", "checkpoint"))]
+    assert errors[9] == "finish(): called a second time; call it once, after the loop"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2.json", "step-2.pt"]
     assert torch.load(checkpoint, weights_only=True)["trainer"]["model"]["weight"].shape == (3, 4)
 
@@ -232,11 +237,13 @@ def test_accumulating_half_batches_in_a_users_loop_ends_on_the_whole_batchs_weig
         torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
 
 
-def _stopped(run_dir, *script_args: str, options: tuple[str, ...] = (), once: int = 5, signal_to=None):
+def _stopped(run_dir, *script_args: str, options: tuple[str, ...] = (), once: int = 5, signal_to=None,
+             env: dict | None = None):
     """The loop script launched with progress at every step; once `once` steps are reported, SIGTERM to the
     launcher (or `signal_to(run_dir)`: a signal to one rank alone). (exit code, stdout, stderr)."""
     result = launch_until(run_dir, "--log-format", "plain", "--log-every", "1", *options, str(LOOP_FAILS),
-                          *script_args, until=once, deliver=None if signal_to is None else lambda _: signal_to(run_dir))
+                          *script_args, until=once, env=env,
+                          deliver=None if signal_to is None else lambda _: signal_to(run_dir))
     return result.returncode, result.stdout, result.stderr
 
 
@@ -355,3 +362,18 @@ def test_a_loop_resumed_past_a_checkpoint_whose_bytes_changed_continues_from_the
     warnings = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "skipping checkpoint" in line]
     assert len(warnings) == 1 and f"skipping checkpoint {newest}: damaged, its crc32 is " in warnings[0], warnings
     assert read_summary(run)["loop"]["resumed_from_step"] == before
+
+
+def test_ranks_killed_in_a_slow_checkpoint_write_after_a_stop_name_the_newest_complete_checkpoint(tmp_path):
+    """SIGTERM to the launcher while every checkpoint after step 4 takes 60 s to write (a slow disk), with
+    --stop-timeout 1: the ranks, still writing the stop's checkpoint, are killed. The last line names the newest
+    checkpoint that is whole (step-4.pt), as a failure's does; nothing is left running."""
+    mark = uuid.uuid4().hex
+    run = tmp_path / "run"
+    code, _, err = _stopped(run, "--steps", "100000", "--step-s", "0.05", "--write-s", "60",
+                            options=("--stop-timeout", "1", "--keep", "1000"), env={MARK_VAR: mark})
+    assert code == 143, err
+    assert last_line(err) == (f"ddp-amp: error: stopped by SIGTERM: passed on to every rank (each rank's output in "
+                              f"{run / 'logs'}); the newest complete checkpoint is {run / 'checkpoints' / 'step-4.pt'} "
+                              f"(continue with --resume auto --run-dir {run})")
+    assert run_processes(mark) == []

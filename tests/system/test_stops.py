@@ -55,6 +55,24 @@ def test_a_signal_to_the_whole_process_group_stops_at_one_step_with_a_checkpoint
     assert_stopped_with_checkpoint(run, signum)
 
 
+def test_ranks_killed_in_a_slow_checkpoint_write_after_a_stop_name_the_newest_complete_checkpoint(long_run):
+    """SIGTERM while every checkpoint after step 4 takes 60 s to write, with --stop-timeout 1: the ranks, still
+    writing the stop's checkpoint, are killed. The line names this run's newest whole checkpoint (step-4.pt),
+    not "nothing of this run kept"; nothing is left running."""
+    args = ["--device", "cpu", "--task", f"{HELPER_TASKS}:slow_disk_after_step_4", "--steps", "1000000",
+            "--checkpoint-every", "2", "--keep", "1000", "--log-every", "1", "--log-format", "plain",
+            "--stop-timeout", "1"]
+    run = long_run("spawn", args=args, own_session=True, ready="checkpoints/step-4.pt")
+    os.killpg(run.pid, signal.SIGTERM)
+    _, stderr = run.process.communicate(timeout=90)
+    assert run.process.returncode == 143, stderr
+    assert last_line(stderr) == (
+        "ddp-amp: error: stopped by SIGTERM: the ranks did not stop within --stop-timeout 1s and were killed; the "
+        f"newest complete checkpoint is {run.run_dir / 'checkpoints' / 'step-4.pt'} (continue with --resume auto "
+        f"--run-dir {run.run_dir})")
+    assert run.wait_until_gone() == []
+
+
 def test_a_stop_keeps_the_work_without_checkpoint_every(long_run):
     args = ["--device", "cpu", "--task", "linear", "--steps", "1000000", "--log-every", "50", "--log-format", "plain"]
     run = long_run("spawn", args=args, own_session=True)  # ready at the first metrics line

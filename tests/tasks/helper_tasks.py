@@ -89,6 +89,22 @@ def slow_start() -> Task:
     return _regression_with(on_call)
 
 
+def slow_disk_after_step_4() -> Task:
+    """The linear regression, whose checkpoints after step 4 take 60 s to write (a slow disk), before their first
+    byte: a stop's checkpoint outlasts any short --stop-timeout."""
+    from ddp_amp.checkpoint import storage
+
+    write = storage.atomic_write
+
+    def slow(path, *args, **options):
+        if path.suffix == ".pt" and path.stem.startswith("step-") and int(path.stem.split("-")[1]) > 4:
+            time.sleep(60)
+        return write(path, *args, **options)
+
+    storage.atomic_write = slow
+    return _regression_with(lambda call, loss: loss)
+
+
 def not_a_task():
     return "a string, not a Task"
 

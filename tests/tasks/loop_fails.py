@@ -10,6 +10,7 @@ generator, so a resume draws the same data), a report every step, a checkpoint e
     --pids-to DIR    each rank writes DIR/rank<R>.pid (a test signals one rank alone)
     --scale-to FILE  rank 0 writes the gradient scaler's scale right after restore() (a resume's)
     --kill-once-at K rank 1 SIGKILLs itself at step K of the first attempt (torchrun's restart count 0)
+    --write-s S      each checkpoint after step 4 takes S seconds more to write (a slow disk)
 """
 
 import argparse
@@ -24,6 +25,20 @@ from torch import nn
 from ddp_amp import loop
 
 
+def slow_disk(seconds: float) -> None:
+    """The checkpoints after step 4 written `seconds` late, before their first byte (the core's atomic write)."""
+    from ddp_amp.checkpoint import storage
+
+    write = storage.atomic_write
+
+    def slow(path, *args, **options):
+        if path.suffix == ".pt" and int(path.stem.split("-")[1]) > 4:
+            time.sleep(seconds)
+        return write(path, *args, **options)
+
+    storage.atomic_write = slow
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
@@ -34,7 +49,10 @@ def main() -> None:
     parser.add_argument("--pids-to")
     parser.add_argument("--scale-to")
     parser.add_argument("--kill-once-at", type=int, default=-1)
+    parser.add_argument("--write-s", type=float, default=0.0)
     args = parser.parse_args()
+    if args.write_s:
+        slow_disk(args.write_s)
     run = loop.setup(checkpoint_every=2)
     failing = os.environ.get("RANK") == "1"
     if args.pids_to:

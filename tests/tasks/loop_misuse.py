@@ -1,6 +1,7 @@
 """ddp_amp.loop used wrongly, for the tests, in one process (`python loop_misuse.py --out FILE --checkpoint-of
 DIR`): each wrong call's LoopError line, in order, written to --out as JSON; a --resume of a checkpoint of another
-model last (DIR/checkpoints/step-2.pt, written here first by a model of another shape)."""
+model (DIR/checkpoints/step-2.pt, written here first by a model of another shape), steps() without the state
+that --resume and --checkpoint-every need, and finish() twice last."""
 
 import argparse
 import json
@@ -52,6 +53,11 @@ def main() -> None:
     resumed = loop.setup(run_dir=args.run_dir, grad_accum=2, resume=f"{args.run_dir}/checkpoints/step-2.pt")
     other_model, other_optimizer = resumed.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
     found += errors_of([lambda: resumed.restore(model=other_model, optimizer=other_optimizer)])
+    # steps() with no state given nor restored, where a setting needs it: the resume, the checkpoints
+    for forgetful in (loop.setup(run_dir=args.run_dir, resume="auto"),
+                      loop.setup(run_dir=f"{args.run_dir}/fresh", checkpoint_every=2)):
+        forgetful.prepare(nn.Linear(4, 3))
+        found += errors_of([lambda forgetful=forgetful: next(forgetful.steps(4))])
     run.finish()
     found += errors_of([run.finish])
     with open(args.out, "w") as out:

@@ -352,6 +352,23 @@ def frozen_trunk() -> Task:
     return Task(model=model, dataset=_Regression(), loss_fn=nn.functional.mse_loss)
 
 
+class _Scaled(nn.Module):
+    """A fixed scale: a buffer, no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8, 1))
+
+    def forward(self, x):
+        return x @ self.scale
+
+
+def nothing_to_train(buffers_only: bool = False) -> Task:
+    """A model with nothing to train: every parameter frozen, or (buffers_only) a buffer and no parameter."""
+    model = _Scaled() if buffers_only else nn.Linear(8, 1).requires_grad_(False)
+    return Task(model=model, dataset=_Regression(), loss_fn=nn.functional.mse_loss)
+
+
 def sized(width: int, scale: float = 1.0, bias: bool = True, note: str = "", out: Path | None = None) -> Task:
     """A factory with arguments (--task-arg width=16 ...): the model's shape shows what it received."""
     if out is not None:

@@ -318,6 +318,20 @@ def test_a_data_set_the_run_cannot_use_is_refused_before_launch(task, args, line
     assert not launched and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("args", [[], ["--task-arg", "buffers_only=true"]], ids=["frozen", "buffers-only"])
+def test_a_model_with_nothing_to_train_is_refused_before_launch(args, tmp_path, monkeypatch, capsys):
+    """A task whose model has no parameter that requires a gradient (all frozen, or buffers only): one line naming
+    --task, exit 2, no rank started (not DDP's "not needed" error from every rank after the launch)."""
+    launched = []
+    monkeypatch.setattr("ddp_amp.launch.session.run_launch", lambda launch, display: launched.append(launch))
+    task = f"{USER_TASKS}:nothing_to_train"
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", task, *args, "--steps", "2", "--run-dir",
+                             str(tmp_path / "run")], capsys)
+    assert code == 2 and one_line(err) == (f"ddp-amp: error: --task {task}: its model has no parameter to train "
+                                           "(none with requires_grad=True); give Task.model one")
+    assert not launched and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(("task", "left_out"), [
     (f"{USER_TASKS}:weighted_items", ("y", "weight")),
     (f"{USER_TASKS}:bert_with_a_text_column", ("text",)),

@@ -181,7 +181,7 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
     (the Task contract, and --batch-size against its length), --init-from (what it loads), --eval-every and
     --keep-best. Returns what --init-from loads and the batch fields the model's forward does not take."""
     from ddp_amp.errors import RankSetupError
-    from ddp_amp.rank.setup import check_task_contract
+    from ddp_amp.rank.setup import check_something_to_train, check_task_contract
     from ddp_amp.tasks.batches import fields_left_out
 
     task = task_for_checks(config, factory)
@@ -193,6 +193,10 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
         raise UsageError(str(exc)) from None
     except Exception:  # an item the meta-built data set cannot give (an .item() on its tensors): the ranks check
         pass
+    try:
+        check_something_to_train(task, config.task)
+    except RankSetupError as exc:
+        raise UsageError(str(exc)) from None
     if config.eval_every or config.keep_best:
         check_validation(config, task)
     try:

@@ -266,11 +266,16 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
 
 def script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
     """The verdict of a script stopped by a signal: for a ddp_amp.loop script that stopped at an agreed step,
-    what the built-in loop's says (the step, the checkpoint, how to continue); else the signal passed on."""
+    what the built-in loop's says (the step, the checkpoint, how to continue); else the signal passed on, and
+    where a loop script's work is when it did not get to its stop (killed after --stop-timeout in a slow
+    checkpoint write, or stopped before its loop's stop took effect): the newest complete checkpoint."""
     loop = record.get("loop") or {}
     step, checkpoint = loop.get("stopped_at_step"), loop.get("checkpoint")
     if step is None:
-        return f"{signalled}: passed on to every rank (each rank's output in {run_dir / 'logs'})"
+        line = f"{signalled}: passed on to every rank (each rank's output in {run_dir / 'logs'})"
+        if kept := newest_checkpoint(run_dir):
+            line += f"; the newest complete checkpoint is {kept} (continue with --resume auto --run-dir {run_dir})"
+        return line
     name = loop.get("stopped_by") or signalled.removeprefix("stopped by ")
     if checkpoint:
         return (f"stopped by {name} at step {step}; checkpoint {checkpoint} (continue with --resume auto --run-dir "

@@ -304,9 +304,14 @@ def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = N
     if record.model_path and step is None:
         say(f"ddp-amp: {name} came after the run had finished; {record.model_path} is written")
         return
-    if step is None:
+    if step is None:  # killed mid-step, or in the stop's checkpoint write: the newest whole one is the work kept
+        from ddp_amp.launch.script import newest_checkpoint
+
+        kept = newest_checkpoint(run_dir)
         raise RunFailed(f"{signalled}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and "
-                        "were killed; nothing of this run kept", exit_code=exit_code)
+                        "were killed; " + (f"the newest complete checkpoint is {kept} (continue with --resume auto "
+                                           f"--run-dir {run_dir})" if kept else "nothing of this run kept"),
+                        exit_code=exit_code)
     if name in signals.Signals.__members__:
         exit_code = 128 + signals.Signals[name].value
     if record.checkpoint:

@@ -292,6 +292,8 @@ class Loop:
         (what restore() takes; or after restore() was called), from where --resume or a restart left it. After
         each step it does the cadence work: reports what log() was given, saves every --checkpoint-every steps,
         and ends the loop on every rank at one step once a stop signal arrived (saved there)."""
+        if not state and self._checkpoints.parts is None:
+            self._check_nothing_asked_of_state()
         start = self.restore(**state) if state else self._checkpoints.resumed_from_step or 0
         for step in range(start, total):
             yield step
@@ -302,6 +304,16 @@ class Loop:
                 self.save(done)
             if self.should_stop(done):
                 return
+
+    def _check_nothing_asked_of_state(self) -> None:
+        """steps() with no state registered: refused where a setting needs it (the checkpoints would not be
+        written, the resume would start over from step 0 beside the earlier run's metrics), not silently run."""
+        every, resume = self.settings.checkpoint_every, self.settings.resume
+        asked = f"--resume {resume}" if resume is not None else f"--checkpoint-every {every}" if every else None
+        if asked:
+            raise LoopError(f"steps(): {asked} and no state to {'resume' if resume is not None else 'checkpoint'}; "
+                            "give steps() the state by name (steps(total, model=model, optimizer=optimizer, ...)), "
+                            "or call restore(...) before it")
 
     def log(self, **metrics: Any) -> None:
         """Metrics of the step in progress (numbers or one-element tensors), reported by steps() after it."""

@@ -178,6 +178,15 @@ def check_task_contract(task: Task, config: TrainConfig, world_size: int | None)
                          f"model(**batch)), but item 0 is {shape}")
 
 
+def check_something_to_train(task: Task, spec: str) -> None:
+    """A model (built, not a function that builds it) with a parameter that requires a gradient: DDP refuses one
+    without ("DistributedDataParallel is not needed ..."), on every rank after the launch."""
+    model = task.model
+    if isinstance(model, torch.nn.Module) and not any(p.requires_grad for p in model.parameters()):
+        raise RankUsageError(f"--task {spec}: its model has no parameter to train (none with requires_grad=True); "
+                             "give Task.model one")
+
+
 def check_room_for_weights(run_dir: Path, model: torch.nn.Module) -> None:
     """Before training: the run dir's file system must hold model.pt, or the trained work would be lost at
     the very end (the write fails, the weights exist nowhere else)."""
@@ -210,6 +219,7 @@ def build_checked_task(config: TrainConfig, env: DistEnv) -> Task:
     # The batch against the data set's length is the launcher's check alone: an elastic job that grows, and
     # bench --max-batch's trials, must not be refused here.
     check_task_contract(task, config, world_size=None)
+    check_something_to_train(task, config.task)
     if env.writes_run_dir:
         check_room_for_weights(Path(config.run_dir), task.model)
     # The randomness of training itself (dropout, augmentation) differs between ranks, or every rank would
