@@ -7,14 +7,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import ddp_amps_run_dir, run_main
 
+GPUS_VISIBLE = torch.cuda.device_count() > 0
 BAD_INPUTS = [  # a rank count is refused under its one name, whichever spelling gave it
     (["--nproc-per-node", "0"], "--nproc-per-node"),
     (["--gpus", "0"], "--nproc-per-node"),
     (["--nproc", "-1"], "--nproc-per-node"),
     (["-n", "abc"], "--nproc-per-node"),
-    (["--gpus", "3", "--device", "cuda"], "--nproc-per-node"),
+    # more ranks than GPUs: named as the rank count where GPUs are visible, as --device cuda where none is
+    (["--gpus", "9", "--device", "cuda"], "--nproc-per-node" if GPUS_VISIBLE else "--device cuda"),
     (["--device", "tpu"], "--device"),
     (["--amp", "maybe"], "--amp"),
     (["--dtype", "fp8"], "--dtype"),
