@@ -147,13 +147,25 @@ def bench_124m(steps: Steps, plan: argparse.Namespace, work: Path, out: Path) ->
     return json.loads(bench.read_text()) if bench.exists() else None
 
 
+def lift_fp8_refusal(work: Path) -> None:
+    """A rehearsal's fp8 runs: torch's CPU kernels emulate fp8, so with ddp-amp's refusal of it on CPU ranks
+    lifted in every process of the steps (a sitecustomize on their path, as tests/system/test_fp8_on_cpu.py
+    does), the 350m part's fp8 half and its figures are rehearsed too."""
+    site = work / "fp8-on-cpu"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import ddp_amp.precision\n\n"
+                                           "ddp_amp.precision.fp8_refusal = lambda *args, **kwargs: None\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-run-out"))
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for the whole run")
     parser.add_argument("--rehearse", action="store_true",
-                        help="on this CPU: the tiny size, eager, the same steps and files (checks this script)")
+                        help="on this CPU: the tiny size, eager, fp8 emulated, the same steps and files (checks "
+                             "this script)")
     args = parser.parse_args()
     plan = argparse.Namespace(device="cuda", large="350m", small="124m", compile=["--compile"],
                               tf32_off=["--tf32", "off"])
@@ -162,6 +174,8 @@ def main() -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-run-"))  # run dirs: model.pt files too large to bring back
+    if args.rehearse:
+        lift_fp8_refusal(work)
     figures: dict = json.loads((out / "gpu-figures.json").read_text()) if (out / "gpu-figures.json").exists() else {}
     with open(out / "gpu-run.log", "a", encoding="utf-8") as log:
         steps = Steps(log, args.deadline)
