@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HELPER_TASKS, assert_ok, last_line, read_summary
+from helpers import HELPER_TASKS, assert_ok, last_line, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +71,11 @@ def test_ranks_killed_in_a_slow_checkpoint_write_after_a_stop_name_the_newest_co
         f"newest complete checkpoint is {run.run_dir / 'checkpoints' / 'step-4.pt'} (continue with --resume auto "
         f"--run-dir {run.run_dir})")
     assert run.wait_until_gone() == []
+    # the killed ranks wrote no summary.json: the launcher's keeps the line, and show gives it
+    record = read_summary(run.run_dir)
+    assert record["launch_failure"] == last_line(stderr).removeprefix("ddp-amp: error: ")
+    shown = run_cli("show", str(run.run_dir), env={"COLUMNS": "1000"})
+    assert f"{run.run_dir.name} stopped: {record['launch_failure']}" in shown.stdout, shown.stdout
 
 
 def test_a_stop_keeps_the_work_without_checkpoint_every(long_run):

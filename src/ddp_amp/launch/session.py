@@ -184,8 +184,13 @@ def _run_and_judge(launch: Launch, display, announce: bool) -> None:
         raise failure
     if failure is not None:
         # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
-        # finished before the stop took effect.
-        report_stop(Path(config.run_dir), config, signalled=str(failure), exit_code=failure.exit_code)
+        # finished before the stop took effect; ranks killed before they stopped wrote no record: this is it.
+        try:
+            report_stop(Path(config.run_dir), config, signalled=str(failure), exit_code=failure.exit_code)
+        except RunFailed as stopped:
+            if launch.kind == "train":
+                record_failure(plan, stopped, time.time() - started, None if config.job_id else launch.nproc)
+            raise
     check_outcome(Path(config.run_dir), config)
     if announce and launch.job is not None:
         report_recovery(config, launch.agent_log, display.view)

@@ -75,8 +75,8 @@ def load_run(path: Path) -> Run:
         state = "unfinished"
     elif summary.outcome is not None:  # a user's script: finished, failed or stopped, as its launcher saw it
         state = summary.outcome
-    elif summary.launch_failure is not None:  # ddp-amp's loop, its ranks failed: the launcher's verdict
-        state = "failed"
+    elif summary.launch_failure is not None:  # ddp-amp's loop, its ranks failed or were killed: the launcher's
+        state = "stopped" if (summary.raw.get("exit_code") or 0) > 128 else "failed"  # verdict (> 128: a signal)
     elif summary.diverged is not None:
         state = "diverged"
     elif summary.stopped_at_step is not None:
