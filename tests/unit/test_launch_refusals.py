@@ -206,6 +206,37 @@ def test_init_from_with_tensors_the_model_lacks_is_refused_unless_not_strict(tmp
     assert not (tmp_path / "strict").exists()
 
 
+def _plant_unreadable(tmp_path, kind: str):
+    """Weights ddp-amp cannot read, as a damaged download or a copy cut short leaves them."""
+    if kind == "safetensors":
+        (tmp_path / "w.safetensors").write_text("garbage, not safetensors\n")
+        return tmp_path / "w.safetensors"
+    directory = tmp_path / kind
+    directory.mkdir()
+    index = directory / "model.safetensors.index.json"
+    index.write_text({"index_not_json": "{", "index_without_weight_map": '{"metadata": {}}',
+                      "index_naming_a_missing_shard": '{"weight_map": {"0.weight": "model-00001.safetensors"}}'}[kind])
+    return directory
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("safetensors", "not a .safetensors file safetensors can read (Error while deserializing header"),
+    ("index_not_json", "model.safetensors.index.json is not JSON"),
+    ("index_without_weight_map", "model.safetensors.index.json has no weight_map"),
+    ("index_naming_a_missing_shard", "model.safetensors.index.json names model-00001.safetensors, which is not "
+                                     "there")])
+def test_init_from_weights_that_cannot_be_read_is_one_line_and_launches_nothing(kind, why, tmp_path, capsys):
+    """A damaged .safetensors file or a save_pretrained directory whose index is broken or incomplete: one line
+    naming the flag, the path and what is wrong, exit 2, no traceback, no run dir."""
+    path = _plant_unreadable(tmp_path, kind)
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--steps", "1", "--init-from", str(path), "--run-dir", str(tmp_path / "run")], capsys)
+    line = one_line(err)
+    assert code == 2 and line.startswith(f"ddp-amp: error: --init-from {path}"), err
+    assert why in line and "Traceback" not in err, line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     target = tmp_path / "ro"
