@@ -237,6 +237,20 @@ def test_init_from_weights_that_cannot_be_read_is_one_line_and_launches_nothing(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("flags, problem", [
+    (["--grad-accum", "5"], "--epochs 1 gives no optimizer step: the data set has 4 batches per rank, fewer than "
+                            "--grad-accum 5"),
+    (["--warmup-steps", "4"], "--warmup-steps 4 must be smaller than the run's 4 optimizer steps"),
+    (["--profile", "3:6"], "--profile 3:6: the run has only 4 steps")])
+def test_epochs_too_short_for_the_options_is_refused_before_launch(flags, problem, tmp_path, capsys):
+    """An --epochs run's length is known from the data set (64 samples, 2 ranks of --batch-size 8: 4 batches
+    per rank): what does not fit in it is one line, exit 2, before any rank starts, as it is for --steps."""
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--batch-size", "8", "--epochs", "1", *flags, "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and one_line(err) == f"ddp-amp: error: {problem}", err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     target = tmp_path / "ro"

@@ -189,6 +189,7 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
         return None, ()
     try:
         check_task_contract(task, config, world_size)
+        check_epochs_length(task, config, world_size)
     except RankSetupError as exc:
         raise UsageError(str(exc)) from None
     except Exception:  # an item the meta-built data set cannot give (an .item() on its tensors): the ranks check
@@ -204,6 +205,20 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
     except Exception:  # a data set or collate_fn the meta device breaks: the ranks run it for real
         left_out = ()
     return (check_init_from(config, task) if config.init_from is not None else None), left_out
+
+
+def check_epochs_length(task, config: TrainConfig, world_size: int | None) -> None:
+    """An --epochs run over a map-style data set: its length in optimizer steps, as the ranks will count it
+    (train.data.RankBatches: each rank ceil(len / world) samples, in batches the last of them short), and what
+    must fit in it; world_size None (an elastic job): the ranks check it."""
+    import math
+
+    from ddp_amp.train.data import is_iterable
+    from ddp_amp.train.schedule import run_length
+
+    if config.epochs is None or world_size is None or is_iterable(task.dataset):
+        return
+    run_length(config, math.ceil(math.ceil(len(task.dataset) / world_size) / config.batch_size))
 
 
 def checks_of_task(config: TrainConfig, world_size: int | None

@@ -39,7 +39,7 @@ from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts
 from ddp_amp.train.parts import Restored, TrainingParts
 from ddp_amp.train.profiling import StepProfiler
-from ddp_amp.train.schedule import build_scheduler
+from ddp_amp.train.schedule import build_scheduler, run_length
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
 
@@ -123,7 +123,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.module, config, self.strategy, self.optimizer_impl)
         self.scaler = self.strategy.grad_scaler(precision)
         self.data = rank_data(task, config, env, device)
-        self.total_steps = self._total_steps()
+        self.total_steps = run_length(config, self.data.batches_per_epoch)
         self.best = BestKeeper(config.keep_best)
         self.loop_state = LoopState(self.best)
         self.parts = TrainingParts(self.strategy, self.module, self.optimizer, build_scheduler(
@@ -165,17 +165,6 @@ class Trainer:
     def position(self) -> tuple[int, int, int]:
         """(optimizer step, micro-step, phase) of the loop right now, for the heartbeat thread."""
         return self.step.position
-
-    def _total_steps(self) -> int:
-        config, batches = self.config, self.data.batches_per_epoch
-        total = config.steps if config.steps is not None else config.epochs * batches // config.grad_accum
-        if total < 1:
-            raise ValueError(f"--epochs {config.epochs} gives no optimizer step: the data set has "
-                             f"{batches} batches per rank, fewer than --grad-accum {config.grad_accum}")
-        if config.warmup_steps >= total:
-            raise ValueError(f"--warmup-steps {config.warmup_steps} must be smaller than the run's "
-                             f"{total} optimizer steps")
-        return total
 
     def _optimizer_state_per_rank(self) -> list[float]:
         """Each rank's optimizer state in MB (a collective, once, at the end: every rank builds its summary)."""
