@@ -248,6 +248,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         config = self.config
+        self.profiler.resumed_at(self.start_step)
         metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
                                    self.reporter, total_steps=self.total_steps, start_step=self.start_step,
                                    time_steps=self.time_steps, micro=self.micro,
