@@ -279,6 +279,17 @@ def test_validation_on_two_ranks_counts_each_sample_once(tmp_path):
     assert summary["validation"]["evaluations"] == 3 and summary["validation"]["seconds_each"] > 0
 
 
+def test_a_metric_some_batches_do_not_report_is_the_mean_over_those_that_do(tmp_path):
+    """val_metrics may leave a metric out of a batch: its mean is over the samples of the batches that report
+    it, each counted once (before, the others counted as zeros: a constant 7 was logged as about 3.6)."""
+    run_dir = tmp_path / "run"
+    assert_ok(spawn(run_dir, "--task", task("metric_on_some_batches"), "--steps", "8", "--batch-size", "4",
+                    "--eval-every", "4", "--keep-best", "val_seven"))
+    evaluations = [m for m in _metrics_lines(run_dir) if "val_loss" in m]
+    assert [(m["step"], m["val_seven"]) for m in evaluations] == [(4, 7.0), (8, 7.0)]
+    assert read_summary(run_dir)["validation"]["val_seven"] == 7.0
+
+
 KEEP_BEST = ["--task", task("val_passes_optimum"), "--steps", "30", "--batch-size", "8", "--eval-every", "2",
              "--checkpoint-every", "2", "--keep", "1", "--keep-best", "val_loss", "--log-every", "2"]
 
