@@ -358,6 +358,30 @@ def test_keep_best_survives_a_resume(tmp_path, keep_best_run):
     assert _assert_best_kept(run_dir) == best
 
 
+def test_an_evaluation_a_stop_cut_short_runs_again_on_resume(tmp_path):
+    """A SIGTERM inside the last step's evaluation: the run stops at that step with its checkpoint, and the
+    resumed run evaluates that step first (before, it never was: no val_ line for it, summary.json's validation
+    empty and --keep-best's choice made without it)."""
+    run_dir = tmp_path / "run"
+    args = ["--task", task("val_passes_optimum"), "--steps", "6", "--batch-size", "8", "--eval-every", "2",
+            "--checkpoint-every", "2", "--keep-best", "val_loss", "--log-every", "2"]
+    stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *FP32_SGD, *args, "--run-dir",
+                              str(run_dir)], capture_output=True, text=True, start_new_session=True,
+                             # loss calls on rank 0: one a step, 3 an evaluation: the 13th is step 6's evaluation
+                             env={**os.environ, "DDP_AMP_TEST_STOP_AT": "13"}, timeout=180)
+    assert stopped.returncode == 143, stopped.stderr
+    assert read_summary(run_dir)["stopped_at_step"] == 6
+    assert [m["step"] for m in _metrics_lines(run_dir) if "val_loss" in m] == [2, 4]
+    assert_ok(spawn(run_dir, *args, "--resume", "auto"))
+    evaluations = [m for m in _metrics_lines(run_dir) if "val_loss" in m]
+    assert [m["step"] for m in evaluations] == [2, 4, 6]
+    summary = read_summary(run_dir)
+    assert summary["validation"]["evaluations"] == 1
+    assert summary["validation"]["val_loss"] == evaluations[-1]["val_loss"]
+    best = min(evaluations, key=lambda m: m["val_loss"])
+    assert summary["best"]["step"] == best["step"] and summary["best"]["value"] == best["val_loss"]
+
+
 def test_keep_best_of_a_metric_the_evaluation_does_not_log_is_one_line_and_keeps_the_trained_weights(tmp_path):
     """Without --eval-every the first evaluation is the last step's: the run is refused there (exit 2), but the
     trained weights are written, not lost to the refusal."""
