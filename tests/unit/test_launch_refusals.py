@@ -251,6 +251,23 @@ def test_epochs_too_short_for_the_options_is_refused_before_launch(flags, proble
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("name", ["model.pt", "model_best.pt", "checkpoints/step-4.pt"])
+def test_init_from_the_run_dirs_own_weights_with_overwrite_is_refused_before_launch(name, tmp_path, capsys):
+    """--overwrite sets the earlier run's files aside before the ranks start: --init-from one of them would
+    be read by no rank (before: every rank failed, 'no such file', exit 1). One line, exit 2, nothing moved."""
+    weights = tmp_path / "buffer.pt"
+    torch.save(_sized_weights(5), weights)
+    run_dir = ddp_amps_run_dir(tmp_path / "run", {name: weights.read_bytes()})
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--steps", "1", "--overwrite", "--init-from", str(run_dir / name), "--run-dir",
+                             str(run_dir)], capsys)
+    assert code == 2 and one_line(err) == (
+        f"ddp-amp: error: --init-from {run_dir / name}: a file of the earlier run in {run_dir}, which --overwrite "
+        "sets aside before the ranks read it; copy it out of the run dir first, or give another --run-dir"), err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     target = tmp_path / "ro"
