@@ -296,6 +296,31 @@ def test_profile_records_exactly_its_window_on_every_rank(tmp_path):
     assert "profile of steps 5-8, rank 0" in result.stdout + result.stderr
 
 
+def test_profile_of_a_resumed_run_records_the_part_of_its_window_it_runs(tmp_path):
+    """Resumed at step 6 with --profile 3:8: steps 7 and 8 are profiled and said to be; resumed past the window
+    (--profile 3:5), nothing is, and nothing claims a profile (before: "profile of steps 3-8", an empty table and
+    no trace)."""
+    import shutil
+
+    spawn(tmp_path / "run", "--device", "cpu", "--steps", "12", "--checkpoint-every", "6", "--keep", "2")
+    for window, profiled in (("3:8", [7, 8]), ("3:5", None)):
+        run_dir = tmp_path / window.replace(":", "-")
+        shutil.copytree(tmp_path / "run" / "checkpoints", run_dir / "checkpoints")
+        result = spawn(run_dir, "--device", "cpu", "--steps", "12", "--checkpoint-every", "6", "--keep", "2",
+                       "--resume", str(run_dir / "checkpoints" / "step-6.pt"), "--profile", window,
+                       "--log-format", "plain")
+        profile = read_summary(run_dir).get("profile")
+        if profiled is None:
+            assert profile is None and not (run_dir / "profile").exists()
+            assert "profile of steps" not in result.stdout + result.stderr
+            continue
+        assert profile["steps"] == profiled and profile["window_s"] > 0
+        calls = {row["name"]: row["calls"] for row in profile["top_ops"]}
+        assert calls.get("Optimizer.step#AdamW.step") == 2, calls
+        assert sorted(p.name for p in (run_dir / "profile").iterdir()) == ["rank0.json.gz", "rank1.json.gz"]
+        assert "profile of steps 7-8, rank 0" in result.stdout + result.stderr
+
+
 def test_compile_trains_the_same_weights_and_reports_the_compile_time(two_rank_run, tmp_path):
     run_dir, _ = two_rank_run
     spawn(tmp_path, *SGD_FP32, "--batch-size", "16", "--compile")

@@ -279,6 +279,17 @@ def test_validation_on_two_ranks_counts_each_sample_once(tmp_path):
     assert summary["validation"]["evaluations"] == 3 and summary["validation"]["seconds_each"] > 0
 
 
+def test_a_metric_some_batches_do_not_report_is_the_mean_over_those_that_do(tmp_path):
+    """val_metrics may leave a metric out of a batch: its mean is over the samples of the batches that report
+    it, each counted once (before, the others counted as zeros: a constant 7 was logged as about 3.6)."""
+    run_dir = tmp_path / "run"
+    assert_ok(spawn(run_dir, "--task", task("metric_on_some_batches"), "--steps", "8", "--batch-size", "4",
+                    "--eval-every", "4", "--keep-best", "val_seven"))
+    evaluations = [m for m in _metrics_lines(run_dir) if "val_loss" in m]
+    assert [(m["step"], m["val_seven"]) for m in evaluations] == [(4, 7.0), (8, 7.0)]
+    assert read_summary(run_dir)["validation"]["val_seven"] == 7.0
+
+
 KEEP_BEST = ["--task", task("val_passes_optimum"), "--steps", "30", "--batch-size", "8", "--eval-every", "2",
              "--checkpoint-every", "2", "--keep", "1", "--keep-best", "val_loss", "--log-every", "2"]
 
@@ -345,6 +356,30 @@ def test_keep_best_survives_a_resume(tmp_path, keep_best_run):
     assert read_summary(run_dir)["stopped_at_step"] > best
     assert_ok(spawn(run_dir, *KEEP_BEST, "--resume", "auto"))
     assert _assert_best_kept(run_dir) == best
+
+
+def test_an_evaluation_a_stop_cut_short_runs_again_on_resume(tmp_path):
+    """A SIGTERM inside the last step's evaluation: the run stops at that step with its checkpoint, and the
+    resumed run evaluates that step first (before, it never was: no val_ line for it, summary.json's validation
+    empty and --keep-best's choice made without it)."""
+    run_dir = tmp_path / "run"
+    args = ["--task", task("val_passes_optimum"), "--steps", "6", "--batch-size", "8", "--eval-every", "2",
+            "--checkpoint-every", "2", "--keep-best", "val_loss", "--log-every", "2"]
+    stopped = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", *FP32_SGD, *args, "--run-dir",
+                              str(run_dir)], capture_output=True, text=True, start_new_session=True,
+                             # loss calls on rank 0: one a step, 3 an evaluation: the 13th is step 6's evaluation
+                             env={**os.environ, "DDP_AMP_TEST_STOP_AT": "13"}, timeout=180)
+    assert stopped.returncode == 143, stopped.stderr
+    assert read_summary(run_dir)["stopped_at_step"] == 6
+    assert [m["step"] for m in _metrics_lines(run_dir) if "val_loss" in m] == [2, 4]
+    assert_ok(spawn(run_dir, *args, "--resume", "auto"))
+    evaluations = [m for m in _metrics_lines(run_dir) if "val_loss" in m]
+    assert [m["step"] for m in evaluations] == [2, 4, 6]
+    summary = read_summary(run_dir)
+    assert summary["validation"]["evaluations"] == 1
+    assert summary["validation"]["val_loss"] == evaluations[-1]["val_loss"]
+    best = min(evaluations, key=lambda m: m["val_loss"])
+    assert summary["best"]["step"] == best["step"] and summary["best"]["value"] == best["val_loss"]
 
 
 def test_keep_best_of_a_metric_the_evaluation_does_not_log_is_one_line_and_keeps_the_trained_weights(tmp_path):

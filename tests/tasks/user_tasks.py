@@ -508,6 +508,18 @@ def with_validation() -> Task:
                 val_dataset=_Line(VAL_SAMPLES, 2.0, 2), val_metrics=_abs_error)
 
 
+def _seven_on_some_batches(output, target):
+    """A metric a batch may not report (here: those whose first target is negative), 7 wherever it is."""
+    return {"abs_error": (output - target).abs().mean(), **({"seven": torch.tensor(7.0)} if target[0] > 0 else {})}
+
+
+def metric_on_some_batches() -> Task:
+    """with_validation, its val_metrics reporting `seven` on some batches only: its mean is 7."""
+    model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    return Task(model=model, dataset=_Line(64, 2.0, 1), loss_fn=nn.functional.mse_loss,
+                val_dataset=_Line(VAL_SAMPLES, 2.0, 2), val_metrics=_seven_on_some_batches)
+
+
 def val_passes_optimum() -> Task:
     """Training pulls the weight from 0 to 2; the validation set's best is 1, passed on the way: its loss falls,
     then rises, so the best step is in the middle of the run."""

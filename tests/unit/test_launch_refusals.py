@@ -206,6 +206,68 @@ def test_init_from_with_tensors_the_model_lacks_is_refused_unless_not_strict(tmp
     assert not (tmp_path / "strict").exists()
 
 
+def _plant_unreadable(tmp_path, kind: str):
+    """Weights ddp-amp cannot read, as a damaged download or a copy cut short leaves them."""
+    if kind == "safetensors":
+        (tmp_path / "w.safetensors").write_text("garbage, not safetensors\n")
+        return tmp_path / "w.safetensors"
+    directory = tmp_path / kind
+    directory.mkdir()
+    index = directory / "model.safetensors.index.json"
+    index.write_text({"index_not_json": "{", "index_without_weight_map": '{"metadata": {}}',
+                      "index_naming_a_missing_shard": '{"weight_map": {"0.weight": "model-00001.safetensors"}}'}[kind])
+    return directory
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("safetensors", "not a .safetensors file safetensors can read (Error while deserializing header"),
+    ("index_not_json", "model.safetensors.index.json is not JSON"),
+    ("index_without_weight_map", "model.safetensors.index.json has no weight_map"),
+    ("index_naming_a_missing_shard", "model.safetensors.index.json names model-00001.safetensors, which is not "
+                                     "there")])
+def test_init_from_weights_that_cannot_be_read_is_one_line_and_launches_nothing(kind, why, tmp_path, capsys):
+    """A damaged .safetensors file or a save_pretrained directory whose index is broken or incomplete: one line
+    naming the flag, the path and what is wrong, exit 2, no traceback, no run dir."""
+    path = _plant_unreadable(tmp_path, kind)
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--steps", "1", "--init-from", str(path), "--run-dir", str(tmp_path / "run")], capsys)
+    line = one_line(err)
+    assert code == 2 and line.startswith(f"ddp-amp: error: --init-from {path}"), err
+    assert why in line and "Traceback" not in err, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--grad-accum", "5"], "--epochs 1 gives no optimizer step: the data set has 4 batches per rank, fewer than "
+                            "--grad-accum 5"),
+    (["--warmup-steps", "4"], "--warmup-steps 4 must be smaller than the run's 4 optimizer steps"),
+    (["--profile", "3:6"], "--profile 3:6: the run has only 4 steps")])
+def test_epochs_too_short_for_the_options_is_refused_before_launch(flags, problem, tmp_path, capsys):
+    """An --epochs run's length is known from the data set (64 samples, 2 ranks of --batch-size 8: 4 batches
+    per rank): what does not fit in it is one line, exit 2, before any rank starts, as it is for --steps."""
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--batch-size", "8", "--epochs", "1", *flags, "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and one_line(err) == f"ddp-amp: error: {problem}", err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["model.pt", "model_best.pt", "checkpoints/step-4.pt"])
+def test_init_from_the_run_dirs_own_weights_with_overwrite_is_refused_before_launch(name, tmp_path, capsys):
+    """--overwrite sets the earlier run's files aside before the ranks start: --init-from one of them would
+    be read by no rank (before: every rank failed, 'no such file', exit 1). One line, exit 2, nothing moved."""
+    weights = tmp_path / "buffer.pt"
+    torch.save(_sized_weights(5), weights)
+    run_dir = ddp_amps_run_dir(tmp_path / "run", {name: weights.read_bytes()})
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--task-arg", "width=5",
+                             "--steps", "1", "--overwrite", "--init-from", str(run_dir / name), "--run-dir",
+                             str(run_dir)], capsys)
+    assert code == 2 and one_line(err) == (
+        f"ddp-amp: error: --init-from {run_dir / name}: a file of the earlier run in {run_dir}, which --overwrite "
+        "sets aside before the ranks read it; copy it out of the run dir first, or give another --run-dir"), err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     target = tmp_path / "ro"

@@ -35,7 +35,11 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
         except ImportError:
             raise WeightsError(f"{path}: reading .safetensors needs the safetensors package (pip install "
                                "safetensors)") from None
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except Exception as exc:  # a damaged download, a copy cut short: safetensors' own error, one line
+            raise WeightsError(f"{path}: not a .safetensors file safetensors can read ({_first_line(exc)})") \
+                from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -73,7 +77,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
             raise WeightsError(f"{path}: a sharded checkpoint that cannot be read: incomplete (no "
                                f"{sharded.DCP_METADATA_FILE} or {sharded.EXTRAS_FILE})")
         elif index := next((path / name for name in INDEX_FILES if (path / name).is_file()), None):
-            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            for shard in _shards_of(index):
                 state.update(_load_file(path / shard))
         elif found := next((path / name for name in PRETRAINED_FILES if (path / name).is_file()), None):
             state = _load_file(found)
@@ -83,6 +87,26 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         state = _load_file(path)
     return {_unwrapped(name): tensor for name, tensor in state.items()}
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
+
+
+def _shards_of(index: Path) -> list[str]:
+    """The files a save_pretrained index (`*.index.json`) names, each there: else one line saying what is wrong."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise WeightsError(f"{index.parent}: {index.name} is not JSON (an object with a weight_map)") from None
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index.parent}: {index.name} has no weight_map (tensor name -> file)")
+    shards = sorted(set(map(str, weight_map.values())))
+    if missing := [shard for shard in shards if not (index.parent / shard).is_file()]:
+        raise WeightsError(f"{index.parent}: {index.name} names {_first(missing)}, "
+                           f"{'which is' if len(missing) == 1 else 'which are'} not there")
+    return shards
 
 
 def _unwrapped(name: str) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
+from ddp_amp.launch import run_dir as run_dirs
 from ddp_amp.launch.devices import device_facts
 from ddp_amp.launch.option_checks import check_ddp_options, check_max_memory, check_tensorboard, check_trackers
 from ddp_amp.launch.run_dir import EARLIER_RUN_DIRS, EARLIER_RUN_FILES, prepare_run_dir, running_job, running_job_id
@@ -189,6 +190,7 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
         return None, ()
     try:
         check_task_contract(task, config, world_size)
+        check_epochs_length(task, config, world_size)
     except RankSetupError as exc:
         raise UsageError(str(exc)) from None
     except Exception:  # an item the meta-built data set cannot give (an .item() on its tensors): the ranks check
@@ -204,6 +206,20 @@ def check_task_options(config: TrainConfig, factory, world_size: int | None
     except Exception:  # a data set or collate_fn the meta device breaks: the ranks run it for real
         left_out = ()
     return (check_init_from(config, task) if config.init_from is not None else None), left_out
+
+
+def check_epochs_length(task, config: TrainConfig, world_size: int | None) -> None:
+    """An --epochs run over a map-style data set: its length in optimizer steps, as the ranks will count it
+    (train.data.RankBatches: each rank ceil(len / world) samples, in batches the last of them short), and what
+    must fit in it; world_size None (an elastic job): the ranks check it."""
+    import math
+
+    from ddp_amp.train.data import is_iterable
+    from ddp_amp.train.schedule import run_length
+
+    if config.epochs is None or world_size is None or is_iterable(task.dataset):
+        return
+    run_length(config, math.ceil(math.ceil(len(task.dataset) / world_size) / config.batch_size))
 
 
 def checks_of_task(config: TrainConfig, world_size: int | None
@@ -245,22 +261,28 @@ def check_validation(config: TrainConfig, task) -> None:
                              "(the task declares no val_metrics)")
 
 
-def _resumed(config: TrainConfig, world_size: int | None) -> tuple[TrainConfig, bool]:
+def _resumed(config: TrainConfig, world_size: int | None, overwrite: bool) -> tuple[TrainConfig, bool]:
     """--resume resolved to its checkpoint, and whether the launch starts over: --resume auto with no checkpoint
     clears an unfinished earlier attempt's files (no checkpoint, no model.pt), as --overwrite would. Only when
     there are some: the first attempt of a multinode job in a shared run dir must not set aside another node's
-    config.json."""
-    if config.resume is None:
-        return config, False
-    from ddp_amp.launch.forkserver import WarmChildDied, call_warm
+    config.json. An --init-from file that either sets aside is refused: no rank could read it."""
+    starting_over = False
+    if config.resume is not None:
+        from ddp_amp.launch.forkserver import WarmChildDied, call_warm
 
-    try:  # reading a checkpoint takes torch: in a child of the fork server, which has it imported
-        resume = call_warm(resolve_resume, config, world_size)
-    except WarmChildDied:
-        resume = resolve_resume(config, world_size)
-    config = config.replace(resume=resume)
-    return config, config.resume is None and any(
-        (Path(config.run_dir) / name).exists() for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS))
+        try:  # reading a checkpoint takes torch: in a child of the fork server, which has it imported
+            resume = call_warm(resolve_resume, config, world_size)
+        except WarmChildDied:
+            resume = resolve_resume(config, world_size)
+        config = config.replace(resume=resume)
+        starting_over = config.resume is None and any(
+            (Path(config.run_dir) / name).exists() for name in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS))
+    if config.init_from and (overwrite or starting_over) and run_dirs.set_aside_by_clearing(
+            Path(config.run_dir), config.init_from):
+        raise UsageError(f"--init-from {config.init_from}: a file of the earlier run in {config.run_dir}, which "
+                         f"{'--overwrite' if overwrite else '--resume auto (no checkpoint: it starts over)'} sets "
+                         "aside before the ranks read it; copy it out of the run dir first, or give another --run-dir")
+    return config, starting_over
 
 
 def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc", overwrite: bool = False,
@@ -296,7 +318,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     # bench --max-batch tries sizes past the data set's length on purpose: its trials are not refused.
     init, left_out = checks_of_task(config, world_size if batch_check else None)
     asked_resume = config.resume
-    config, starting_over = _resumed(config, world_size)
+    config, starting_over = _resumed(config, world_size, overwrite)
     # Last, so that a rejected launch leaves nothing behind.
     joining = config.job_id if config.elastic else None
     joins = joining is not None and running_job(Path(config.run_dir)) == joining

@@ -92,6 +92,15 @@ def clear_earlier_run(path: Path, names: tuple[str, ...] | None = None) -> Path 
     return aside if moved else None
 
 
+def set_aside_by_clearing(path: Path, file: str | Path) -> bool:
+    """Whether `file` is among the earlier run's files that clear_earlier_run moves out of the run dir `path`."""
+    try:
+        inside = Path(file).resolve().relative_to(path.resolve()).parts
+    except ValueError:
+        return False
+    return bool(inside) and inside[0] in (*EARLIER_RUN_FILES, *EARLIER_RUN_DIRS, CONFIG_FILE, "config.toml")
+
+
 def put_back_logs(path: Path, before: dict[str, int]) -> None:
     """After a resumed launch that did not train: the logs it appended to cut back to their earlier sizes, the
     logs it started removed (its own record of what happened is kept in FAILED_LAUNCH_DIR)."""

@@ -3,8 +3,9 @@
 Every rank evaluates a disjoint share of the validation set: a map-style set's indices r, r + W, ... with no
 padding (DistributedSampler pads it with duplicates so that it divides by the world size, pytorch#25162, which
 skews every metric), an iterable's items split as the training's are. Each batch's means are weighted by its
-sample count and summed on the device; one all-reduce of the sums and the count per evaluation gives every
-rank the means over the whole set, each sample counted once: the loss of one process over the whole set.
+sample count and summed on the device, each metric with its own count (a batch may leave a val_metric out);
+one all-reduce of the sums and the counts per evaluation gives every rank the means over the whole set, each
+sample counted once: the loss of one process over the whole set.
 
 The plain module is evaluated, not the DDP wrapper: its forward would broadcast buffers, a collective that
 ranks holding different numbers of batches would not all join. Eval mode, autocast, no gradients. A sharded
@@ -31,6 +32,9 @@ from ddp_amp.tasks.batches import forward, output_loss
 from ddp_amp.train.data import is_iterable, to_device
 from ddp_amp.train.iterable_data import IterableShard, shards_itself
 from ddp_amp.train.microbatch import batch_length
+
+COUNT = "#count"
+"""The key of a metric's sample count beside its sum (a batch that leaves the metric out does not count)."""
 
 
 def rank_share(dataset: Any, env: DistEnv, sharded: bool) -> Any:
@@ -66,11 +70,15 @@ class Validation:
                 if self.task.val_metrics is not None:
                     values.update({f"val_{name}": value for name, value in
                                    self.task.val_metrics(output, target).items()})
-            for name, value in values.items():
+            for name, value in values.items():  # a metric a batch leaves out is averaged over the others
                 total = torch.as_tensor(value, device=self.device).detach().double() * n
                 sums[name] = sums[name] + total if name in sums else total
-            sums["count"] = sums.get("count", torch.zeros((), dtype=torch.float64, device=self.device)) + n
+                counted_key = f"{name}{COUNT}"
+                sums[counted_key] = sums.get(counted_key, self._zero()) + n
         return sums
+
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _lockstep(self, stop_requested: Callable[[], int | None]) -> Iterator[tuple[Any, bool]]:
         """This rank's batches and whether each counts, as many as the most any rank has: the ranks agree
@@ -112,16 +120,18 @@ class Validation:
         dist.all_reduce(stopped, op=dist.ReduceOp.MAX)  # the default group, CPU or device alike: a flag
         if stopped.item():
             return {}, int(stopped.item())
-        if self.names is None:  # a rank with no batch knows no names: take them from the ranks that have some
+        if self.names is None:  # a rank with no batch knows no names: every name any rank's batches gave
             gathered = [None] * self.env.world_size
-            dist.all_gather_object(gathered, sorted(name for name in sums if name != "count"))
-            self.names = max(gathered, key=len)
-        vector = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=self.device))
-                              for name in [*self.names, "count"]])
-        dist.all_reduce(vector)  # sums and the count over every rank's share
-        *totals, count = vector.tolist()  # host sync: once per evaluation
+            dist.all_gather_object(gathered, sorted(name for name in sums if not name.endswith(COUNT)))
+            self.names = sorted(set().union(*gathered))
+        keys = [*self.names, *(f"{name}{COUNT}" for name in self.names)]
+        vector = torch.stack([sums.get(key, self._zero()) for key in keys])
+        dist.all_reduce(vector)  # each metric's sum and sample count over every rank's share
+        values = vector.tolist()  # host sync: once per evaluation
+        totals, counts = values[:len(self.names)], values[len(self.names):]
         self.seconds.append(time.perf_counter() - started)
-        return {name: (total / count if count else math.nan) for name, total in zip(self.names, totals)}, 0
+        return {name: (total / count if count else math.nan)
+                for name, total, count in zip(self.names, totals, counts)}, 0
 
     def summary(self, train_s: float | None) -> dict[str, Any]:
         total = sum(self.seconds)

@@ -26,6 +26,11 @@ class StepProfiler:
         self.ended_at: float | None = None
         self.top_ops: list[dict[str, Any]] = []
 
+    def resumed_at(self, start_step: int) -> None:
+        """A run resumed after step `start_step` profiles the part of its window it runs; none, past it."""
+        if self.window is not None and self.window[0] <= start_step:
+            self.window = (start_step + 1, self.window[1]) if self.window[1] > start_step else None
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

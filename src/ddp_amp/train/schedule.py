@@ -18,6 +18,25 @@ _FOREVER = 2**62
 ONECYCLE_DIV_FACTOR = 25.0  # OneCycleLR's default: it starts at max_lr / 25
 
 
+def run_length(config, batches_per_epoch: int) -> int:
+    """The run's optimizer steps: --steps, or --epochs of `batches_per_epoch` batches per rank, --grad-accum of
+    them a step; what must fit in them (--warmup-steps, --profile) checked against it (RankUsageError). The
+    launcher checks an --epochs run with it before any rank starts (launch.preflight), the ranks again."""
+    from ddp_amp.config import parse_window
+    from ddp_amp.errors import RankUsageError
+
+    total = config.steps if config.steps is not None else config.epochs * batches_per_epoch // config.grad_accum
+    if total < 1:
+        raise RankUsageError(f"--epochs {config.epochs} gives no optimizer step: the data set has "
+                             f"{batches_per_epoch} batches per rank, fewer than --grad-accum {config.grad_accum}")
+    if config.warmup_steps >= total:
+        raise RankUsageError(f"--warmup-steps {config.warmup_steps} must be smaller than the run's {total} "
+                             "optimizer steps")
+    if config.profile is not None and parse_window(config.profile)[1] > total:
+        raise RankUsageError(f"--profile {config.profile}: the run has only {total} steps")
+    return total
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, total_steps: int, warmup_steps: int,
                     min_lr_ratio: float) -> lr_scheduler.LRScheduler:
     """The scheduler for `total_steps` optimizer steps, the first `warmup_steps` of them a linear warm-up.

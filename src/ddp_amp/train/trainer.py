@@ -39,7 +39,7 @@ from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts
 from ddp_amp.train.parts import Restored, TrainingParts
 from ddp_amp.train.profiling import StepProfiler
-from ddp_amp.train.schedule import build_scheduler
+from ddp_amp.train.schedule import build_scheduler, run_length
 from ddp_amp.train.step import LOG, AmpStep
 from ddp_amp.train.stop import StopAgreement
 
@@ -69,17 +69,20 @@ class Checkpointer(Protocol):
 
 @dataclass
 class LoopState:
-    """The loop's own part of a checkpoint: the optimizer steps fp16 skipped so far, the best evaluation so far."""
+    """The loop's own part of a checkpoint: the optimizer steps fp16 skipped so far, the best evaluation so far,
+    and the step whose evaluation a stop cut short (a resumed run evaluates it first)."""
 
     best: BestKeeper
     skipped_steps: int = 0
+    unevaluated: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped_steps": self.skipped_steps, "best": self.best.best}
+        return {"skipped_steps": self.skipped_steps, "best": self.best.best, "unevaluated": self.unevaluated}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = state["skipped_steps"]
         self.best.best = state.get("best")  # the best evaluation so far, over the run's attempts
+        self.unevaluated = state.get("unevaluated")
 
 
 def micro_batches(config: TrainConfig) -> MicroBatches | None:
@@ -123,7 +126,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.module, config, self.strategy, self.optimizer_impl)
         self.scaler = self.strategy.grad_scaler(precision)
         self.data = rank_data(task, config, env, device)
-        self.total_steps = self._total_steps()
+        self.total_steps = run_length(config, self.data.batches_per_epoch)
         self.best = BestKeeper(config.keep_best)
         self.loop_state = LoopState(self.best)
         self.parts = TrainingParts(self.strategy, self.module, self.optimizer, build_scheduler(
@@ -165,17 +168,6 @@ class Trainer:
     def position(self) -> tuple[int, int, int]:
         """(optimizer step, micro-step, phase) of the loop right now, for the heartbeat thread."""
         return self.step.position
-
-    def _total_steps(self) -> int:
-        config, batches = self.config, self.data.batches_per_epoch
-        total = config.steps if config.steps is not None else config.epochs * batches // config.grad_accum
-        if total < 1:
-            raise ValueError(f"--epochs {config.epochs} gives no optimizer step: the data set has "
-                             f"{batches} batches per rank, fewer than --grad-accum {config.grad_accum}")
-        if config.warmup_steps >= total:
-            raise ValueError(f"--warmup-steps {config.warmup_steps} must be smaller than the run's "
-                             f"{total} optimizer steps")
-        return total
 
     def _optimizer_state_per_rank(self) -> list[float]:
         """Each rank's optimizer state in MB (a collective, once, at the end: every rank builds its summary)."""
@@ -259,6 +251,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         config = self.config
+        self.profiler.resumed_at(self.start_step)
         metrics = MetricsProcessor(config, self.env, self.device, self.task, self.scaler, self.profiler,
                                    self.reporter, total_steps=self.total_steps, start_step=self.start_step,
                                    time_steps=self.time_steps, micro=self.micro,
@@ -272,7 +265,7 @@ class Trainer:
         data_left = self.data.can_run(self.start_step)  # iterable data: whether every rank has a first step
         metrics.prepare_utilisation(self.precision.name)
         self.model.train()
-        for step in range(self.start_step, self.total_steps if data_left else self.start_step):
+        for step in range(self.start_step, self._loop_end(metrics, data_left)):
             number = step + 1
             self.profiler.before_step(number)
             lr = self.scheduler.get_last_lr()[0]
@@ -317,12 +310,22 @@ class Trainer:
         summary = self._summary(steps_done, metrics.summary(steps_done), diverged)
         return TrainResult(summary=summary, model=self.module, step_s=metrics.step_s)
 
+    def _loop_end(self, metrics: MetricsProcessor, data_left: bool) -> int:
+        """The step the loop runs to; first, the evaluation a stop cut short at the step this run resumes from
+        (a stop in it again ends the run there)."""
+        if self.validation is not None and self.start_step and self.loop_state.unevaluated == self.start_step:
+            with metrics.paused():
+                self.evaluate(self.start_step)
+        return self.total_steps if data_left and self.stopped_at is None else self.start_step
+
     def evaluate(self, number: int) -> None:
         """The validation at optimizer step `number` (every rank), logged; the best so far kept as model_best.pt."""
         values, signum = self.validation.run(self.module, self.stop_signal)
         if signum:  # stopped while it evaluated: the ranks stop at this step, with its checkpoint
             self.stopped_at, self.stopped_by = number, signum
+            self.loop_state.unevaluated = number
             return
+        self.loop_state.unevaluated = None
         self.last_validation = values
         self.reporter.on_eval({"step": number, **values})
         if self.best.offer(number, values, last=number == self.total_steps) and \
