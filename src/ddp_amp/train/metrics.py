@@ -252,10 +252,13 @@ class MetricsProcessor:
     def counting_flops(self):
         """Around each step until one is counted, for a task that does not count its FLOPs: torch's
         FlopCounterMode counts the forward and backward's matmuls and convolutions on this rank (attention too
-        where its kernel is one the counter knows; a CPU's scaled_dot_product_attention is not). A step in which
-        --micro-batch auto changed its size (a try that ran out of memory, then the same batch again) is not
-        taken: the next one is counted."""
-        if self.flops_counted or self.config.compile:
+        where its kernel is one the counter knows; a CPU's scaled_dot_product_attention is not). Not while
+        --micro-batch auto is still finding its size: the counter's module tracker holds a pass that ran out of
+        memory (its backward never ended) until the mode exits, so the retry would run beside the failed pass's
+        activations and halve again for nothing; nor a step in which the size changed anyway (the same batch
+        run twice): the next one is counted."""
+        if self.flops_counted or self.config.compile or (self.micro is not None and self.micro.auto
+                                                         and not self.micro.settled):
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
