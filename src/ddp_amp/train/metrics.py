@@ -255,20 +255,18 @@ class MetricsProcessor:
         where its kernel is one the counter knows; a CPU's scaled_dot_product_attention is not). Not while
         --micro-batch auto is still finding its size: the counter's module tracker holds a pass that ran out of
         memory (its backward never ended) until the mode exits, so the retry would run beside the failed pass's
-        activations and halve again for nothing; nor a step in which the size changed anyway (the same batch
-        run twice): the next one is counted."""
+        activations and halve again for nothing. A settled size never changes (an out-of-memory then is an
+        error), so the step counted is a plain one: the first settled step."""
         if self.flops_counted or self.config.compile or (self.micro is not None and self.micro.auto
                                                          and not self.micro.settled):
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
 
-        changes = len(self.micro.changes) if self.micro is not None else 0
         with FlopCounterMode(display=False) as counter:
             yield
-        if changes == (len(self.micro.changes) if self.micro is not None else 0):
-            self.flops_counted = True
-            self.flops_per_sample = counter.get_total_flops() / self.samples_per_step or None
+        self.flops_counted = True
+        self.flops_per_sample = counter.get_total_flops() / self.samples_per_step or None
 
     def utilisation(self, samples_per_s: float) -> dict[str, float]:
         """The training FLOP/s per rank (`tflops_per_rank`) and, against the rank's peak, the model FLOPs
