@@ -93,7 +93,7 @@ class TrainConfig:
     """Split each rank's --batch-size into micro-batches of N samples (gradients accumulated, the all-reduce
     once a step, each weighted by its share of the batch's samples, or of the global batch's tokens for a loss
     over tokens: the mathematics stay the full batch's); auto: start from the whole batch and halve it on every
-    rank when any rank runs out of memory, rerunning the same batch."""
+    rank when any rank runs out of memory, rerunning the same batch. Validation batches are that size too."""
     max_memory: float | None = None
     """Cap each rank's memory at this many GB (CUDA: the caching allocator's share of the GPU; CPU: RLIMIT_DATA),
     to rehearse a smaller device or bound --micro-batch auto."""

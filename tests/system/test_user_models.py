@@ -290,6 +290,20 @@ def test_a_metric_some_batches_do_not_report_is_the_mean_over_those_that_do(tmp_
     assert read_summary(run_dir)["validation"]["val_seven"] == 7.0
 
 
+def test_validation_batches_are_the_training_pieces_not_the_whole_batch(tmp_path):
+    """--batch-size 8 --micro-batch 3: every validation batch holds at most 3 samples, as every training piece
+    does (the whole batch at once could need more memory than the training's pieces)."""
+    run_dir = tmp_path / "run"
+    assert_ok(spawn(run_dir, "--task", task("reports_validation_batches"), "--steps", "2", "--batch-size", "8",
+                    "--micro-batch", "3", "--eval-every", "1"))
+    size = 3
+    shares = [len(range(rank, 37, 2)) for rank in range(2)]  # user_tasks.VAL_SAMPLES: 19 and 18 samples
+    batches = [min(size, share - start) for share in shares for start in range(0, share, size)]
+    expected = sum(n * n for n in batches) / sum(batches)  # each batch's size, weighted by its samples
+    assert [m["val_batch_samples"] for m in _metrics_lines(run_dir) if "val_loss" in m] == \
+        [pytest.approx(expected)] * 2
+
+
 KEEP_BEST = ["--task", task("val_passes_optimum"), "--steps", "30", "--batch-size", "8", "--eval-every", "2",
              "--checkpoint-every", "2", "--keep", "1", "--keep-best", "val_loss", "--log-every", "2"]
 

@@ -513,6 +513,18 @@ def _seven_on_some_batches(output, target):
     return {"abs_error": (output - target).abs().mean(), **({"seven": torch.tensor(7.0)} if target[0] > 0 else {})}
 
 
+def _batch_samples(output, target):
+    """Each validation batch's own sample count: its sample-weighted mean is sum(n^2) / sum(n)."""
+    return {"batch_samples": torch.tensor(float(target.shape[0]))}
+
+
+def reports_validation_batches() -> Task:
+    """with_validation, its one metric the size of the batch it was computed on."""
+    task = with_validation()
+    task.val_metrics = _batch_samples
+    return task
+
+
 def metric_on_some_batches() -> Task:
     """with_validation, its val_metrics reporting `seven` on some batches only: its mean is 7."""
     model = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))

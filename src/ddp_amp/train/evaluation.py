@@ -5,7 +5,9 @@ padding (DistributedSampler pads it with duplicates so that it divides by the wo
 skews every metric), an iterable's items split as the training's are. Each batch's means are weighted by its
 sample count and summed on the device, each metric with its own count (a batch may leave a val_metric out);
 one all-reduce of the sums and the counts per evaluation gives every rank the means over the whole set, each
-sample counted once: the loss of one process over the whole set.
+sample counted once: the loss of one process over the whole set. Batches are as large as the training's pieces
+(--micro-batch N, or the size auto settled on), not the whole --batch-size: a forward without gradients keeps
+no activations, but a GPT's fp32 logits at the whole batch can need more memory than training at a micro-batch.
 
 The plain module is evaluated, not the DDP wrapper: its forward would broadcast buffers, a collective that
 ranks holding different numbers of batches would not all join. Eval mode, autocast, no gradients. A sharded
@@ -31,7 +33,7 @@ from ddp_amp.tasks import Task
 from ddp_amp.tasks.batches import forward, output_loss
 from ddp_amp.train.data import is_iterable, to_device
 from ddp_amp.train.iterable_data import IterableShard, shards_itself
-from ddp_amp.train.microbatch import batch_length
+from ddp_amp.train.microbatch import MicroBatches, batch_length
 
 COUNT = "#count"
 """The key of a metric's sample count beside its sum (a batch that leaves the metric out does not count)."""
@@ -46,15 +48,22 @@ def rank_share(dataset: Any, env: DistEnv, sharded: bool) -> Any:
 
 class Validation:
     def __init__(self, task: Task, env: DistEnv, device: torch.device, precision: Precision, *, batch_size: int,
-                 spec: str, lockstep: bool = False) -> None:
+                 spec: str, lockstep: bool = False, micro: MicroBatches | None = None) -> None:
         self.task, self.env, self.device, self.precision, self.spec = task, env, device, precision, spec
         self.lockstep = lockstep
         """Every rank runs each forward together (a sharded model's forward is a collective)."""
-        self.loader = DataLoader(rank_share(task.val_dataset, env, task.data_sharded), batch_size=batch_size,
-                                 collate_fn=task.collate_fn, pin_memory=device.type == "cuda")
+        self.share = rank_share(task.val_dataset, env, task.data_sharded)
+        self.batch_size, self.micro = batch_size, micro
         self.names: list[str] | None = None
         """val_loss and val_<metric>, in order: fixed by the first evaluation, the same on every rank."""
         self.seconds: list[float] = []
+
+    @property
+    def loader(self) -> DataLoader:
+        """This rank's share in batches of the training's piece size now (auto's may have halved since)."""
+        size = min(self.micro.size, self.batch_size) if self.micro is not None else self.batch_size
+        return DataLoader(self.share, batch_size=size, collate_fn=self.task.collate_fn,
+                          pin_memory=self.device.type == "cuda")
 
     def _sums(self, module: torch.nn.Module, stop_requested: Callable[[], int | None]) -> dict[str, torch.Tensor]:
         sums: dict[str, torch.Tensor] = {}

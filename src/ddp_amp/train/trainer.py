@@ -154,7 +154,7 @@ class Trainer:
         self.data_ended_at: int | None = None
         """Iterable data: the step after which some rank's data ran out, where every rank stopped."""
         self.validation = (Validation(task, env, device, precision, batch_size=config.batch_size, spec=config.task,
-                                      lockstep=self.strategy.lockstep_evaluation)
+                                      lockstep=self.strategy.lockstep_evaluation, micro=self.micro)
                            if task.val_dataset is not None else None)
         if self.validation is None and (config.eval_every or config.keep_best):
             raise RankUsageError(f"--task {config.task}: --eval-every and --keep-best need Task.val_dataset, and "
