@@ -13,6 +13,7 @@ import torch
 from helpers import USER_TASKS, assert_ok, last_line, launch, load_weights, read_summary, run_cli
 
 from ddp_amp.checkpoint.sharded import read_model
+from ddp_amp.checkpoint.weights import read_weights
 
 pytestmark = pytest.mark.slow
 
@@ -370,6 +371,55 @@ def test_keep_best_survives_a_resume(tmp_path, keep_best_run):
     assert read_summary(run_dir)["stopped_at_step"] > best
     assert_ok(spawn(run_dir, *KEEP_BEST, "--resume", "auto"))
     assert _assert_best_kept(run_dir) == best
+
+
+@pytest.mark.parametrize(("best_checkpoint_left", "checkpoint_format"),
+                         [(True, "single"), (True, "sharded"), (False, "single")])
+def test_a_resume_from_before_the_last_best_keeps_model_best_the_checkpoints_best(tmp_path, best_checkpoint_left,
+                                                                                   checkpoint_format):
+    """A --keep-best run stopped past its best, resumed from the checkpoint two steps before that best (whose best
+    is its own step) and stopped before any evaluation: model_best.pt (the later best's weights) is rewritten
+    from that step's checkpoint, and summary.json names that step; where that checkpoint is gone from the run
+    (resumed from a copy), a line says so and no best is claimed (before: summary.json named the earlier step
+    beside the later step's weights)."""
+    flags = [*KEEP_BEST[:KEEP_BEST.index("--keep")], "--keep", "100", *KEEP_BEST[KEEP_BEST.index("--keep") + 2:],
+             "--checkpoint-format", checkpoint_format]
+    suffix = ".pt" if checkpoint_format == "single" else ""
+    assert_ok(spawn(tmp_path / "whole", *flags))
+    later_best = read_summary(tmp_path / "whole")["best"]["step"]
+    run_dir = tmp_path / "run"
+    stopped = launch(run_dir, *FP32_SGD, *flags, own_session=True, env={
+        # loss calls: one a step, and the evaluations' batches (3 a rank, every 2 steps)
+        "DDP_AMP_TEST_STOP_AT": str((later_best + 1) * 5 // 2), "DDP_AMP_TEST_STEP_SLEEP": "0.05"})
+    assert stopped.returncode == 143, stopped.stderr
+    assert read_summary(run_dir)["stopped_at_step"] > later_best == read_summary(run_dir)["best"]["step"]
+    checkpoints = run_dir / "checkpoints"
+    resumed_from = checkpoints / f"step-{later_best - 2}{suffix}"
+    recorded = torch.load(resumed_from, weights_only=True)["trainer"]["best"] if suffix else \
+        torch.load(resumed_from / "extras.pt", weights_only=True)["trainer"]["best"]
+    assert recorded["step"] < later_best, recorded
+    if not best_checkpoint_left:  # resumed from a copy elsewhere; the run's own pruned
+        (tmp_path / "kept").mkdir()
+        for name in (resumed_from.name, resumed_from.with_suffix(".json").name):
+            (checkpoints / name).rename(tmp_path / "kept" / name)
+        resumed_from = tmp_path / "kept" / resumed_from.name
+    no_evaluation = [flag if flag != "2" or flags[i - 1] != "--eval-every" else "25" for i, flag in enumerate(flags)]
+    stopped = launch(run_dir, *FP32_SGD, *no_evaluation, "--resume", str(resumed_from), own_session=True,
+                     env={"DDP_AMP_TEST_STOP_AT": "1"})  # rank 0's first loss: stopped a step or two on
+    assert stopped.returncode == 143, stopped.stderr
+    summary = read_summary(run_dir)
+    assert summary["stopped_at_step"] < 25
+    model_best = torch.load(run_dir / "model_best.pt", weights_only=True)
+    if best_checkpoint_left:
+        assert f"model_best.pt rewritten from step {recorded['step']}'s checkpoint" in stopped.stderr
+        assert summary["best"]["step"] == recorded["step"]
+        weights = read_weights(checkpoints / f"step-{recorded['step']}{suffix}")
+        assert model_best.keys() == weights.keys()
+        assert all(torch.equal(model_best[key], weights[key]) for key in weights)
+        assert_ok(run_cli("verify", str(run_dir)))
+    else:
+        assert f"does not hold step {recorded['step']}'s weights" in stopped.stderr, stopped.stderr
+        assert "best" not in summary
 
 
 def test_an_evaluation_a_stop_cut_short_runs_again_on_resume(tmp_path):

@@ -71,6 +71,19 @@ class CheckpointManager:
                 self._unlogged.append({"step": step, "blocked_s": round(self.blocked_s[-1], 6),
                                        "waited": self.waits > waits})
 
+    def model_weights(self, step: int) -> dict[str, torch.Tensor] | None:
+        """The model's weights in this run's checkpoint of `step`, read in this process alone (checked against
+        its checksum); None where no such checkpoint is left whole."""
+        from ddp_amp.checkpoint.weights import WeightsError, read_weights
+
+        for path in storage.checkpoints(self.run_dir):
+            if storage.CHECKPOINT_NAME.match(path.name).group(1) == str(step):
+                try:
+                    return read_weights(path)
+                except WeightsError:
+                    continue
+        return None
+
     def take_unlogged(self) -> dict[str, Any]:
         """The saves since the last metrics line, for the next one: {"checkpoints": [{step, blocked_s, waited}]}
         on the ranks that write the run dir (a save comes after its step's line), else nothing."""

@@ -157,6 +157,8 @@ class BestKeeper:
         """{"step", "metric", "value"} of the best evaluation so far (restored on resume)."""
         self.error: str | None = None
         """Why no best was kept: the metric was not logged at the last step's evaluation."""
+        self.checksum: dict[str, Any] | None = None
+        """The checksum record of the model_best.pt written for `best` (train.best_weights), on its writers."""
 
     def offer(self, step: int, values: dict[str, float], *, last: bool = False) -> bool:
         """Whether the evaluation of `step` is the best so far. A metric the evaluation does not log fails the
@@ -177,7 +179,7 @@ class BestKeeper:
         if self.best is not None and not (value < self.best["value"] if self.mode == "min"
                                           else value > self.best["value"]):
             return False
-        self.best = {"step": step, "metric": self.metric, "value": value}
+        self.best, self.checksum = {"step": step, "metric": self.metric, "value": value}, None
         return True
 
 

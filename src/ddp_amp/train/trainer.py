@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 from ddp_amp.config import TrainConfig, parse_window
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankUsageError
-from ddp_amp.outputs import BEST_MODEL_FILE, METRICS_FILE, cut_metrics, save_weights
+from ddp_amp.outputs import BEST_MODEL_FILE, METRICS_FILE, cut_metrics
 from ddp_amp.parallel import strategy_for
 from ddp_amp.parallel.base import on_meta_device
 from ddp_amp.parallel.float8 import float8_layers, to_float8
@@ -30,6 +30,7 @@ from ddp_amp.precision import Precision
 from ddp_amp.tasks import Task
 from ddp_amp.tasks.batches import loss_items_counter
 from ddp_amp.train.batch_search import largest_batch, one_trial
+from ddp_amp.train.best_weights import reconcile, write_best
 from ddp_amp.train.data import RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.evaluation import BestKeeper, Validation
@@ -66,6 +67,8 @@ class Checkpointer(Protocol):
 
     def take_unlogged(self) -> dict[str, Any]: ...
 
+    def model_weights(self, step: int) -> dict[str, torch.Tensor] | None: ...
+
 
 @dataclass
 class LoopState:
@@ -77,11 +80,13 @@ class LoopState:
     unevaluated: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped_steps": self.skipped_steps, "best": self.best.best, "unevaluated": self.unevaluated}
+        return {"skipped_steps": self.skipped_steps, "best": self.best.best, "unevaluated": self.unevaluated,
+                "best_checksum": self.best.checksum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = state["skipped_steps"]
         self.best.best = state.get("best")  # the best evaluation so far, over the run's attempts
+        self.best.checksum = state.get("best_checksum")
         self.unevaluated = state.get("unevaluated")
 
 
@@ -221,6 +226,7 @@ class Trainer:
             self.start_step = restored.step
             if restored.world_size != self.env.world_size and self.config.steps is None:
                 self._follow_progress()
+            reconcile(self.best, self.checkpoints, self.env, self.device, self.reporter.warn)
         if self.checkpoints is not None and self.env.writes_run_dir:
             if restored is None:
                 (self.checkpoints.run_dir / METRICS_FILE).unlink(missing_ok=True)
@@ -330,7 +336,7 @@ class Trainer:
         self.reporter.on_eval({"step": number, **values})
         if self.best.offer(number, values, last=number == self.total_steps) and \
                 (state := self.model_state()) is not None:  # the same on every rank
-            save_weights(Path(self.config.run_dir), state, BEST_MODEL_FILE)
+            write_best(Path(self.config.run_dir), state, self.best)
 
     def _summary(self, steps_done: int, figures: dict[str, Any], diverged: dict[str, Any] | None) -> dict[str, Any]:
         """summary.json's account of the loop: what ran, its figures, and how it ended."""
@@ -388,9 +394,7 @@ class Trainer:
 
         Freed after destroy_process_group, DDP's reducer takes the last reference to the gloo group, whose
         destructor joins gloo's worker threads while holding the GIL, and a worker thread that needs the GIL
-        to free a tensor never finishes: the rank hangs at exit (seen here once in a few dozen runs).
-        """
-        dist.barrier()  # every rank's last collective is complete; nothing is in flight
-        # the loader's workers end too
+        to free a tensor never finishes: the rank hangs at exit (seen here once in a few dozen runs)."""
+        dist.barrier()  # every rank's last collective is complete; nothing is in flight (the loader's workers end)
         del self.module, self.model, self.optimizer, self.scaler, self.parts, self.step, self.data
         gc.collect()
