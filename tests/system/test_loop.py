@@ -327,6 +327,29 @@ def test_a_loop_resumed_on_three_ranks_from_a_two_rank_checkpoint_trains_on_each
     assert samples == list(range(96))
 
 
+UNFINISHED = "ddp_amp.loop: the script ended without finish(): no model.pt and no loop.json written"
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "python"])
+def test_a_script_that_never_calls_finish_is_told_and_its_last_background_write_completes(tmp_path, launcher):
+    """A loop script that forgets finish(): one line says what was not written (rank 0's, once), and the
+    checkpoint written in the background at its last step is whole; under ddp-amp and as `python script.py`."""
+    run, seen = tmp_path / "run", tmp_path / "seen"
+    args = ("--out", str(seen), "--steps", "4", "--no-finish")
+    if launcher == "spawn":
+        result = launch_script(run, TASKS / "loop_samples.py", *args,
+                               options=("--checkpoint-every", "2", "--async-checkpoint"))
+    else:
+        result = subprocess.run([sys.executable, str(TASKS / "loop_samples.py"), *args], capture_output=True,
+                                text=True, timeout=120, cwd=tmp_path)
+        run = tmp_path / "ddp-amp-loop"
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count(UNFINISHED) == 1, result.stderr
+    assert not (run / "model.pt").exists() and not (run / "loop.json").exists()
+    last = run / "checkpoints" / "step-4.pt"
+    assert last.is_file() and torch.load(last, weights_only=True)["step"] == 4
+
+
 def test_under_plain_torchrun_a_restart_continues_from_this_launchs_checkpoint(tmp_path):
     """`torchrun --max-restarts 1` (no ddp-amp; with the store setting docs/scripts.md gives): rank 1 SIGKILLs
     itself at step 7, after the checkpoints of steps 4 and 6 (step 6's may still be in its background write).

@@ -3,7 +3,9 @@ indices, `--batch` per rank; each rank appends the indices of every step's batch
 (one line per step). The run ends at --steps, or (--to-epoch-end) at the end of the first epoch, whatever the world
 size; a checkpoint at --checkpoint-every (given on the command line) and at the end.
 
-    python loop_samples.py --out DIR [--size N] [--batch B] [--steps K | --to-epoch-end]
+    python loop_samples.py --out DIR [--size N] [--batch B] [--steps K | --to-epoch-end] [--no-finish]
+
+--no-finish: the script ends without run.finish() (a mistake ddp_amp.loop names).
 """
 
 import argparse
@@ -33,6 +35,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--to-epoch-end", action="store_true")
+    parser.add_argument("--no-finish", action="store_true")
     args = parser.parse_args()
     run = loop.setup()
     torch.manual_seed(0)
@@ -54,7 +57,8 @@ def main() -> None:
             run.log(loss=loss)
     if run.stopped_at is None:
         run.save(total)
-    run.finish()
+    if not args.no_finish:
+        run.finish()
 
 
 if __name__ == "__main__":

@@ -172,9 +172,8 @@ def test_outside_ddp_amp_a_loop_continues_an_earlier_run_only_when_asked(tmp_pat
         loop.setup(run_dir=str(run_dir))
     assert str(refused.value) == (f"setup(): {run_dir} holds an earlier run (metrics.jsonl, summary.json, loop.json); "
                                   "continue it with setup(resume='auto'), or give another run_dir (setup(run_dir=...))")
-    from ddp_amp.loop import _check_run_dir
     from ddp_amp.loop.settings import LoopSettings
 
-    _check_run_dir(LoopSettings.resolve({"run_dir": str(run_dir), "resume": "auto"}))  # asked: no refusal
+    LoopSettings.resolve({"run_dir": str(run_dir), "resume": "auto"}).check_run_dir()  # asked: no refusal
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    _check_run_dir(LoopSettings.resolve({"run_dir": str(run_dir)}))  # a restart continues
+    LoopSettings.resolve({"run_dir": str(run_dir)}).check_run_dir()  # a restart continues

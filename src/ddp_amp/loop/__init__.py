@@ -28,9 +28,11 @@ checkpoint_due, save, should_stop, full_state_dict) still work: docs/scripts.md.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from ddp_amp.loop.progress import Progress
 from ddp_amp.loop.settings import LoopError, LoopSettings
 from ddp_amp.parallel import strategy_for
 from ddp_amp.precision import autocast
+from ddp_amp.rank.script import at_script_return
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
 from ddp_amp.train.data import RankData
 from ddp_amp.train.stop import StopAgreement
@@ -62,23 +65,8 @@ def setup(**defaults: Any) -> Loop:
     into a stop request that should_stop() agrees on. `defaults`: the script's own settings, which the ddp-amp
     command line overrides."""
     settings = LoopSettings.resolve(defaults)
-    _check_run_dir(settings)
+    settings.check_run_dir()
     return Loop(settings)
-
-
-def _check_run_dir(settings: LoopSettings) -> None:
-    """Outside ddp-amp (plain torchrun, python), the rule ddp-amp's launcher applies before it starts a loop
-    script: a run dir that holds an earlier run is continued only when asked (resume, or a restart by torchrun's
-    agent or Slurm), never started over from step 0 beside the earlier metrics and checkpoints."""
-    from ddp_amp.outputs import earlier_run
-
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
-        int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-    if settings.under_ddp_amp or settings.resume is not None or restarted:
-        return
-    if earlier := earlier_run(Path(settings.run_dir)):
-        raise LoopError(f"setup(): {settings.run_dir} holds an earlier run ({', '.join(earlier)}); continue it with "
-                        "setup(resume='auto'), or give another run_dir (setup(run_dir=...))")
 
 
 class Loop:
@@ -126,6 +114,10 @@ class Loop:
         self._checkpoints = LoopCheckpoints(self)
         self._progress = Progress(self)
         self._finished = False
+        if settings.under_ddp_amp:
+            at_script_return(self._unfinished)
+        else:  # python or torchrun: an uncaught exception leaves sys.last_value before atexit's handlers run
+            atexit.register(lambda: self._unfinished(1 if hasattr(sys, "last_value") else 0))
 
     def prepare(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """`model` moved to this rank's device and wrapped for the run's parallel mode, and each of `optimizers`
@@ -356,6 +348,16 @@ class Loop:
         """This rank's metrics at `step` (numbers or one-element tensors): every --log-every steps, rank 0 appends
         them to metrics.jsonl and each rank shows them in ddp-amp's live view."""
         self._progress.report(step, metrics)
+
+    def _unfinished(self, exit_code: int) -> None:
+        """The script ended: without finish(), the checkpoint write in flight is waited for (its error raised,
+        never lost unsaid) and, where the script ended well, rank 0 says what was not written."""
+        if self._finished:
+            return
+        self._checkpoints.manager.wait()
+        if exit_code == 0 and self.rank == 0:
+            print("ddp_amp.loop: the script ended without finish(): no model.pt and no loop.json written (call "
+                  "run.finish(model=model) once, after the loop)", file=sys.stderr, flush=True)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Every rank: the whole model's state_dict (sharded weights gathered) on rank 0, None on the others."""

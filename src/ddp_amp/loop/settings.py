@@ -78,6 +78,20 @@ class LoopSettings:
             values[name] = tuple(values.get(name) or ())
         return cls(**values)
 
+    def check_run_dir(self) -> None:
+        """Outside ddp-amp (plain torchrun, python), the rule ddp-amp's launcher applies before it starts a loop
+        script: a run dir that holds an earlier run is continued only when asked (resume, or a restart by
+        torchrun's agent or Slurm), never started over from step 0 beside the earlier metrics and checkpoints."""
+        from ddp_amp.outputs import earlier_run
+
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
+            int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+        if self.under_ddp_amp or self.resume is not None or restarted:
+            return
+        if earlier := earlier_run(Path(self.run_dir)):
+            raise LoopError(f"setup(): {self.run_dir} holds an earlier run ({', '.join(earlier)}); continue it "
+                            "with setup(resume='auto'), or give another run_dir (setup(run_dir=...))")
+
     def precision(self, device: torch.device) -> Precision:
         """--amp/--dtype by the core's rules; --amp auto on a CPU (which the core decides by measuring the task's
         own step) is fp32 for a script's loop."""

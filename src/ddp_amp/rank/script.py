@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from ddp_amp.config import Script
@@ -51,6 +52,16 @@ class ScriptFailed(Exception):
     """The script raised: its traceback, as the rank's error."""
 
 
+_AT_RETURN: list[Callable[[int], None]] = []
+
+
+def at_script_return(check: Callable[[int], None]) -> None:
+    """`check(exit_code)` runs once the script has returned (or called sys.exit), before the rank reports its
+    outcome; what it raises is the script's failure. ddp_amp.loop's check that finish() was called: a rank's
+    process ends with os._exit, so atexit's handlers never run there."""
+    _AT_RETURN.append(check)
+
+
 def run_script(script: Script, run_dir: Path) -> int:
     """Run `script` on this rank; its exit status (0, or what it passed to sys.exit). An exception the script
     raised is reported (an error event, the rank's log) and raised again as ScriptFailed."""
@@ -75,6 +86,8 @@ def run_script(script: Script, run_dir: Path) -> int:
     send({"type": "state", "status": "running"})
     try:
         code = _run(script)
+        while _AT_RETURN:
+            _AT_RETURN.pop(0)(code)
     except BaseException as exc:
         text = script_traceback(exc)
         recorder.write(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
