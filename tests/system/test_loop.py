@@ -170,7 +170,9 @@ def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_
         f"steps(): --{name} and no state to {what}; give steps() the state by name (steps(total, model=model, "
         "optimizer=optimizer, ...)), or call restore(...) before it"
         for name, what in (("resume auto", "resume"), ("checkpoint-every 2", "checkpoint"))]
-    assert errors[9] == "finish(): called a second time; call it once, after the loop"
+    assert errors[9] == ("prepare(): the model has no parameter to train (every one frozen, or none); a model "
+                         "that only runs forward needs no prepare(): move it with .to(run.device)")
+    assert errors[10] == "finish(): called a second time; call it once, after the loop"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2.json", "step-2.pt"]
     assert torch.load(checkpoint, weights_only=True)["trainer"]["model"]["weight"].shape == (3, 4)
 

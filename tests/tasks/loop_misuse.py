@@ -1,7 +1,8 @@
 """ddp_amp.loop used wrongly, for the tests, in one process (`python loop_misuse.py --out FILE --checkpoint-of
 DIR`): each wrong call's LoopError line, in order, written to --out as JSON; a --resume of a checkpoint of another
 model (DIR/checkpoints/step-2.pt, written here first by a model of another shape), steps() without the state
-that --resume and --checkpoint-every need, and finish() twice last."""
+that --resume and --checkpoint-every need, prepare() of a model with nothing to train, and finish() twice
+last."""
 
 import argparse
 import json
@@ -58,6 +59,7 @@ def main() -> None:
                       loop.setup(run_dir=f"{args.run_dir}/fresh", checkpoint_every=2)):
         forgetful.prepare(nn.Linear(4, 3))
         found += errors_of([lambda forgetful=forgetful: next(forgetful.steps(4))])
+    found += errors_of([lambda: run.prepare(nn.Linear(4, 3).requires_grad_(False))])
     run.finish()
     found += errors_of([run.finish])
     with open(args.out, "w") as out:

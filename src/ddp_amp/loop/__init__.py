@@ -96,8 +96,7 @@ class Loop:
         self.stopped_at: int | None = None
         self._modules: dict[int, torch.nn.Module] = {}
         """id(what prepare returned) -> the model inside it (what a checkpoint holds)."""
-        self._prepared: list[torch.nn.Module] = []
-        """What prepare returned, in order."""
+        self._prepared: list[torch.nn.Module] = []  # what prepare returned, in order
         self._optimizers: list[torch.optim.Optimizer] = []
         self._owner: dict[int, torch.nn.Module] = {}
         """id(optimizer) -> the model it trains (prepare's)."""
@@ -106,11 +105,9 @@ class Loop:
         self._sync_chosen: set[int] = set()
         """id(model) whose current forward and backward run where the run chose to reduce or not: inside
         accumulate(model), or after autocast(model)."""
-        self._updates: dict[int, OptimizerUpdate] = {}
-        """id(optimizer) -> its update (train.update, the built-in loop's)."""
+        self._updates: dict[int, OptimizerUpdate] = {}  # id(optimizer) -> its update (train.update's)
         self.skipped_steps = 0
-        self._logged: dict[str, Any] = {}
-        """log()'s metrics of the step in progress: steps() reports them after it."""
+        self._logged: dict[str, Any] = {}  # log()'s metrics of the step in progress: steps() reports them after it
         self._checkpoints = LoopCheckpoints(self)
         self._progress = Progress(self)
         self._finished = False
@@ -128,6 +125,9 @@ class Loop:
         if any(name is None for group in groups for name, _ in group):
             raise LoopError("prepare(): an optimizer trains parameters that are not the model's; prepare each model "
                             "with the optimizers of its own parameters")
+        if not any(p.requires_grad for p in model.parameters()):  # DDP and FSDP2 refuse it, in their own words
+            raise LoopError("prepare(): the model has no parameter to train (every one frozen, or none); a model "
+                            "that only runs forward needs no prepare(): move it with .to(run.device)")
         if self.scaler.is_enabled() and any(opt.defaults.get("fused") for opt in optimizers):
             # A fused optimizer takes the scaler's overflow flag itself and is stepped even when it skips: the
             # skip would be seen only through a host sync every step.
