@@ -230,7 +230,9 @@ def markdown(figures: dict) -> list[str]:
         elif dtype in gpt:
             lines.append(f"- gpt {plan['large']} {dtype}: did not finish (gpu-run.log)")
     if "fp8_over_bf16" in gpt:
-        lines.append(f"- fp8 (torchao tensorwise) / bf16 on {plan['large']}: {gpt['fp8_over_bf16']:.2f}x")
+        kept = ", ".join((gpt["fp8"].get("fp8") or {}).get("output_layers_kept") or []) or "no layer"
+        lines.append(f"- fp8 (torchao tensorwise; {kept} kept in bf16) / bf16 on {plan['large']}: "
+                     f"{gpt['fp8_over_bf16']:.2f}x")
     side = figures.get("side-by-side")
     if side:
         ours, theirs = max(side["tokens_per_s"]["ddp-amp"]), max(side["tokens_per_s"]["hand-written"])

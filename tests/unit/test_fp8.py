@@ -43,16 +43,18 @@ def test_a_scripts_loop_is_refused_fp8(tmp_path, capsys):
 
 def test_the_converted_model_holds_the_plain_models_weights(capfd):
     pytest.importorskip("torchao.float8")
-    from ddp_amp.parallel.float8 import float8_layers, to_float8
+    from ddp_amp.parallel.float8 import fp8_summary, to_float8
     from ddp_amp.tasks.gpt import GPT, SIZES
 
     torch.manual_seed(0)
     plain = GPT(SIZES["tiny"])
     converted = to_float8(GPT(SIZES["tiny"]), "rowwise")
     converted.load_state_dict(plain.state_dict())
-    # Every Linear of the blocks computes in fp8 (4 per block); the tied output layer too (vocab 512, width 128).
-    assert float8_layers(converted) == 4 * SIZES["tiny"].layers + 1
-    assert converted.head.weight is converted.tok.weight  # still tied
+    # Every Linear of the blocks computes in fp8 (4 per block); the tied output layer stays nn.Linear, as
+    # torchtitan keeps its output layer (though its shape, vocab 512 by width 128, could compute in fp8).
+    assert fp8_summary(converted, "rowwise") == {"recipe": "rowwise", "layers": 4 * SIZES["tiny"].layers,
+                                                 "output_layers_kept": ["head"]}
+    assert type(converted.head) is torch.nn.Linear and converted.head.weight is converted.tok.weight  # tied
     state = converted.state_dict()
     assert state.keys() == plain.state_dict().keys()
     assert all(value.dtype == torch.float32 for value in state.values())
@@ -63,8 +65,22 @@ def test_the_converted_model_holds_the_plain_models_weights(capfd):
 
 def test_layers_fp8_cannot_compute_stay_as_they_are():
     pytest.importorskip("torchao.float8")
-    from ddp_amp.parallel.float8 import float8_layers, to_float8
+    from ddp_amp.parallel.float8 import fp8_summary, to_float8
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
     to_float8(model, "tensorwise")
-    assert float8_layers(model) == 1 and type(model[2]) is torch.nn.Linear  # 10 outputs: not a multiple of 16
+    assert fp8_summary(model, "tensorwise")["layers"] == 1 and type(model[2]) is torch.nn.Linear  # 10 outputs
+
+
+def test_an_output_layer_by_its_name_stays_in_high_precision():
+    """Hugging Face's `lm_head` and torchtitan's `output`, untied, stay nn.Linear; a layer of another name of
+    the same shape computes in fp8."""
+    pytest.importorskip("torchao.float8")
+    from ddp_amp.parallel.float8 import fp8_summary, to_float8
+
+    model = torch.nn.ModuleDict({"body": torch.nn.Linear(32, 64), "lm_head": torch.nn.Linear(64, 128),
+                                 "output": torch.nn.Linear(64, 128), "outputs": torch.nn.Linear(64, 128)})
+    to_float8(model, "tensorwise")
+    assert fp8_summary(model, "tensorwise") == {"recipe": "tensorwise", "layers": 2,
+                                                "output_layers_kept": ["lm_head", "output"]}
+    assert type(model["outputs"]).__name__ == "Float8Linear"

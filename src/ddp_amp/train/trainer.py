@@ -25,7 +25,7 @@ from ddp_amp.errors import RankUsageError
 from ddp_amp.outputs import BEST_MODEL_FILE, METRICS_FILE, cut_metrics
 from ddp_amp.parallel import strategy_for
 from ddp_amp.parallel.base import on_meta_device
-from ddp_amp.parallel.float8 import float8_layers, to_float8
+from ddp_amp.parallel.float8 import fp8_summary, to_float8
 from ddp_amp.precision import Precision
 from ddp_amp.tasks import Task
 from ddp_amp.tasks.batches import loss_items_counter
@@ -384,8 +384,7 @@ class Trainer:
                     "find_unused_parameters": config.find_unused_parameters,
                     "broadcast_buffers": config.broadcast_buffers, "sync_batchnorm": config.sync_batchnorm},
             **parameter_counts(self.module),
-            **({"fp8": {"recipe": self.precision.fp8_recipe, "layers": float8_layers(self.module)}}
-               if self.precision.fp8_recipe else {}),
+            **({"fp8": fp8_summary(self.module, self.precision.fp8_recipe)} if self.precision.fp8_recipe else {}),
             "torch_version": torch.__version__,
         }
 
