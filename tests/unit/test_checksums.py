@@ -3,6 +3,7 @@ anything loads it, and `ddp-amp verify`. Real files, bytes flipped in place as a
 
 import json
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,6 +162,17 @@ def test_verify_of_a_checksum_record_is_refused_naming_the_file_it_records(recor
     assert one_line(err) == (f"ddp-amp: error: verify {tmp_path / record}: the record written beside "
                              f"{tmp_path / recorded}, not a checkpoint or weights file; verify "
                              f"{tmp_path / recorded} or the run directory")
+
+
+@pytest.mark.parametrize("name", ["config.json", "metrics.jsonl", "logs/rank0.log"])
+def test_verify_of_a_runs_text_file_is_refused_not_called_unreadable(name, tmp_path, capsys):
+    save_weights(tmp_path, _state(0, seed=3)["trainer"]["model"])
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text("{}\n")
+    code, out, err = run_main(["verify", str(tmp_path / name)], capsys)
+    assert code == 2 and out == ""
+    assert one_line(err) == (f"ddp-amp: error: verify {tmp_path / name}: a {Path(name).suffix} file, not a "
+                             "checkpoint or weights file; verify the run directory, a checkpoint or a weights file")
 
 
 def _sharded_checkpoint(run_dir):

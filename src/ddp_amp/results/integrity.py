@@ -20,6 +20,9 @@ from ddp_amp.files import (
 )
 from ddp_amp.outputs import BEST_MODEL_FILE, MODEL_FILE
 
+TEXT_SUFFIXES = (".json", ".jsonl", ".toml", ".log", ".txt", ".yaml", ".yml", ".md", ".csv")
+"""What no weights file is (a run's config.json, metrics.jsonl, a log): refused as input, not called unreadable."""
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -41,6 +44,9 @@ def verify(path: Path) -> list[Verdict]:
     if (recorded := _recorded_by(storage, path)) is not None:
         raise UsageError(f"verify {path}: the record written beside {recorded}, not a checkpoint or weights "
                          f"file; verify {recorded} or the run directory")
+    if path.is_file() and path.suffix in TEXT_SUFFIXES:
+        raise UsageError(f"verify {path}: a {path.suffix} file, not a checkpoint or weights file; verify the run "
+                         "directory, a checkpoint or a weights file")
     if path.is_file() or _sharded_checkpoint(sharded, path):
         checkpoints, weights = ([path], []) if storage.sidecar(path).is_file() or path.is_dir() else ([], [path])
         return [_checkpoint(storage, sharded, p) for p in checkpoints] + [_weights(p) for p in weights]
