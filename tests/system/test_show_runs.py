@@ -57,7 +57,7 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
     and nothing is cut short with an ellipsis."""
     from rich.console import Console
 
-    from ddp_amp.results.report import runs_table
+    from ddp_amp.results.runs_view import runs_table
     from ddp_amp.results.runs import load_run
 
     runs = [load_run(path) for path in two_runs]
@@ -71,3 +71,20 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
         assert f"{run.summary.final_loss:.4f}" in text
     result = show(*two_runs, columns=width)  # the command itself, at that width
     assert result.returncode == 0 and "…" not in result.stdout, result.stdout
+
+
+def test_eight_runs_at_100_columns_are_shown_in_tables_that_cut_no_word(two_runs, tmp_path):
+    """Eight runs do not fit 100 columns side by side: the turned table is split so that each run's column
+    holds its longest word ("finished", "val_accuracy", the loss curve) whole, every line within the width
+    (before: one table whose columns folded "finishe|d" and "val_accu|racy")."""
+    import shutil
+
+    copies = [shutil.copytree(two_runs[index % 3], tmp_path / f"run{index}") for index in range(8)]
+    result = show(*copies, columns=100)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert sum(line.count("finished") for line in lines) == 8
+    assert sum(line.count("val_accuracy") for line in lines) == 8
+    assert [line.strip() for line in lines if line.startswith("ddp-amp runs")] == ["ddp-amp runs (1 of 2)",
+                                                                                    "ddp-amp runs (2 of 2)"]

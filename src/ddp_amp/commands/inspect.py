@@ -23,7 +23,7 @@ def show(
     check_plot_path(plot)
     from rich.console import Console
 
-    from ddp_amp.results.report import runs_table
+    from ddp_amp.results.runs_view import runs_table
 
     console = Console()
     console.print(runs_table(runs, width=console.width))
