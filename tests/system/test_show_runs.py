@@ -57,8 +57,8 @@ def test_every_number_is_whole_at_a_terminals_width(two_runs, width):
     and nothing is cut short with an ellipsis."""
     from rich.console import Console
 
-    from ddp_amp.results.runs_view import runs_table
     from ddp_amp.results.runs import load_run
+    from ddp_amp.results.runs_view import runs_table
 
     runs = [load_run(path) for path in two_runs]
     console = Console(width=width, record=True, file=open(os.devnull, "w"))

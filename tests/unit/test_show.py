@@ -164,3 +164,26 @@ def test_a_metrics_file_cut_mid_line_shows_its_whole_lines_and_a_resume_cuts_it_
     assert (run / "metrics.jsonl").read_text() == whole + json.dumps({"loss": 0.03, "step": 30}) + "\n"
     (run / "metrics.jsonl").write_text('{"step": 5, "lo\n' + whole)
     assert show(run).returncode == 2
+
+
+def test_runs_of_the_same_folder_name_are_named_by_the_parts_of_their_paths_that_differ(tmp_path):
+    """sweep/a/run, sweep/b/run and other/run, shown together: each is named by as many of its path's last parts
+    as tell it apart from the others (a/run, b/run, other/run: before, three columns headed "run"); a run of
+    another name keeps its own."""
+    from pathlib import Path
+
+    from ddp_amp.outputs import RunRecord
+    from ddp_amp.results.runs import Run, name_apart
+
+    paths = [tmp_path / "sweep" / "a" / "run", tmp_path / "sweep" / "b" / "run", tmp_path / "other" / "run",
+             tmp_path / "solo"]
+    runs = name_apart([Run(path, {}, RunRecord({}), [], "finished") for path in paths])
+    assert [run.name for run in runs] == [str(Path("a", "run")), str(Path("b", "run")), str(Path("other", "run")),
+                                          "solo"]
+    for path in paths[:2]:  # and as the command shows them
+        path.mkdir(parents=True)
+        (path / "config.json").write_text('{"task": "mlp"}')
+        (path / "summary.json").write_text("{}")
+    result = show(*paths[:2])
+    assert result.returncode == 0, result.stderr
+    assert str(Path("a", "run")) in result.stdout and str(Path("b", "run")) in result.stdout, result.stdout

@@ -17,9 +17,9 @@ def show(
                                               "run to this PNG (needs matplotlib).")] = None,
 ) -> None:
     """Show runs side by side: summary, loss curve, and what differs between them."""
-    from ddp_amp.results.runs import load_run
+    from ddp_amp.results.runs import load_run, name_apart
 
-    runs = [load_run(path) for path in run_dirs]  # every path checked before anything is shown
+    runs = name_apart([load_run(path) for path in run_dirs])  # every path checked before anything is shown
     check_plot_path(plot)
     from rich.console import Console
 

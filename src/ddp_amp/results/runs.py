@@ -34,9 +34,12 @@ class Run:
                              *script.get("args", [])])
         return str(self.config.get("task", "-"))
 
+    label: str | None = None
+    """Its name where another run shown beside it has the same folder name (name_apart)."""
+
     @property
     def name(self) -> str:
-        return self.path.name or str(self.path)
+        return self.label or self.path.name or str(self.path)
 
     @property
     def loss_key(self) -> str:
@@ -51,6 +54,19 @@ class Run:
     def loop(self) -> dict[str, Any]:
         """A script's loop account (ddp_amp.loop's loop.json in summary.json), or {}."""
         return self.summary.loop
+
+
+def name_apart(runs: list[Run]) -> list[Run]:
+    """Runs of the same folder name (a/run, b/run) named by as many of their paths' last parts as tell them
+    apart (a/run, b/run), so that their columns and rows can be told apart; the others keep their names."""
+    for run in runs:
+        alike = [other for other in runs if other.path.name == run.path.name]
+        if len(alike) > 1:
+            parts = [other.path.resolve().parts for other in alike]
+            depth = next((n for n in range(2, max(map(len, parts)) + 1)
+                          if len({p[-n:] for p in parts}) == len(parts)), max(map(len, parts)))
+            run.label = str(Path(*run.path.resolve().parts[-depth:]))
+    return runs
 
 
 def load_run(path: Path) -> Run:
