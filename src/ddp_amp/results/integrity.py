@@ -41,6 +41,8 @@ def verify(path: Path) -> list[Verdict]:
     if (recorded := _recorded_by(storage, path)) is not None:
         raise UsageError(f"verify {path}: the record written beside {recorded}, not a checkpoint or weights "
                          f"file; verify {recorded} or the run directory")
+    if why := storage.part_of_a_checkpoint(path):  # its checksum is in the checkpoint's manifest, checked with it
+        raise UsageError(f"verify {path}: {why}, or the run directory")
     if path.is_file() or _sharded_checkpoint(sharded, path):
         checkpoints, weights = ([path], []) if storage.sidecar(path).is_file() or path.is_dir() else ([], [path])
         return [_checkpoint(storage, sharded, p) for p in checkpoints] + [_weights(p) for p in weights]
