@@ -172,6 +172,27 @@ def test_a_resume_from_a_nan_checkpoint_names_the_newest_finite_one(tmp_path, ca
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.parametrize("saved, given, named", [
+    ({"epochs": 1, "steps": None}, [], "--steps 100 (checkpoint: --epochs 1)"),
+    ({"epochs": None, "steps": 6}, ["--epochs", "2"], "--epochs 2 (checkpoint: --steps 6)")])
+def test_a_resume_that_counts_in_steps_where_the_checkpoint_counted_epochs_names_both_flags(saved, given, named,
+                                                                                            tmp_path, capsys):
+    """A run of --epochs resumed without it (or the reverse) differs in one thing, how long the run is: one
+    difference naming the flag each was given. It read "--steps 100 (checkpoint: None); --epochs None
+    (checkpoint: 1)", a flag nobody passed."""
+    from ddp_amp.checkpoint.storage import save_checkpoint
+
+    config = dataclasses.asdict(TrainConfig(task="mlp", device="cpu", amp="off", launch_time=1000.0, **saved))
+    save_checkpoint(tmp_path, {"step": 2, "trainer": {"model": {"weight": torch.zeros(2)}}, "rng": [],
+                               "world_size": 2, "config": config, "saved_at": 1002.0}, keep=2)
+    checkpoint = tmp_path / "checkpoints" / "step-2.pt"
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--amp", "off", *given, "--resume",
+                             str(checkpoint), "--run-dir", str(tmp_path / "again")], capsys)
+    assert (code, err) == (2, f"ddp-amp: error: --resume {checkpoint}: this run differs from the checkpoint's: "
+                              f"{named}\n")
+    assert not (tmp_path / "again").exists()
+
+
 def _sized_weights(width: int) -> dict[str, torch.Tensor]:
     """What user_tasks.sized(width) trains: Linear(8, width), ReLU, Linear(width, 1)."""
     return {"0.weight": torch.zeros(width, 8), "0.bias": torch.zeros(width), "2.weight": torch.zeros(1, width),

@@ -295,13 +295,24 @@ def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda metad
 def mismatches(checkpoint_config: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """What differs between a checkpoint's run and the run resuming it, as flags ("--batch-size 16
     (checkpoint: 32)"). The world size may differ: the data and the schedule follow (train.data, Trainer)."""
-    differ = []
+    differ, said = [], set()
+    if {"steps", "epochs"} <= checkpoint_config.keys() and \
+            (config.get("epochs") is None) != (checkpoint_config.get("epochs") is None):
+        # One run counted in steps, the other in epochs: one difference, named by the flag each run was given
+        # (as two, it read "--epochs None (checkpoint: 1)", a flag nobody passed)
+        differ.append(f"{_length(config)} (checkpoint: {_length(checkpoint_config)})")
+        said = {"steps", "epochs"}
     for name in MUST_MATCH:
-        if name not in checkpoint_config:  # not recorded (a script loop's before it had the core's config)
-            continue
+        if name not in checkpoint_config or name in said:  # not recorded (a script loop's before it had the
+            continue                                         # core's config), or said above
         if config.get(name) != checkpoint_config.get(name):
             differ.append(f"--{name.replace('_', '-')} {config.get(name)} (checkpoint: {checkpoint_config.get(name)})")
     return differ
+
+
+def _length(config: dict[str, Any]) -> str:
+    """How long a run is, as the flag it was given: --epochs N, else --steps N."""
+    return f"--epochs {config['epochs']}" if config.get("epochs") is not None else f"--steps {config.get('steps')}"
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
