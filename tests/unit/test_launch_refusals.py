@@ -98,6 +98,17 @@ def test_a_task_argument_given_twice_is_one_line_exit_2_not_the_last_silently(tm
     assert not (tmp_path / "run").exists()
 
 
+def test_a_fused_sgd_step_under_shard_full_is_refused(tmp_path, capsys):
+    """torch has no fused SGD step for DTensor parameters (auto picks foreach there, tests/system/
+    test_sharded_checkpoints.py): asked for by hand, it is one line before anything starts."""
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--shard", "full", "--optimizer-impl", "fused",
+                             "--run-dir", str(tmp_path / "r")], capsys)
+    assert (code, err) == (2, "ddp-amp: error: --optimizer-impl fused cannot run SGD under --shard full: torch has "
+                              "no fused SGD step for sharded (DTensor) parameters; use foreach (what auto picks), "
+                              "loop, or --optimizer adamw\n")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_missing_task_argument_is_one_line_exit_2(tmp_path, capsys):
     code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--steps", "2",
                              "--run-dir", str(tmp_path / "run")], capsys)
