@@ -95,8 +95,9 @@ def test_a_sharded_checkpoint_reshards_onto_another_world_size_as_a_single_file_
 def test_an_optimizer_without_state_is_saved_without_its_part_and_resumes_on_the_schedules_rate(tmp_path):
     """SGD without momentum holds no state: its part is left out (DCP's getter would otherwise run a zero-lr
     step to make some), the learning rate of the first resumed step is the schedule's, and the resumed run ends
-    on the uninterrupted run's weights, with ZeRO too."""
-    for mode in ("none", "optimizer"):
+    on the uninterrupted run's weights, with ZeRO and FSDP too (whose DTensor parameters SGD's fused step, auto's
+    choice elsewhere, cannot update: every rank failed at its first step)."""
+    for mode in ("none", "optimizer", "full"):
         sgd = ["--optimizer", "sgd", "--momentum", "0", "--warmup-steps", "8", "--shard", mode]
         run = tmp_path / mode
         train(run, *sgd, "--checkpoint-every", "5", "--checkpoint-format", "sharded")
@@ -152,6 +153,39 @@ def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_e
     assert lines[0].startswith(f"ddp-amp: error: --init-from {step_20}: damaged, "), lines
     assert not (tmp_path / "init").exists()
 
+
+
+def test_a_path_inside_a_run_that_is_not_a_checkpoint_is_one_line_naming_the_one_to_give(tmp_path,
+                                                                                         sharded_every_10):
+    """extras.pt holds a step, a config and a schedule, but no weights: given to --resume it launched the ranks,
+    which failed reading it as a directory (exit 1); --init-from and export ended in a KeyError traceback; verify
+    called it unchecked. A part, step-N.json (read as "damaged"), the run directory and its checkpoints/ (read as
+    an "incomplete" sharded checkpoint) are refused the same way: one line naming what to give, exit 2, no run
+    dir made and nothing written."""
+    step_20 = sharded_every_10 / "checkpoints" / "step-20"
+    extras, given = step_20 / "extras.pt", f"not a checkpoint; give {step_20}"
+    refusals = {("--resume", extras): f"a file of the sharded checkpoint {step_20}, {given}",
+                ("--init-from", extras): f"a file of the sharded checkpoint {step_20}, {given}",
+                ("--resume", step_20 / "__1_0.distcp"): f"a file of the sharded checkpoint {step_20}, {given}",
+                ("--resume", step_20.with_suffix(".json")): f"the record written beside {step_20}, {given}",
+                ("--resume", sharded_every_10): "a run directory, not a checkpoint; give one of its checkpoints "
+                f"(checkpoints/step-N.pt or step-N/), or continue from its newest with --resume auto --run-dir "
+                f"{sharded_every_10}",
+                ("--resume", step_20.parent): "a run's directory of checkpoints, not a checkpoint; give one of them "
+                f"(step-N.pt or step-N/), or continue from the newest with --resume auto --run-dir "
+                f"{sharded_every_10}"}
+    for (flag, path), why in refusals.items():
+        result = run_cli("spawn", "-n", "2", *ARGS, flag, str(path), "--run-dir", str(tmp_path / "run"))
+        assert (result.returncode, result.stderr) == (2, f"ddp-amp: error: {flag} {path}: {why}\n"), flag
+        assert not (tmp_path / "run").exists()
+    exported = run_cli("export", str(extras), "-o", str(tmp_path / "out.pt"))
+    assert (exported.returncode, exported.stderr) == (2, f"ddp-amp: error: export: {extras}: a file of the sharded "
+                                                         f"checkpoint {step_20}, {given}\n")
+    assert not list(tmp_path.glob("out.pt*"))
+    verified = run_cli("verify", str(extras))
+    assert (verified.returncode, verified.stdout) == (2, "")
+    assert verified.stderr == (f"ddp-amp: error: verify {extras}: a file of the sharded checkpoint {step_20}, "
+                               f"{given}, or the run directory\n")
 
 
 def test_sharded_checkpoints_without_a_shared_run_directory_are_refused(tmp_path):

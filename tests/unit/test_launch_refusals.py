@@ -98,6 +98,17 @@ def test_a_task_argument_given_twice_is_one_line_exit_2_not_the_last_silently(tm
     assert not (tmp_path / "run").exists()
 
 
+def test_a_fused_sgd_step_under_shard_full_is_refused(tmp_path, capsys):
+    """torch has no fused SGD step for DTensor parameters (auto picks foreach there, tests/system/
+    test_sharded_checkpoints.py): asked for by hand, it is one line before anything starts."""
+    code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--shard", "full", "--optimizer-impl", "fused",
+                             "--run-dir", str(tmp_path / "r")], capsys)
+    assert (code, err) == (2, "ddp-amp: error: --optimizer-impl fused cannot run SGD under --shard full: torch has "
+                              "no fused SGD step for sharded (DTensor) parameters; use foreach (what auto picks), "
+                              "loop, or --optimizer adamw\n")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_missing_task_argument_is_one_line_exit_2(tmp_path, capsys):
     code, _, err = run_main(["spawn", "-n", "2", *FP32_SGD, "--task", f"{USER_TASKS}:sized", "--steps", "2",
                              "--run-dir", str(tmp_path / "run")], capsys)
@@ -169,6 +180,27 @@ def test_a_resume_from_a_nan_checkpoint_names_the_newest_finite_one(tmp_path, ca
     assert code == 2
     assert err.strip() == (f"ddp-amp: error: --resume {planted}: refused, it holds inf/NaN (in model.weight); the "
                            f"newest finite one is {newest_finite}")
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("saved, given, named", [
+    ({"epochs": 1, "steps": None}, [], "--steps 100 (checkpoint: --epochs 1)"),
+    ({"epochs": None, "steps": 6}, ["--epochs", "2"], "--epochs 2 (checkpoint: --steps 6)")])
+def test_a_resume_that_counts_in_steps_where_the_checkpoint_counted_epochs_names_both_flags(saved, given, named,
+                                                                                            tmp_path, capsys):
+    """A run of --epochs resumed without it (or the reverse) differs in one thing, how long the run is: one
+    difference naming the flag each was given. It read "--steps 100 (checkpoint: None); --epochs None
+    (checkpoint: 1)", a flag nobody passed."""
+    from ddp_amp.checkpoint.storage import save_checkpoint
+
+    config = dataclasses.asdict(TrainConfig(task="mlp", device="cpu", amp="off", launch_time=1000.0, **saved))
+    save_checkpoint(tmp_path, {"step": 2, "trainer": {"model": {"weight": torch.zeros(2)}}, "rng": [],
+                               "world_size": 2, "config": config, "saved_at": 1002.0}, keep=2)
+    checkpoint = tmp_path / "checkpoints" / "step-2.pt"
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--amp", "off", *given, "--resume",
+                             str(checkpoint), "--run-dir", str(tmp_path / "again")], capsys)
+    assert (code, err) == (2, f"ddp-amp: error: --resume {checkpoint}: this run differs from the checkpoint's: "
+                              f"{named}\n")
     assert not (tmp_path / "again").exists()
 
 

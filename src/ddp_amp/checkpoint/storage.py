@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ddp_amp.checkpoint import sharded
+from ddp_amp.config import CONFIG_FILE
 from ddp_amp.files import UNREADABLE_RECORD, atomic_write, checksum_mismatch, not_a_torch_file, read_checksum_record
 from ddp_amp.files import damage_of as file_damage
 
@@ -130,6 +131,39 @@ def prune(run_dir: str | Path, keep: int, launch_time: float | None, protect_ste
             old.unlink(missing_ok=True)
 
 
+def part_of_a_checkpoint(path: Path) -> str | None:
+    """Why the file `path` is a piece of a checkpoint, not one (naming the checkpoint to give instead), or None: a
+    file of a sharded checkpoint's directory, or a checkpoint's step-N.json record. Without this they read as a
+    damaged checkpoint, or (extras.pt, which holds the step, config and schedule) as one without weights."""
+    if not path.is_file():
+        return None
+    parent = path.parent
+    if sharded.is_complete(parent) or (parent / sharded.CHECKSUMS_FILE).is_file():
+        return f"a file of the sharded checkpoint {parent}, not a checkpoint; give {parent}"
+    if path.suffix == ".json" and CHECKPOINT_NAME.match(path.stem):
+        single = path.with_suffix(".pt")
+        checkpoint = single if single.is_file() or not path.with_suffix("").is_dir() else path.with_suffix("")
+        return f"the record written beside {checkpoint}, not a checkpoint; give {checkpoint}"
+    return None
+
+
+def not_a_checkpoint_because(path: Path) -> str | None:
+    """Why `path`, given as one checkpoint (--resume PATH), is something else a run directory holds (saying what
+    to give instead), or None: a piece of a checkpoint, the checkpoints directory or a run directory, which
+    would otherwise read as a sharded checkpoint left incomplete."""
+    if why := part_of_a_checkpoint(path):
+        return why
+    if not path.is_dir() or CHECKPOINT_NAME.match(path.name):  # step-N/ itself: complete, or a damaged one
+        return None
+    if (path / CHECKPOINT_DIR).is_dir() or (path / CONFIG_FILE).is_file():
+        return (f"a run directory, not a checkpoint; give one of its checkpoints ({CHECKPOINT_DIR}/step-N.pt or "
+                f"step-N/), or continue from its newest with --resume auto --run-dir {path}")
+    if path.name == CHECKPOINT_DIR:
+        return ("a run's directory of checkpoints, not a checkpoint; give one of them (step-N.pt or step-N/), or "
+                f"continue from the newest with --resume auto --run-dir {path.parent}")
+    return None
+
+
 def read_metadata(path: Path) -> dict[str, Any]:
     """A checkpoint's step, world size, config and launch: from its sidecar, else (a checkpoint written before
     sidecars, or one whose sidecar a kill prevented) from the file itself, memory-mapped, so that its tensors
@@ -153,6 +187,8 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False, verify: bool = True
     A sharded checkpoint (a directory) gives its extras: everything but the model and the optimizer, which the
     ranks read together (sharded.load_local_state); state["format"] is "sharded" then."""
     path = Path(path)
+    if why := not_a_checkpoint_because(path):
+        raise CheckpointError(f"{path}: {why}")
     if verify and not mmap and not sharded.is_sharded_checkpoint(path) and \
             (recorded := read_sidecar_checksum(path)) is not None:
         return _load_verified(path, recorded)
@@ -177,6 +213,9 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False, verify: bool = True
         raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or not {"step", "trainer", "rng", "config", "world_size"} <= state.keys():
         raise CheckpointError(f"{path}: not a ddp-amp checkpoint")
+    if state.get("format") == "sharded" and not path.is_dir():  # extras.pt moved out of its directory
+        raise CheckpointError(f"{path}: the extras of a sharded checkpoint, without its parts; give its step-N "
+                              "directory")
     return state
 
 
@@ -256,13 +295,24 @@ def newest_valid_checkpoint(run_dir: str | Path, warn=print, accept=lambda metad
 def mismatches(checkpoint_config: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """What differs between a checkpoint's run and the run resuming it, as flags ("--batch-size 16
     (checkpoint: 32)"). The world size may differ: the data and the schedule follow (train.data, Trainer)."""
-    differ = []
+    differ, said = [], set()
+    if {"steps", "epochs"} <= checkpoint_config.keys() and \
+            (config.get("epochs") is None) != (checkpoint_config.get("epochs") is None):
+        # One run counted in steps, the other in epochs: one difference, named by the flag each run was given
+        # (as two, it read "--epochs None (checkpoint: 1)", a flag nobody passed)
+        differ.append(f"{_length(config)} (checkpoint: {_length(checkpoint_config)})")
+        said = {"steps", "epochs"}
     for name in MUST_MATCH:
-        if name not in checkpoint_config:  # not recorded (a script loop's before it had the core's config)
-            continue
+        if name not in checkpoint_config or name in said:  # not recorded (a script loop's before it had the
+            continue                                         # core's config), or said above
         if config.get(name) != checkpoint_config.get(name):
             differ.append(f"--{name.replace('_', '-')} {config.get(name)} (checkpoint: {checkpoint_config.get(name)})")
     return differ
+
+
+def _length(config: dict[str, Any]) -> str:
+    """How long a run is, as the flag it was given: --epochs N, else --steps N."""
+    return f"--epochs {config['epochs']}" if config.get("epochs") is not None else f"--steps {config.get('steps')}"
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

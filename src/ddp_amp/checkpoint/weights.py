@@ -47,7 +47,7 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
             raise WeightsError(f"{path}: {why}") from None
         raise WeightsError(f"{path}: not a state_dict torch can read safely ({type(exc).__name__})") from None
     if isinstance(state, dict) and {"trainer", "step", "config"} <= state.keys():  # a ddp-amp checkpoint
-        state = state["trainer"]["model"]
+        state = state["trainer"].get("model")  # none in a sharded checkpoint's extras.pt: its parts hold it
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise WeightsError(f"{path}: holds no state_dict (a mapping of names to tensors)")
     return state
@@ -58,6 +58,8 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.exists():
         raise WeightsError(f"{path}: no such file or directory")
+    if why := storage.part_of_a_checkpoint(path):
+        raise WeightsError(f"{path}: {why}")
     # The bytes against the checksum written with them (a checkpoint's, in its sidecar or manifest; model.pt's
     # beside it), before anything is read: a damaged file loads as well as a whole one.
     if damage := storage.damage_of(path) or files.damage_of(path):

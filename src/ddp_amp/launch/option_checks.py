@@ -59,3 +59,6 @@ def check_ddp_options(config: TrainConfig, device_type: str, precision: Precisio
         raise UsageError("--optimizer-impl fused cannot run under fp16's GradScaler here: a fused step skips "
                          "overflowing steps on the device, unseen by the LR schedule; use foreach (what auto "
                          "picks) or --dtype bf16")
+    if config.optimizer_impl == "fused" and config.optimizer == "sgd" and config.shard == "full":
+        raise UsageError("--optimizer-impl fused cannot run SGD under --shard full: torch has no fused SGD step for "
+                         "sharded (DTensor) parameters; use foreach (what auto picks), loop, or --optimizer adamw")

@@ -44,6 +44,8 @@ def verify(path: Path) -> list[Verdict]:
     if (recorded := _recorded_by(storage, path)) is not None:
         raise UsageError(f"verify {path}: the record written beside {recorded}, not a checkpoint or weights "
                          f"file; verify {recorded} or the run directory")
+    if why := storage.part_of_a_checkpoint(path):  # its checksum is in the checkpoint's manifest, checked with it
+        raise UsageError(f"verify {path}: {why}, or the run directory")
     if path.is_file() and path.suffix in TEXT_SUFFIXES:
         raise UsageError(f"verify {path}: a {path.suffix} file, not a checkpoint or weights file; verify the run "
                          "directory, a checkpoint or a weights file")

@@ -13,10 +13,13 @@ def optimizer_impl(config: TrainConfig, precision: Precision) -> str:
     """--optimizer-impl auto: fused, one kernel for every parameter (on this CPU AdamW's step took 13-18 ms
     fused against 72-112 ms in torch's default per-parameter loop); foreach under fp16's GradScaler, because a
     fused step takes the scaler's overflow flag itself and is called even for a step it skips, which the host
-    (the LR schedule, the skipped-step count) would then learn of only through an extra sync per step."""
+    (the LR schedule, the skipped-step count) would then learn of only through an extra sync per step. foreach
+    for SGD under --shard full too: its parameters are DTensors, and torch registers no DTensor rule for the fused
+    SGD kernel (it does for AdamW's), so every rank failed at its first step."""
     if config.optimizer_impl != "auto":
         return config.optimizer_impl
-    return "foreach" if precision.uses_scaler else "fused"
+    sharded_sgd = config.optimizer == "sgd" and config.shard == "full"
+    return "foreach" if precision.uses_scaler or sharded_sgd else "fused"
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, strategy: Strategy,
