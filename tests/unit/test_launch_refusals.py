@@ -630,6 +630,22 @@ def test_export_to_a_dangling_symlink_is_refused_and_leaves_it(tmp_path, capsys)
     assert (tmp_path / "link.pt").is_symlink() and not (tmp_path / "nowhere").exists()
 
 
+def test_export_of_the_current_directory_reads_it_as_any_other(tmp_path, capsys, monkeypatch):
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    torch.save(PRETRAINED_WEIGHTS, pretrained / "pytorch_model.bin")
+    monkeypatch.chdir(pretrained)  # `export .` from inside a save_pretrained directory: `.` has no name
+    code, _, err = run_main(["export", ".", "-o", str(tmp_path / "a.pt")], capsys)
+    assert code == 0, err
+    assert err.strip() == f"ddp-amp: wrote {tmp_path / 'a.pt'} (2 tensors from .)"
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["linear.weight"], torch.ones(1, 8))
+    (pretrained / "pytorch_model.bin").unlink()
+    code, _, err = run_main(["export", ".", "-o", str(tmp_path / "b.pt")], capsys)
+    assert code == 2 and one_line(err) == ("ddp-amp: error: export: .: a directory without model.safetensors or "
+                                           "pytorch_model.bin (not written by save_pretrained)")
+    assert not (tmp_path / "b.pt").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
 @pytest.mark.parametrize("command", ["spawn", "run", "doctor"])
 @pytest.mark.parametrize("nproc", ["1", "2"])
