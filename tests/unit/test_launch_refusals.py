@@ -290,6 +290,13 @@ def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2(read_only_dir, 
     assert code == 2 and "--run-dir" in line and "not writable" in line and "Read-only file system" in line
 
 
+@pytest.mark.parametrize("name, why", [("missing", "does not exist"), ("a-file", "is not a directory")])
+def test_diagnose_of_no_directory_says_so_not_that_it_has_no_records(tmp_path, capsys, name, why):
+    (tmp_path / "a-file").write_text("")
+    code, _, err = run_main(["diagnose", str(tmp_path / name)], capsys)
+    assert code == 2 and one_line(err) == f"ddp-amp: error: diagnose: {str(tmp_path / name)!r} {why}"
+
+
 def test_diagnose_without_records_is_one_line_exit_2(tmp_path, capsys):
     code, _, err = run_main(["diagnose", str(tmp_path)], capsys)
     assert code == 2
