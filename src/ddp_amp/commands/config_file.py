@@ -43,6 +43,10 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {str(path)!r} is not valid TOML: {exc}") from None
     params = {param.name: param for param in ctx.command.params if param.name not in NOT_IN_CONFIG}
+    for old, new in OLD_KEYS.items():  # both names in one file: one would silently win over the other
+        if old in values and new in values and new in params:
+            raise UsageError(f"--config {str(path)!r} gives {old} and {new}, one option ({old} is its old name): "
+                             "keep one")
     values = {OLD_KEYS.get(key, key) if OLD_KEYS.get(key) in params else key: value for key, value in values.items()}
     for key, value in values.items():
         param = params.get(key)
