@@ -35,7 +35,9 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     import tomllib
 
     try:
-        values = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale says
+        # TOML is UTF-8, whatever the locale says; utf-8-sig: an editor's byte order mark (Notepad writes one) is
+        # not content, where tomllib would call it an "invalid statement" at line 1, column 1
+        values = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as exc:
         raise UsageError(f"--config {str(path)!r}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
