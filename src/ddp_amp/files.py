@@ -168,9 +168,11 @@ def damage_of(path: Path, record_file: Path | None = None, key: str | None = Non
     """Why the file at `path` is damaged (its bytes do not match the checksum recorded for it, or the record is
     unreadable), in words naming it; None when it matches or no checksum was recorded. The record: in
     `record_file` (under `key`), by default a weights file's own beside it (model.pt.checksum)."""
+    if not path.is_file():  # a directory has no record beside it (and `.` has no name to put one beside)
+        return None
     record_file = record_file or checksum_file_of(path)
     recorded = read_checksum_record(record_file, key)
-    if recorded is None or not path.is_file():
+    if recorded is None:
         return None
     if recorded is UNREADABLE_RECORD:
         return f"{path}: damaged, its {record_file.name} is unreadable"

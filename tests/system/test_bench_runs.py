@@ -5,7 +5,7 @@ import json
 import re
 
 import pytest
-from helpers import assert_ok, run_cli
+from helpers import assert_ok, last_line, launch_until, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,16 @@ def test_the_default_compares_what_a_user_would_pick_here_with_each_ones_mfu(tmp
         assert entry["peak_source"].startswith("measured matmul, ")
     assert "task: GPT-2-style decoder, size tiny" in result.stdout
     assert "MFU" in result.stdout
+
+
+def test_a_stopped_bench_names_no_resume_it_cannot_continue(tmp_path):
+    """A stop during a measurement keeps the ranks' stop checkpoint, but a bench run is not continued: its line
+    says where it stopped, not "continue with --resume auto" (which bench refuses, and which spawn would take as
+    training)."""
+    runs = tmp_path / "runs"
+    result = launch_until(runs, "--device", "cpu", "--task", "linear", "--amp", "off", "--steps", "1000000",
+                          "--warmup", "0", "--repeats", "1", "--checkpoint-every", "50", command="bench", nproc=1,
+                          until=lambda: any(runs.glob("off-0/checkpoints/step-*.pt")))
+    assert result.returncode == 143, result.stderr
+    assert re.fullmatch(rf"ddp-amp: error: stopped by SIGTERM at step \d+; the measurement in "
+                        rf"{re.escape(str(runs / 'off-0'))} is incomplete", last_line(result.stderr)), result.stderr

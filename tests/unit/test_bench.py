@@ -38,6 +38,16 @@ def test_bad_input_is_one_line_exit_2(args, flag, capsys, tmp_path):
     assert not (tmp_path / "bench").exists()
 
 
+@pytest.mark.parametrize("resume", ["auto", "runs/x/checkpoints/step-4.pt"])
+def test_resume_is_refused_not_ignored_nor_taken_as_a_steps_mismatch(resume, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--device", "cpu", "--resume", resume, "--run-dir", str(tmp_path / "bench")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("ddp-amp: error: --resume does not apply to bench: each of its runs "
+                                               "trains from step 0 (--init-from gives them starting weights)")
+    assert not (tmp_path / "bench").exists()
+
+
 def test_a_used_run_dir_is_refused_before_anything_runs(capsys, tmp_path):
     """bench takes no --overwrite: a directory that holds anything is refused (not "pass --overwrite")."""
     (tmp_path / "bench").mkdir()

@@ -145,6 +145,25 @@ def test_a_config_file_from_before_the_rename_still_sets_the_rank_count(tmp_path
     assert printed["nproc_per_node"] == "2" and printed["lr"] == 0.01 and "nproc" not in printed
 
 
+def test_a_config_file_an_editor_saved_with_a_byte_order_mark_reads_as_without(tmp_path, capsys):
+    config = tmp_path / "notepad.toml"
+    config.write_bytes(b"\xef\xbb\xbfsteps = 3\nlr = 0.01\n")
+    code, out, err = run_main(["spawn", "--config", str(config), "--print-config"], capsys)
+    assert code == 0, err
+    printed = tomllib.loads(out)
+    assert printed["steps"] == 3 and printed["lr"] == 0.01
+
+
+@pytest.mark.parametrize("text", ['nproc = 2\nnproc_per_node = "3"\n', 'nproc_per_node = "3"\nnproc = 2\n'])
+def test_a_config_file_with_both_the_old_and_the_new_name_is_refused_not_one_taken(tmp_path, capsys, text):
+    config = tmp_path / "both.toml"
+    config.write_text(text)
+    code, out, err = run_main(["spawn", "--config", str(config), "--print-config"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [f"ddp-amp: error: --config {str(config)!r} gives nproc and nproc_per_node, one "
+                                "option (nproc is its old name): keep one"]
+
+
 def test_print_config_is_flat_toml_grouped_under_each_concern(capsys):
     code, out, err = run_main(["spawn", "-n", "2", "--lr", "0.01", "--tracker", "wandb", "--print-config"], capsys)
     assert code == 0, err

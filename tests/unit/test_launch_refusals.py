@@ -322,6 +322,13 @@ def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2(read_only_dir, 
     assert code == 2 and "--run-dir" in line and "not writable" in line and "Read-only file system" in line
 
 
+@pytest.mark.parametrize("name, why", [("missing", "does not exist"), ("a-file", "is not a directory")])
+def test_diagnose_of_no_directory_says_so_not_that_it_has_no_records(tmp_path, capsys, name, why):
+    (tmp_path / "a-file").write_text("")
+    code, _, err = run_main(["diagnose", str(tmp_path / name)], capsys)
+    assert code == 2 and one_line(err) == f"ddp-amp: error: diagnose: {str(tmp_path / name)!r} {why}"
+
+
 def test_diagnose_without_records_is_one_line_exit_2(tmp_path, capsys):
     code, _, err = run_main(["diagnose", str(tmp_path)], capsys)
     assert code == 2
@@ -660,6 +667,22 @@ def test_export_to_a_dangling_symlink_is_refused_and_leaves_it(tmp_path, capsys)
     assert code == 2 and one_line(err) == f"ddp-amp: error: -o {str(tmp_path / 'link.pt')!r} already exists; " \
                                           "remove it or choose another name"
     assert (tmp_path / "link.pt").is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_export_of_the_current_directory_reads_it_as_any_other(tmp_path, capsys, monkeypatch):
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    torch.save(PRETRAINED_WEIGHTS, pretrained / "pytorch_model.bin")
+    monkeypatch.chdir(pretrained)  # `export .` from inside a save_pretrained directory: `.` has no name
+    code, _, err = run_main(["export", ".", "-o", str(tmp_path / "a.pt")], capsys)
+    assert code == 0, err
+    assert err.strip() == f"ddp-amp: wrote {tmp_path / 'a.pt'} (2 tensors from .)"
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["linear.weight"], torch.ones(1, 8))
+    (pretrained / "pytorch_model.bin").unlink()
+    code, _, err = run_main(["export", ".", "-o", str(tmp_path / "b.pt")], capsys)
+    assert code == 2 and one_line(err) == ("ddp-amp: error: export: .: a directory without model.safetensors or "
+                                           "pytorch_model.bin (not written by save_pretrained)")
+    assert not (tmp_path / "b.pt").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")

@@ -85,6 +85,9 @@ def _refuse_conflicts(train: dict, options, *, max_batch: bool, shard: str) -> N
     """Flags that contradict each other or bench, in one line each, before anything runs."""
     if train["epochs"] is not None:
         raise UsageError("--epochs does not apply to bench; use --steps (timed) and --warmup")
+    if train["resume"] is not None:  # each variant would resume the same checkpoint, its --steps counted from it
+        raise UsageError("--resume does not apply to bench: each of its runs trains from step 0 (--init-from gives "
+                         "them starting weights)")
     if options.amp == "off" and train["dtype"] != "auto":
         raise UsageError(f"--dtype {train['dtype']} conflicts with --amp off (fp32 alone); drop one of them")
     if max_batch and options.amp == "all":

@@ -35,7 +35,9 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     import tomllib
 
     try:
-        values = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale says
+        # TOML is UTF-8, whatever the locale says; utf-8-sig: an editor's byte order mark (Notepad writes one) is
+        # not content, where tomllib would call it an "invalid statement" at line 1, column 1
+        values = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as exc:
         raise UsageError(f"--config {str(path)!r}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
@@ -43,6 +45,10 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {str(path)!r} is not valid TOML: {exc}") from None
     params = {param.name: param for param in ctx.command.params if param.name not in NOT_IN_CONFIG}
+    for old, new in OLD_KEYS.items():  # both names in one file: one would silently win over the other
+        if old in values and new in values and new in params:
+            raise UsageError(f"--config {str(path)!r} gives {old} and {new}, one option ({old} is its old name): "
+                             "keep one")
     values = {OLD_KEYS.get(key, key) if OLD_KEYS.get(key) in params else key: value for key, value in values.items()}
     for key, value in values.items():
         param = params.get(key)

@@ -46,6 +46,9 @@ def diagnose(
 
     if last < 1:
         raise UsageError(f"--last must be >= 1, got {last}")
+    if not run_dir.is_dir():  # a typo is not "a run without flight records"
+        raise UsageError(f"diagnose: {str(run_dir)!r} " + ("is not a directory" if run_dir.exists() else
+                                                            "does not exist"))
     dumps, damaged = read_records(run_dir)
     if not dumps and damaged:
         raise UsageError(f"diagnose: no flight record in {str(run_dir / DUMP_DIR)!r} could be read: " +

@@ -186,12 +186,13 @@ def _run_and_judge(launch: Launch, display, announce: bool) -> None:
         # This launcher was signalled and passed the signal on to its ranks: raises, unless the run had
         # finished before the stop took effect; ranks killed before they stopped wrote no record: this is it.
         try:
-            report_stop(Path(config.run_dir), config, signalled=str(failure), exit_code=failure.exit_code)
+            report_stop(Path(config.run_dir), config, signalled=str(failure), exit_code=failure.exit_code,
+                        resumable=launch.kind == "train")
         except RunFailed as stopped:
             if launch.kind == "train":
                 record_failure(plan, stopped, time.time() - started, None if config.job_id else launch.nproc)
             raise
-    check_outcome(Path(config.run_dir), config)
+    check_outcome(Path(config.run_dir), config, resumable=launch.kind == "train")
     if announce and launch.job is not None:
         report_recovery(config, launch.agent_log, display.view)
 
@@ -299,10 +300,12 @@ def _announce(launch: Launch) -> None:
                    "unexpected: --no-init-strict)" if plan.init["missing"] or plan.init["unexpected"] else ""))
 
 
-def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = None, exit_code: int = 1) -> None:
+def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = None, exit_code: int = 1,
+                resumable: bool = True) -> None:
     """After a stop signal (to this launcher, `signalled`, or to a rank alone): one line saying at which step
     the ranks stopped and where their work is, raised with exit code 128 + the signal's number. A run that
-    had already finished (model.pt written) when the stop took effect returns instead: exit 0."""
+    had already finished (model.pt written) when the stop took effect returns instead: exit 0. A measuring
+    launch (bench, doctor: not `resumable`) is not continued: its line names no checkpoint and no --resume."""
     record = read_summary(run_dir)
     name = record.stopped_by or (signalled or "").removeprefix("stopped by ")
     step = record.stopped_at_step
@@ -312,24 +315,27 @@ def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = N
     if step is None:  # killed mid-step, or in the stop's checkpoint write: the newest whole one is the work kept
         from ddp_amp.launch.script import newest_checkpoint
 
-        kept = newest_checkpoint(run_dir)
+        kept = newest_checkpoint(run_dir) if resumable else None
+        where = (f"the newest complete checkpoint is {kept} (continue with --resume auto --run-dir {run_dir})" if kept
+                 else "nothing of this run kept" if resumable else f"the measurement in {run_dir} is incomplete")
         raise RunFailed(f"{signalled}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and "
-                        "were killed; " + (f"the newest complete checkpoint is {kept} (continue with --resume auto "
-                                           f"--run-dir {run_dir})" if kept else "nothing of this run kept"),
-                        exit_code=exit_code)
+                        f"were killed; {where}", exit_code=exit_code)
     if name in signals.Signals.__members__:
         exit_code = 128 + signals.Signals[name].value
+    if not resumable:
+        raise RunFailed(f"stopped by {name} at step {step}; the measurement in {run_dir} is incomplete",
+                        exit_code=exit_code)
     if record.checkpoint:
         raise RunFailed(f"stopped by {name} at step {step}; checkpoint {record.checkpoint} (continue with "
                         f"--resume auto --run-dir {run_dir})", exit_code=exit_code)
     raise RunFailed(f"stopped by {name} at step {step}; no checkpoint kept", exit_code=exit_code)
 
 
-def check_outcome(run_dir: Path, config: TrainConfig) -> None:
+def check_outcome(run_dir: Path, config: TrainConfig, resumable: bool = True) -> None:
     """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
     record = read_summary(run_dir)
     if record.stopped_at_step is not None:  # a stop signal reached a rank, not this launcher
-        report_stop(run_dir, config)
+        report_stop(run_dir, config, resumable=resumable)
     if failure := record.failure(run_dir):
         raise RunFailed(failure, exit_code=2 if record.keep_best_error else 1)
     if skipped := record.resumed_skipping_items:
