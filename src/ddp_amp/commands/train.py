@@ -126,16 +126,22 @@ def show(launch, output: dict, resolved: dict) -> None:
         launch_training(launch, output, resolved)
 
 
+RUN_DIR_ACTIONS = ("overwrite", "resume")
+"""What a launch did to its run dir, left out of RUN_DIR/config.toml: `--config` of it repeats the run, and must
+never clear or continue another run's directory (its own, the run_dir it records, above all) unasked."""
+
+
 def launch_training(launch, output: dict, resolved: dict) -> None:
-    """A training launch with its progress shown; config.toml first (the options as given and resolved:
-    `--config RUN_DIR/config.toml` repeats the run), the profile's top operators last."""
+    """A training launch with its progress shown; config.toml first (the options as given and resolved, but
+    RUN_DIR_ACTIONS: `--config RUN_DIR/config.toml` repeats the run), the profile's top operators last."""
     from ddp_amp.files import atomic_write
     from ddp_amp.launch.session import run_launch
     from ddp_amp.outputs import read_summary
     from ddp_amp.progress.display import make_display
 
     config = launch.plan.config
-    atomic_write(launch.plan.config_path.parent / "config.toml", config_toml(resolved).encode())
+    recipe = {name: value for name, value in resolved.items() if name not in RUN_DIR_ACTIONS}
+    atomic_write(launch.plan.config_path.parent / "config.toml", config_toml(recipe).encode())
     run_launch(launch, make_display(output["log_format"], quiet=output["quiet"]))
     if config.profile and not output["quiet"]:
         if profile := read_summary(Path(config.run_dir)).profile:
