@@ -164,6 +164,23 @@ def test_a_config_file_with_both_the_old_and_the_new_name_is_refused_not_one_tak
                                 "option (nproc is its old name): keep one"]
 
 
+@pytest.mark.parametrize("option", ["tensorboard", "compile", "overwrite", "quiet", "bucket_view"])
+def test_a_flag_a_config_file_turns_on_or_off_is_turned_back_on_the_command_line(tmp_path, capsys, option):
+    """Flags given on the command line override the file, booleans too: each has its --no- form (before, one
+    that defaults to off had none, so a file's `compile = true` could not be undone but by editing the file)."""
+    from ddp_amp.commands.options import option_specs
+
+    default = {"overwrite": False, "quiet": False, **{spec.name: spec.default for spec in option_specs()}}[option]
+    config = tmp_path / "on.toml"
+    config.write_text(f"{option} = {'false' if default else 'true'}\n")
+    flag = "--" + option.replace("_", "-")
+    code, out, err = run_main(["spawn", "--config", str(config), "--no-" + flag[2:] if not default else flag,
+                               "--print-config"], capsys)
+    assert code == 0, err
+    printed = tomllib.loads(out)
+    assert printed[option] is default
+
+
 def test_print_config_is_flat_toml_grouped_under_each_concern(capsys):
     code, out, err = run_main(["spawn", "-n", "2", "--lr", "0.01", "--tracker", "wandb", "--print-config"], capsys)
     assert code == 0, err

@@ -31,7 +31,7 @@ class OptionSpec:
     name: str
     """The TrainConfig field."""
     flag: str
-    """--name-with-dashes; a boolean that defaults to True is also --no-name."""
+    """--name-with-dashes; a boolean is also --no-name."""
     kind: type
     """str, int, float or bool."""
     optional: bool
@@ -85,7 +85,8 @@ def _typer_option(spec: OptionSpec) -> tuple[Any, Any]:
     kind = Literal[spec.choices] if spec.choices else spec.kind
     if spec.optional:
         kind = kind | None
-    names = (f"{spec.flag}/--no-{spec.flag[2:]}",) if spec.kind is bool and spec.default else (spec.flag,)
+    # Every boolean has its --no- form: a --config file that turns one on is overridden on the command line.
+    names = (f"{spec.flag}/--no-{spec.flag[2:]}",) if spec.kind is bool else (spec.flag,)
     # rich markup reads [...] as a style: escape the docstrings' brackets.
     return spec.default, Annotated[kind, typer.Option(*names, help=spec.help.replace("[", "\\["),
                                                       rich_help_panel=panel)]
@@ -100,12 +101,12 @@ LOG_FORMATS = ("auto", "rich", "plain", "json")
 
 OUTPUT_OPTIONS: dict[str, tuple[Any, Any]] = {
     "run_dir": (None, RunDir),
-    "overwrite": (False, Annotated[bool, typer.Option("--overwrite", rich_help_panel=OUTPUT,
+    "overwrite": (False, Annotated[bool, typer.Option("--overwrite/--no-overwrite", rich_help_panel=OUTPUT,
                                                       help="Allow --run-dir to replace an earlier run's files.")]),
     "log_format": ("auto", Annotated[Literal[LOG_FORMATS], typer.Option(
         "--log-format", rich_help_panel=OUTPUT, help="Progress: auto (rich on a terminal, else plain), rich, "
         "plain (a line per rank per interval) or json (an object per event).")]),
-    "quiet": (False, Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel=OUTPUT,
+    "quiet": (False, Annotated[bool, typer.Option("--quiet/--no-quiet", "-q", rich_help_panel=OUTPUT,
                                                   help="Print only the final summary.")]),
 }
 """What a launch writes and shows, the same on spawn, run and multinode."""
