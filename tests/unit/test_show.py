@@ -187,3 +187,29 @@ def test_runs_of_the_same_folder_name_are_named_by_the_parts_of_their_paths_that
     result = show(*paths[:2])
     assert result.returncode == 0, result.stderr
     assert str(Path("a", "run")) in result.stdout and str(Path("b", "run")) in result.stdout, result.stdout
+
+
+def test_turned_tables_hold_every_word_whole_within_the_width():
+    """A run whose eval text is long beside a script's run with a long word: every line of the turned tables
+    within 80 columns, closed by its border, and every word of every cell whole (rich, left to size the columns,
+    narrowed them evenly and widened some back to their minimum: 16 lines cropped, "bf" for "bf16")."""
+    import io
+
+    from rich.console import Console
+
+    from ddp_amp.results.runs_view import _turned
+
+    headers = ["run", "state", "runs", "precision", "steps", "eval"]
+    rows = [["a", "finished", "mlp", "fp32", "12",
+             "val_loss 1.2345, val_accuracy 0.9876, val_perplexity 3.4560, val_top5 0.99"],
+            ["b", "finished", "examples/scripts/train_gan_loop.py --epochs 3", "bf16", "12", "-"]]
+    console = Console(width=80, file=io.StringIO(), record=True)
+    for table in _turned(headers, rows, 80):
+        console.print(table)
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert all(line.rstrip().endswith(("│", "┃", "┓", "┫", "┩", "┘", "┛")) for line in lines
+               if line.startswith(("│", "┃", "┏", "┡", "└"))), "\n".join(lines)
+    text = " ".join(lines)
+    for word in [word for row in rows for cell in row[1:] for word in cell.split()]:
+        assert word in text, word

@@ -138,16 +138,21 @@ def _seconds(value) -> str:
 
 
 def _turned(headers: list[str], rows: list[list[Any]], width: int) -> list[Any]:
-    """A column per run and a row per figure, each run's column as wide as its longest word, as many runs to a
-    table as fit in `width` (a table's borders and padding: 3 characters a column, 1 more at the end). A run's
-    name may wrap in its header; a word wider than the terminal folds."""
+    """A column per run and a row per figure, as many runs to a table as fit in `width` with each run's column
+    at least as wide as its longest word (a table's borders and padding: 3 characters a column, 1 more at the
+    end); the room left is shared out. Every width is set, not left to rich, which narrows all columns evenly
+    when a table is too wide and then widens some back to their minimum: past the terminal's edge, cropped. A
+    run's name may wrap in its header; a word wider than the terminal folds."""
     from rich.table import Table
 
     label = max(len(header) for header in headers[1:])
+    room = max(width - label - 7, 1)
 
     def widest_word(row: list[Any]) -> int:
-        return min(max((len(word) for cell in row[1:] for word in str(cell).split()), default=1),
-                   max(width - label - 7, 1))
+        return min(max((len(word) for cell in row[1:] for word in str(cell).split()), default=1), room)
+
+    def longest_cell(row: list[Any]) -> int:
+        return min(max((len(str(cell)) for cell in row[1:]), default=1), room)
 
     groups: list[list[list[Any]]] = [[]]
     used = label + 4
@@ -161,9 +166,11 @@ def _turned(headers: list[str], rows: list[list[Any]], width: int) -> list[Any]:
     for number, group in enumerate(groups, start=1):
         table = Table(title="ddp-amp runs" + (f" ({number} of {len(groups)})" if len(groups) > 1 else ""),
                       title_justify="left")
-        table.add_column("", no_wrap=True)
+        table.add_column("", no_wrap=True, width=label)
+        share = (width - label - 4 - sum(widest_word(row) + 3 for row in group)) // len(group)
         for row in group:
-            table.add_column(row[0], justify="right", overflow="fold", min_width=widest_word(row))
+            table.add_column(row[0], justify="right", overflow="fold",
+                             width=max(widest_word(row), min(longest_cell(row), widest_word(row) + share)))
         for position, header in enumerate(headers[1:], start=1):
             table.add_row(header, *(row[position] for row in group))
         tables.append(table)
