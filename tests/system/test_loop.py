@@ -352,6 +352,27 @@ def test_a_script_that_never_calls_finish_is_told_and_its_last_background_write_
     assert last.is_file() and torch.load(last, weights_only=True)["step"] == 4
 
 
+@pytest.mark.parametrize("launcher", ["spawn", "python"])
+def test_a_script_without_finish_whose_last_background_write_fails_exits_1_naming_it(tmp_path, launcher):
+    """Its last checkpoint's background write fails (RLIMIT_FSIZE: EFBIG, as a full disk) and the script never
+    calls finish(): the process fails naming the write, under ddp-amp and as `python script.py` (where an error
+    in an atexit handler would change no exit status), and no partial checkpoint is left."""
+    run, seen = tmp_path / "run", tmp_path / "seen"
+    args = ("--out", str(seen), "--steps", "4", "--no-finish", "--file-size-limit", "3000")
+    if launcher == "spawn":
+        result = launch_script(run, TASKS / "loop_samples.py", *args, options=("--async-checkpoint",))
+        assert last_line(result.stderr).startswith("ddp-amp: error: rank 0 failed: OSError: [Errno 27] File too "
+                                                   "large"), result.stderr
+    else:
+        result = subprocess.run([sys.executable, str(TASKS / "loop_samples.py"), *args, "--async-save"],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        run = tmp_path / "ddp-amp-loop"
+        assert "ddp_amp.loop: the checkpoint write in flight failed: OSError: [Errno 27] File too large" in \
+            result.stderr, result.stderr
+    assert result.returncode == 1, result.stderr
+    assert list((run / "checkpoints").iterdir()) == []
+
+
 def test_under_plain_torchrun_a_restart_continues_from_this_launchs_checkpoint(tmp_path):
     """`torchrun --max-restarts 1` (no ddp-amp; with the store setting docs/scripts.md gives): rank 1 SIGKILLs
     itself at step 7, after the checkpoints of steps 4 and 6 (step 6's may still be in its background write).

@@ -4,11 +4,16 @@ indices, `--batch` per rank; each rank appends the indices of every step's batch
 size; a checkpoint at --checkpoint-every (given on the command line) and at the end.
 
     python loop_samples.py --out DIR [--size N] [--batch B] [--steps K | --to-epoch-end] [--no-finish]
+                           [--async-save] [--file-size-limit BYTES]
 
---no-finish: the script ends without run.finish() (a mistake ddp_amp.loop names).
+--no-finish: the script ends without run.finish() (a mistake ddp_amp.loop names); --async-save: setup's default
+of background checkpoint writes; --file-size-limit: RLIMIT_FSIZE after setup(), so that a checkpoint write
+fails as on a full disk (EFBIG), where the loop's small files still fit.
 """
 
 import argparse
+import resource
+import signal
 from pathlib import Path
 
 import torch
@@ -36,8 +41,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--to-epoch-end", action="store_true")
     parser.add_argument("--no-finish", action="store_true")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--file-size-limit", type=int, default=0)
     args = parser.parse_args()
-    run = loop.setup()
+    run = loop.setup(**({"async_checkpoint": True} if args.async_save else {}))
+    if args.file_size_limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write gets EFBIG instead of the process dying
+        resource.setrlimit(resource.RLIMIT_FSIZE, (args.file_size_limit, args.file_size_limit))
     torch.manual_seed(0)
     net = nn.Linear(1, 1)
     model, optimizer = run.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))

@@ -28,11 +28,9 @@ checkpoint_due, save, should_stop, full_state_dict) still work: docs/scripts.md.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import inspect
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,12 +40,11 @@ import torch.distributed as dist
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistEnv, join_process_group, resolve_device
-from ddp_amp.loop.checkpoints import LoopCheckpoints
+from ddp_amp.loop.checkpoints import LoopCheckpoints, UnfinishedCheck
 from ddp_amp.loop.progress import Progress
 from ddp_amp.loop.settings import LoopError, LoopSettings
 from ddp_amp.parallel import strategy_for
 from ddp_amp.precision import autocast
-from ddp_amp.rank.script import at_script_return
 from ddp_amp.rank.signals import STOP_REQUEST, stop_on_signals
 from ddp_amp.train.data import RankData
 from ddp_amp.train.stop import StopAgreement
@@ -111,10 +108,7 @@ class Loop:
         self._checkpoints = LoopCheckpoints(self)
         self._progress = Progress(self)
         self._finished = False
-        if settings.under_ddp_amp:
-            at_script_return(self._unfinished)
-        else:  # python or torchrun: an uncaught exception leaves sys.last_value before atexit's handlers run
-            atexit.register(lambda: self._unfinished(1 if hasattr(sys, "last_value") else 0))
+        self._unfinished = UnfinishedCheck(self._checkpoints.manager, self.rank, settings.under_ddp_amp)
 
     def prepare(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         """`model` moved to this rank's device and wrapped for the run's parallel mode, and each of `optimizers`
@@ -349,16 +343,6 @@ class Loop:
         them to metrics.jsonl and each rank shows them in ddp-amp's live view."""
         self._progress.report(step, metrics)
 
-    def _unfinished(self, exit_code: int) -> None:
-        """The script ended: without finish(), the checkpoint write in flight is waited for (its error raised,
-        never lost unsaid) and, where the script ended well, rank 0 says what was not written."""
-        if self._finished:
-            return
-        self._checkpoints.manager.wait()
-        if exit_code == 0 and self.rank == 0:
-            print("ddp_amp.loop: the script ended without finish(): no model.pt and no loop.json written (call "
-                  "run.finish(model=model) once, after the loop)", file=sys.stderr, flush=True)
-
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Every rank: the whole model's state_dict (sharded weights gathered) on rank 0, None on the others."""
         module = self._modules.get(id(model))
@@ -380,6 +364,7 @@ class Loop:
         if self._finished:  # its process group is gone: the second call would fail in a collective, unnamed
             raise LoopError("finish(): called a second time; call it once, after the loop")
         self._finished = True
+        self._unfinished.cancel()
         self._checkpoints.close()
         if models and self.stopped_at is None:
             weights = {name: self.full_state_dict(model) for name, model in models.items()}

@@ -6,8 +6,10 @@ world size (each sample of the epoch once), and one resume rule."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from ddp_amp.dist import DistEnv
 from ddp_amp.errors import RankSetupError, RankUsageError
 from ddp_amp.loop.settings import LoopError, LoopSettings
 from ddp_amp.outputs import cut_metrics
+from ddp_amp.rank.script import at_script_return, forget_at_script_return
 from ddp_amp.train.parts import NamedParts
 
 CONFIG_KEYS = ("amp", "dtype", "grad_accum", "shard", "seed", "checkpoint_every", "keep", "checkpoint_format",
@@ -138,3 +141,35 @@ class LoopCheckpoints:
     def close(self) -> None:
         """The write in flight finished (its error raised here), the format's resources released."""
         self.manager.close()
+
+
+class UnfinishedCheck:
+    """When the script ends without finish(): the checkpoint write in flight waited for (its error raised under
+    ddp-amp, which then reports the rank failed; under python or torchrun, where an error in an atexit handler
+    changes no exit status, said and the process ended with status 1), and rank 0 says what was not written.
+    It holds the checkpoint manager alone, not the loop: a script's models are not kept alive by it."""
+
+    def __init__(self, manager: CheckpointManager, rank: int, under_ddp_amp: bool) -> None:
+        self.manager, self.rank, self.under_ddp_amp = manager, rank, under_ddp_amp
+        if under_ddp_amp:
+            at_script_return(self.at_return)
+        else:
+            atexit.register(self.at_exit)
+
+    def cancel(self) -> None:
+        """finish() was called: nothing to check."""
+        forget_at_script_return(self.at_return) if self.under_ddp_amp else atexit.unregister(self.at_exit)
+
+    def at_return(self, exit_code: int) -> None:
+        self.manager.wait()
+        if exit_code == 0 and self.rank == 0:
+            print("ddp_amp.loop: the script ended without finish(): no model.pt and no loop.json written (call "
+                  "run.finish(model=model) once, after the loop)", file=sys.stderr, flush=True)
+
+    def at_exit(self) -> None:
+        try:  # an uncaught exception left sys.last_value before atexit's handlers run: said already
+            self.at_return(1 if hasattr(sys, "last_value") else 0)
+        except BaseException as exc:  # the process must not exit 0 past a lost checkpoint
+            print(f"ddp_amp.loop: the checkpoint write in flight failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)

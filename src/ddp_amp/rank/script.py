@@ -62,6 +62,23 @@ def at_script_return(check: Callable[[int], None]) -> None:
     _AT_RETURN.append(check)
 
 
+def forget_at_script_return(check: Callable[[int], None]) -> None:
+    if check in _AT_RETURN:
+        _AT_RETURN.remove(check)
+
+
+def _checks_at_return(code: int) -> None:
+    """Every check registered, each once; the first error raised after all have run."""
+    errors = []
+    while _AT_RETURN:
+        try:
+            _AT_RETURN.pop(0)(code)
+        except BaseException as exc:  # raised below, once the others have run
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 def run_script(script: Script, run_dir: Path) -> int:
     """Run `script` on this rank; its exit status (0, or what it passed to sys.exit). An exception the script
     raised is reported (an error event, the rank's log) and raised again as ScriptFailed."""
@@ -86,8 +103,7 @@ def run_script(script: Script, run_dir: Path) -> int:
     send({"type": "state", "status": "running"})
     try:
         code = _run(script)
-        while _AT_RETURN:
-            _AT_RETURN.pop(0)(code)
+        _checks_at_return(code)
     except BaseException as exc:
         text = script_traceback(exc)
         recorder.write(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
