@@ -231,3 +231,14 @@ def test_a_checkpoint_pruned_while_verify_reads_the_run_is_left_out_not_damaged(
     code, out, _ = run_main(["verify", str(tmp_path)], capsys)
     assert code == 0 and out.splitlines() == [f"ok         {tmp_path / 'checkpoints' / 'step-20.pt'}",
                                               "1 file: 1 ok"]
+
+
+def test_a_weights_file_beside_a_manifest_of_its_own_is_no_piece_of_a_sharded_checkpoint(tmp_path):
+    """A user's folder holding model.pt and a checksums.json of its own is not a sharded checkpoint's directory;
+    one that also holds a part (or extras.pt) is, its model.pt refused as a piece of it."""
+    (tmp_path / "checksums.json").write_text("{}")
+    save_weights(tmp_path, _state(0, seed=3)["trainer"]["model"])
+    assert storage.part_of_a_checkpoint(tmp_path / "model.pt") is None
+    (tmp_path / "__0_0.distcp").write_bytes(b"part")
+    assert storage.part_of_a_checkpoint(tmp_path / "model.pt") == (
+        f"a file of the sharded checkpoint {tmp_path}, not a checkpoint; give {tmp_path}")

@@ -138,7 +138,9 @@ def part_of_a_checkpoint(path: Path) -> str | None:
     if not path.is_file():
         return None
     parent = path.parent
-    if sharded.is_complete(parent) or (parent / sharded.CHECKSUMS_FILE).is_file():
+    # A part lost leaves the manifest beside the others; a manifest alone is no checkpoint (the name is common).
+    if sharded.is_complete(parent) or (parent / sharded.CHECKSUMS_FILE).is_file() and (
+            (parent / sharded.EXTRAS_FILE).is_file() or any(parent.glob("*.distcp"))):
         return f"a file of the sharded checkpoint {parent}, not a checkpoint; give {parent}"
     if path.suffix == ".json" and CHECKPOINT_NAME.match(path.stem):
         single = path.with_suffix(".pt")
