@@ -75,6 +75,21 @@ def test_auto_finds_the_micro_batch_that_fits_under_max_memory(tmp_path, helper_
     assert summary["steps"] == 2
 
 
+def test_a_resumed_auto_run_starts_from_the_size_it_settled_on(tmp_path, helper_task):
+    """--micro-batch auto settled on 2048 in step 1 and checkpointed there: resumed, it starts at 2048 (no
+    batch of 4096 tried and failed again), so neither its first step nor an evaluation it repeats first runs
+    at a size known not to fit."""
+    task = ["--task", helper_task("activation_heavy"), "--micro-batch", "auto", "--checkpoint-every", "1"]
+    assert_ok(spawn(tmp_path / "first", *ACTIVATIONS, *task))
+    assert read_summary(tmp_path / "first")["micro_batch_changes"] == [{"step": 1, "micro_batch_size": 2048}]
+    resumed = spawn(tmp_path / "second", *ACTIVATIONS, *task, "--resume",
+                    str(tmp_path / "first" / "checkpoints" / "step-1.pt"))
+    assert_ok(resumed)
+    summary = read_summary(tmp_path / "second")
+    assert summary["resumed_from_step"] == 1 and summary["steps"] == 2
+    assert summary["micro_batch_size"] == 2048 and summary["micro_batch_changes"] == []
+
+
 def test_resume_with_another_micro_batch_continues_the_same_run(tmp_path, helper_task):
     """A micro-batch size is not part of the mathematics: a run checkpointed under --micro-batch 4 resumes
     under --micro-batch 32 (the whole batch) and ends with the weights of the run it continues."""

@@ -35,6 +35,7 @@ from ddp_amp.train.data import RankData, is_iterable, loader_workers
 from ddp_amp.train.divergence import DivergenceWatch
 from ddp_amp.train.evaluation import BestKeeper, Validation
 from ddp_amp.train.iterable_data import IterableRankData
+from ddp_amp.train.loop_state import LoopState
 from ddp_amp.train.metrics import MetricsProcessor, Reporter, probe_numerics
 from ddp_amp.train.microbatch import MicroBatches, all_reduce_gradients
 from ddp_amp.train.optim import build_optimizer, optimizer_impl, optimizer_state_mb, parameter_counts
@@ -68,26 +69,6 @@ class Checkpointer(Protocol):
     def take_unlogged(self) -> dict[str, Any]: ...
 
     def model_weights(self, step: int) -> dict[str, torch.Tensor] | None: ...
-
-
-@dataclass
-class LoopState:
-    """The loop's own part of a checkpoint: the optimizer steps fp16 skipped so far, the best evaluation so far,
-    and the step whose evaluation a stop cut short (a resumed run evaluates it first)."""
-
-    best: BestKeeper
-    skipped_steps: int = 0
-    unevaluated: int | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"skipped_steps": self.skipped_steps, "best": self.best.best, "unevaluated": self.unevaluated,
-                "best_checksum": self.best.checksum}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.skipped_steps = state["skipped_steps"]
-        self.best.best = state.get("best")  # the best evaluation so far, over the run's attempts
-        self.best.checksum = state.get("best_checksum")
-        self.unevaluated = state.get("unevaluated")
 
 
 def micro_batches(config: TrainConfig) -> MicroBatches | None:
@@ -133,12 +114,12 @@ class Trainer:
         self.data = rank_data(task, config, env, device)
         self.total_steps = run_length(config, self.data.batches_per_epoch)
         self.best = BestKeeper(config.keep_best)
-        self.loop_state = LoopState(self.best)
+        self.micro = micro_batches(config)
+        self.loop_state = LoopState(self.best, self.micro)
         self.parts = TrainingParts(self.strategy, self.module, self.optimizer, build_scheduler(
             self.optimizer, schedule=config.schedule, total_steps=self.total_steps, warmup_steps=config.warmup_steps,
             min_lr_ratio=config.min_lr_ratio), self.scaler, self.data, self.loop_state)
         """What a checkpoint holds (train.parts): handed to the checkpoint manager at each save and load."""
-        self.micro = micro_batches(config)
         params = [p for p in self.module.parameters() if p.requires_grad]
 
         def reduction() -> None:
