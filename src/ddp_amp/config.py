@@ -160,9 +160,8 @@ class TrainConfig:
     """DataLoader worker processes per rank (None: 0 on CPU ranks, a few per rank on CUDA, leaving cores to
     the other ranks)."""
     optimizer_impl: str = "auto"
-    """The optimizer's implementation: fused (one kernel for all parameters), foreach (batched per tensor list),
-    loop (one parameter at a time, torch's default on CPU); auto: fused, or foreach under fp16's GradScaler and for
-    SGD under --shard full."""
+    """The optimizer's implementation: fused (one kernel for all parameters), foreach (per tensor list), loop (one
+    parameter at a time, torch's CPU default); auto: fused, but foreach under fp16's GradScaler or SGD --shard full."""
     grad_compression: str = "none"
     """Compress gradients for DDP's all-reduce with its built-in hook: none, fp16 or bf16 (bf16 needs nccl)."""
     shard: str = "none"
