@@ -685,6 +685,24 @@ def test_export_of_the_current_directory_reads_it_as_any_other(tmp_path, capsys,
     assert not (tmp_path / "b.pt").exists()
 
 
+def test_a_runs_directory_given_as_weights_names_what_to_give(tmp_path, capsys):
+    """`export RUN/checkpoints` and `--init-from RUN`: one line naming model.pt and the checkpoints, exit 2,
+    nothing written (before: "a directory without model.safetensors ... (not written by save_pretrained)")."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    code, _, err = run_main(["export", str(run / "checkpoints"), "-o", str(tmp_path / "a.pt")], capsys)
+    assert code == 2 and one_line(err) == (
+        f"ddp-amp: error: export: {run / 'checkpoints'}: a run's directory of checkpoints, not weights; give "
+        f"{run / 'model.pt'} or one of its checkpoints (checkpoints/step-N.pt or step-N/)")
+    code, _, err = run_main(["spawn", "-n", "1", "--device", "cpu", "--init-from", str(run), "--run-dir",
+                             str(tmp_path / "new")], capsys)
+    assert code == 2 and one_line(err) == (
+        f"ddp-amp: error: --init-from {run}: a run's directory, not weights; give {run / 'model.pt'} or one of "
+        "its checkpoints (checkpoints/step-N.pt or step-N/)")
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "new").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
 @pytest.mark.parametrize("command", ["spawn", "run", "doctor"])
 @pytest.mark.parametrize("nproc", ["1", "2"])

@@ -83,6 +83,11 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
                 state.update(_load_file(path / shard))
         elif found := next((path / name for name in PRETRAINED_FILES if (path / name).is_file()), None):
             state = _load_file(found)
+        elif (path / storage.CHECKPOINT_DIR).is_dir() or path.name == storage.CHECKPOINT_DIR:
+            run = path if path.name != storage.CHECKPOINT_DIR else path.parent
+            raise WeightsError(f"{path}: a run's " + ("directory" if run == path else "directory of checkpoints") +
+                               f", not weights; give {run / 'model.pt'} or one of its checkpoints "
+                               f"({storage.CHECKPOINT_DIR}/step-N.pt or step-N/)")
         else:
             raise WeightsError(f"{path}: a directory without {' or '.join(PRETRAINED_FILES)} (not written by "
                                "save_pretrained)")
