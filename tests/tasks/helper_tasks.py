@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from ddp_amp.files import atomic_write  # a reader never sees the pid file empty
 from ddp_amp.tasks import Task
 
 INF_AT_CALL = 3  # the loss of this micro-step is multiplied by inf
@@ -606,7 +607,7 @@ def activation_heavy() -> Task:
 def slow_to_build(marker: Path, build_s: float = 120.0) -> Task:
     """A factory that takes long (a data set read from a slow disk, say): writes its pid to `marker`, then
     sleeps `build_s` seconds."""
-    Path(marker).write_text(str(os.getpid()))
+    atomic_write(Path(marker), str(os.getpid()).encode())
     time.sleep(build_s)
     return plain_regression()
 

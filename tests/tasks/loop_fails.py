@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ddp_amp import loop
+from ddp_amp.files import atomic_write  # a reader never sees the pid file empty
 
 
 def slow_disk(seconds: float) -> None:
@@ -57,7 +58,7 @@ def main() -> None:
     failing = os.environ.get("RANK") == "1"
     if args.pids_to:
         Path(args.pids_to).mkdir(parents=True, exist_ok=True)
-        Path(args.pids_to, f"rank{run.rank}.pid").write_text(str(os.getpid()))
+        atomic_write(Path(args.pids_to, f"rank{run.rank}.pid"), str(os.getpid()).encode())
     if args.fail_at == 0 and failing:
         raise ValueError("fails before its first step")
     torch.manual_seed(0)

@@ -6,6 +6,8 @@ import signal
 import time
 from pathlib import Path
 
+from ddp_amp.files import atomic_write  # a reader never sees the pid file empty
+
 
 def _takes_sigterm() -> None:
     """As a rank once its handlers are set: a rank forked from the fork server starts with the stop signals
@@ -34,13 +36,13 @@ def first_fails_second_ignores_sigterm(rank: int, marker_dir: str) -> None:
         raise ValueError("rank 0 fails on purpose")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _takes_sigterm()
-    Path(marker_dir, "rank1.ignoring").write_text(str(os.getpid()))
+    atomic_write(Path(marker_dir, "rank1.ignoring"), str(os.getpid()).encode())
     while True:
         time.sleep(1)
 
 
 def waits_to_be_killed(rank: int, marker_dir: str) -> None:
     """Every rank reports its pid and waits: the test damages a rank's error file and kills it."""
-    Path(marker_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
+    atomic_write(Path(marker_dir, f"rank{rank}.pid"), str(os.getpid()).encode())
     while True:
         time.sleep(1)

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddp_amp.files import atomic_write  # a reader never sees the pid file empty
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -51,7 +53,7 @@ def main() -> None:
             if rank == args.slow_save_rank:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 time.sleep(args.save_s)
-            Path(args.signals_to, f"rank{rank}.{signal.Signals(signum).name}").write_text(str(os.getpid()))
+            atomic_write(Path(args.signals_to, f"rank{rank}.{signal.Signals(signum).name}"), str(os.getpid()).encode())
             sys.exit(128 + signum)
 
         signal.signal(signal.SIGTERM, record)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
+from ddp_amp.files import atomic_write  # a reader never sees the pid file empty
 from ddp_amp.tasks import Task
 
 VOCAB, SEQ, CLASSES = 64, 12, 3
@@ -620,7 +621,7 @@ class _SavesPretrained(nn.Module):
 def saves_pretrained() -> Task:
     """Records the pid that built it in DDP_AMP_TEST_FACTORY_PID's file; raises DDP_AMP_TEST_FACTORY_RAISES."""
     if record := os.environ.get("DDP_AMP_TEST_FACTORY_PID"):
-        Path(record).write_text(str(os.getpid()))
+        atomic_write(Path(record), str(os.getpid()).encode())
     if why := os.environ.get("DDP_AMP_TEST_FACTORY_RAISES"):
         raise ValueError(why)
     return Task(model=_SavesPretrained(), dataset=_Regression(), loss_fn=nn.functional.mse_loss)
