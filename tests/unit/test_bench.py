@@ -38,6 +38,15 @@ def test_bad_input_is_one_line_exit_2(args, flag, capsys, tmp_path):
     assert not (tmp_path / "bench").exists()
 
 
+@pytest.mark.parametrize("shards", ["", "none,", "none,,full"])
+def test_an_empty_shard_mode_is_named_as_empty_not_as_an_unknown_blank(shards, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--device", "cpu", "--shard", shards, "--run-dir", str(tmp_path / "bench")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"ddp-amp: error: --shard {shards!r} names an empty mode; give one "
+                                               "or more of none, optimizer, full, separated by commas")
+
+
 @pytest.mark.parametrize("resume", ["auto", "runs/x/checkpoints/step-4.pt"])
 def test_resume_is_refused_not_ignored_nor_taken_as_a_steps_mismatch(resume, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:

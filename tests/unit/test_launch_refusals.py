@@ -94,7 +94,7 @@ def test_a_task_argument_given_twice_is_one_line_exit_2_not_the_last_silently(tm
                              "width=3", "--task-arg", "width=4", "--steps", "2", "--run-dir", str(tmp_path / "run")],
                             capsys)
     assert code == 2
-    assert one_line(err) == "ddp-amp: error: --task-arg width is given twice (width=3 and 'width=4'); give it once"
+    assert one_line(err) == "ddp-amp: error: --task-arg width is given twice (width=3 and width=4); give it once"
     assert not (tmp_path / "run").exists()
 
 

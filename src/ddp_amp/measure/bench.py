@@ -205,7 +205,10 @@ class BenchOptions:
             problems.append(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_CHOICES)}")
         from ddp_amp.config import SHARD_MODES
 
-        if unknown := [mode for mode in self.shards if mode not in SHARD_MODES]:
+        if not all(self.shards):  # `--shard ""` or `--shard none,`: an empty name is no mode to name as unknown
+            problems.append(f"--shard {','.join(self.shards)!r} names an empty mode; give one or more of "
+                            f"{', '.join(SHARD_MODES)}, separated by commas")
+        elif unknown := [mode for mode in self.shards if mode not in SHARD_MODES]:
             problems.append(f"--shard {','.join(self.shards)}: {', '.join(unknown)} is not one of "
                             f"{', '.join(SHARD_MODES)}")
         elif len(set(self.shards)) != len(self.shards) or not self.shards:

@@ -88,16 +88,18 @@ def task_arguments(factory: Callable, spec: str, name: str, pairs: Sequence[str]
     named = {k: p for k, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                            inspect.Parameter.KEYWORD_ONLY)}
     kwargs: dict[str, Any] = {}
+    given: dict[str, str] = {}  # each key's --task-arg as typed, to name both when one is given twice
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--task-arg {pair!r} is not KEY=VALUE")
         if key in kwargs:  # two values for one argument: a typo or a leftover, never silently the last
-            raise UsageError(f"--task-arg {key} is given twice ({key}={kwargs[key]!r} and {pair!r}); give it once")
+            raise UsageError(f"--task-arg {key} is given twice ({given[key]} and {pair}); give it once")
         if key not in named and not takes_any:
             takes = ", ".join(named) or "no arguments"
             raise UsageError(f"--task-arg {key}: unknown argument {key!r} of {name} (it takes: {takes})")
         kwargs[key] = _convert(key, text, named.get(key), name)
+        given[key] = pair
     missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kwargs
                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
     if missing:
