@@ -62,6 +62,9 @@ def test_with_two_nodes_a_slow_direction_names_both_of_its_ends():
     (["--nnodes", "2"], "doctor: --nnodes and --endpoint go together (the nodes meet at the endpoint)"),
     (["--endpoint", "127.0.0.1:29400"], "doctor: --nnodes and --endpoint go together (the nodes meet at the endpoint)"),
     (["--nnodes", "0", "--endpoint", "127.0.0.1"], "--nnodes must be >= 1, got 0"),
+    (["--nnodes", "1:2", "--endpoint", "127.0.0.1"], "--nnodes 1:2: doctor measures the nodes it is started on, "
+                                                      "not an elastic range; give their number (--nnodes N)"),
+    (["--nnodes", "two", "--endpoint", "127.0.0.1"], "--nnodes 'two' is not a number of nodes"),
     (["--nnodes", "2", "--endpoint", "127.0.0.1", "--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
 ])
 def test_doctor_bad_multinode_input_is_one_line_exit_2(tmp_path, args, line):

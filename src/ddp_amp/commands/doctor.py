@@ -31,9 +31,9 @@ def doctor(
                                                                 "as for training.")] = "auto",
     dtype: Annotated[Literal["auto", "bf16", "fp16"], typer.Option("--dtype", help="auto, bf16 or fp16.")] = "auto",
     launcher: Launcher = "spawn",
-    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Check a multi-node job: run the same doctor "
-                                               "command on every node (as multinode); each node's links are "
-                                               "measured too.")] = None,
+    nnodes: Annotated[str | None, typer.Option("--nnodes", help="Check a multi-node job of N nodes: run the same "
+                                               "doctor command on every node (as multinode); each node's links "
+                                               "are measured too.")] = None,
     endpoint: Endpoint = None,
     rdzv_id: RdzvId = None,
     rdzv_timeout: RdzvTimeout = 600.0,
@@ -104,7 +104,7 @@ def _measure(nproc: int | None, precision: dict[str, str], *, launcher: str, mul
     return report
 
 
-def doctor_job(nnodes: int | None, endpoint: str | None, nproc: int | None, *, rdzv_id: str | None,
+def doctor_job(nnodes: str | None, endpoint: str | None, nproc: int | None, *, rdzv_id: str | None,
                rdzv_timeout: float, **network_options: Any):
     """doctor --nnodes: (world size, job id, this node's torchrun job for a device type), as multinode runs it."""
     from ddp_amp import network
@@ -112,8 +112,7 @@ def doctor_job(nnodes: int | None, endpoint: str | None, nproc: int | None, *, r
 
     if nnodes is None or endpoint is None:
         raise UsageError("doctor: --nnodes and --endpoint go together (the nodes meet at the endpoint)")
-    if nnodes < 1:
-        raise UsageError(f"--nnodes must be >= 1, got {nnodes}")
+    nnodes = _node_count(nnodes)
     if nproc is not None and nproc < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
     torchrun.check_rendezvous_timeout(rdzv_timeout)
@@ -126,3 +125,18 @@ def doctor_job(nnodes: int | None, endpoint: str | None, nproc: int | None, *, r
     return nnodes * per_node, job_id, torchrun.node_job(where, nodes, per_node, net, node_rank=None, rdzv_id=job_id,
                                                         max_restarts=0, monitor_interval=0.1,
                                                         rdzv_timeout=rdzv_timeout)
+
+
+def _node_count(nnodes: str) -> int:
+    """doctor --nnodes N: a fixed number of nodes. multinode's elastic MIN:MAX, copied from a job's command line,
+    is named as such (a typer int would call it "not a valid integer")."""
+    if ":" in nnodes:
+        raise UsageError(f"--nnodes {nnodes}: doctor measures the nodes it is started on, not an elastic range; "
+                         "give their number (--nnodes N)")
+    try:
+        count = int(nnodes)
+    except ValueError:
+        raise UsageError(f"--nnodes {nnodes!r} is not a number of nodes") from None
+    if count < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {count}")
+    return count
