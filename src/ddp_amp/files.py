@@ -332,6 +332,7 @@ def check_report_path(path: Path | None, flag: str, suffixes: tuple[str, ...] = 
     where = f"{flag} {str(path)!r}"
     if suffixes and path.suffix.lower() not in suffixes:
         raise UsageError(f"{where}: the suffix chooses the format: {', '.join(suffixes)}")
+    path = through_link(path)
     if path.is_dir():
         raise UsageError(f"{where} is a directory; name a file")
     check_parent_dir(path, flag)
@@ -340,11 +341,18 @@ def check_report_path(path: Path | None, flag: str, suffixes: tuple[str, ...] = 
                          "name")
 
 
+def through_link(path: Path) -> Path:
+    """Where a report named by a symbolic link goes: where the link points (dangling or not), as a shell's `>`
+    writes it. Renamed over the link, it would replace the link, a file the user made, with ours."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def write_report(path: Path, flag: str, write: Any) -> None:
     """`write(temporary_path)` then the temporary file renamed over `path`: a failed write leaves no half file
     and the earlier report as it was. An OSError is one line naming `flag`."""
     from ddp_amp.errors import UsageError
 
+    path = through_link(path)
     temporary = path.with_name(f".{path.name}.{writer_tag()}.tmp")
     try:
         write(temporary)

@@ -333,3 +333,26 @@ def test_a_cpu_peak_is_the_fastest_matmul_over_a_fifth_of_a_second(monkeypatch):
     assert utilisation.measured_matmul_tflops(torch.device("cpu"), torch.float32) == pytest.approx(
         2 * size**3 / 1e-4 / 1e12)
     assert clock.now >= utilisation.MATMUL_MIN_S
+
+
+def test_a_json_report_named_by_a_symlink_is_written_where_it_points_and_the_link_kept(tmp_path, capsys):
+    """bench's and doctor's --json through a link, as a shell's `>` writes: renamed over the link, the report
+    replaced the user's link with a file of ours."""
+    from ddp_amp.commands.options import check_json_path
+    from ddp_amp.outputs import write_json_report
+
+    link, target = tmp_path / "latest.json", tmp_path / "reports" / "bench-1.json"
+    target.parent.mkdir()
+    link.symlink_to(target)  # dangling: the report is new
+    for figure in (1, 2):  # then a report ddp-amp wrote, replaced
+        check_json_path(link)
+        write_json_report(link, {"figure": figure}, "bench")
+        assert link.is_symlink() and json.loads(target.read_text())["figure"] == figure
+    assert sorted(p.name for p in target.parent.iterdir()) == ["bench-1.json"]  # no temporary file left
+    target.write_text("mine\n")
+    with pytest.raises(SystemExit) as exit_info:  # through the command: one line, the link and the file kept
+        main(["bench", "--device", "cpu", "--json", str(link), "--run-dir", str(tmp_path / "bench")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"ddp-amp: error: --json {str(link)!r} already exists and is not a "
+                                               "report ddp-amp wrote; remove it or choose another name")
+    assert link.is_symlink() and target.read_text() == "mine\n" and not (tmp_path / "bench").exists()
