@@ -308,13 +308,26 @@ def mismatches(checkpoint_config: dict[str, Any], config: dict[str, Any]) -> lis
         if name not in checkpoint_config or name in said:  # not recorded (a script loop's before it had the
             continue                                         # core's config), or said above
         if config.get(name) != checkpoint_config.get(name):
-            differ.append(f"--{name.replace('_', '-')} {config.get(name)} (checkpoint: {checkpoint_config.get(name)})")
+            differ.append(f"{_flag(name, config)} (checkpoint: {checkpoint_config.get(name)})")
     return differ
 
 
 def _length(config: dict[str, Any]) -> str:
     """How long a run is, as the flag it was given: --epochs N, else --steps N."""
-    return f"--epochs {config['epochs']}" if config.get("epochs") is not None else f"--steps {config.get('steps')}"
+    return _flag("epochs", config) if config.get("epochs") is not None else _flag("steps", config)
+
+
+def _flag(name: str, config: dict[str, Any]) -> str:
+    """`name`'s flag and value in the resuming run, marked where it is the default: a user who forgot a flag
+    on the resume reads "--steps 100, the default", not a --steps 100 they never typed."""
+    import dataclasses
+
+    from ddp_amp.config import DEFAULT_STEPS, TrainConfig
+
+    # --steps' default is DEFAULT_STEPS where no --epochs is given (TrainConfig's field says None)
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)} | {"steps": DEFAULT_STEPS}
+    value = config.get(name)
+    return f"--{name.replace('_', '-')} {value}" + (", the default" if defaults.get(name, ...) == value else "")
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
