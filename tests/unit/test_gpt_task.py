@@ -53,3 +53,22 @@ def test_a_size_it_does_not_have_is_one_line_and_launches_nothing(tmp_path, caps
     assert code == 2
     assert one_line(err) == "ddp-amp: error: --task-arg size='1b' is not one of tiny, 124m, 350m (build's size)"
     assert not (tmp_path / "run").exists()
+
+
+def test_the_transformer_tasks_flops_are_its_matmuls():
+    """torch's FlopCounterMode on one training step of the transformer task, plus the attention a CPU's
+    scaled_dot_product_attention hides from it (12 L d T) and 6 FLOPs per bias and norm weight: the task's own
+    count, within 0.1%. Its embeddings do no matmul (the output layer is a layer of its own): counted, they put
+    the figure, and the MFU with it, 4.6% high."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddp_amp.tasks import transformer
+
+    task = transformer.build()
+    tokens, targets = task.dataset[:2]
+    with FlopCounterMode(display=False) as counter:
+        task.loss_fn(task.model(tokens), targets).backward()
+    per_token = counter.get_total_flops() / tokens.numel()
+    attention = 12 * transformer.LAYERS * transformer.D_MODEL * transformer.SEQ_LEN
+    small = sum(p.numel() for name, p in task.model.named_parameters() if p.dim() == 1)  # biases, norms
+    assert task.flops_per_item == pytest.approx(per_token + attention + 6 * small, rel=1e-3)

@@ -90,3 +90,29 @@ def test_the_trainer_leaves_its_validations_out_of_the_throughput(one_rank_group
     trainer.close()
     assert offset[0] == 3 * VALIDATION_S  # steps 4, 8 and 12 validated
     assert summary["rank_samples_per_s"] > steps * BATCH / VALIDATION_S
+
+
+def test_the_throughput_counts_the_samples_the_steps_took_not_full_batches(tmp_path, clock):
+    """An epoch's last batch is short of --batch-size (here every fifth step takes half a batch): the rate is
+    of the samples trained on, not of steps times --batch-size."""
+    run = metrics(tmp_path, total_steps=40)
+    taken = {}
+    for number in range(1, 41):
+        clock.now += STEP_S
+        taken[number] = BATCH // 2 if number % 5 == 0 else BATCH
+        run.step_done(number, StepOutcome(stepped=True, loss=torch.zeros(()), micro_steps=1, grad_norm=None,
+                                          samples=taken[number]))
+    steady = range(metrics_module.steady_state_start(40) + 1, 41)
+    assert run.summary(40)["rank_samples_per_s"] == pytest.approx(
+        sum(taken[number] for number in steady) / (len(steady) * STEP_S))
+
+
+def test_the_counted_flops_are_per_sample_of_the_step_counted(tmp_path, clock):
+    """The FLOPs of the first step are divided by the samples it took: a data set smaller than --batch-size
+    gives every step a short batch."""
+    run = metrics(tmp_path, total_steps=10)
+    with run.counting_flops():
+        torch.ones(BATCH // 2, 8) @ torch.ones(8, 16)
+    run.step_done(1, StepOutcome(stepped=True, loss=torch.zeros(()), micro_steps=1, grad_norm=None,
+                                 samples=BATCH // 2))
+    assert run.flops_per_sample == 2 * 8 * 16

@@ -87,7 +87,9 @@ def build() -> Task:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
     model = TinyLM()
-    parameters = sum(p.numel() for p in model.parameters())
+    # nanoGPT's N: the parameters a token's matmuls use. Not the position embedding (nanoGPT leaves it out), nor the
+    # token embedding: a lookup here, the output layer `head` being a layer of its own (GPT-2's is the embedding).
+    parameters = sum(p.numel() for p in model.parameters()) - model.tok.weight.numel() - model.pos.weight.numel()
     # 6 FLOPs per parameter per token (forward + backward), plus attention scores and values.
     flops_per_token = 6 * parameters + 12 * LAYERS * D_MODEL * SEQ_LEN
     return Task(

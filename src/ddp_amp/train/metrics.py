@@ -132,7 +132,12 @@ class MetricsProcessor:
         """This rank's seconds per phase since the last log (AmpStep.take_phase_times)."""
         self.stragglers = StragglerWatch(env.rank, env.world_size)
         self.total_steps, self.start_step = total_steps, start_step
-        self.samples_per_step = config.batch_size * config.grad_accum  # per rank
+        self.samples_per_step = config.batch_size * config.grad_accum
+        """A full step's samples on this rank; what a step counts when its batches cannot be counted."""
+        # The samples the steps actually took (an epoch's last batch may be short): the throughput's numerator.
+        self.samples_done = self.samples_at_steady = self.profiled_samples = self.interval_samples = 0
+        self.counted_flops: float | None = None
+        """The FLOPs counting_flops counted in a step, until step_done divides them by its samples."""
         self.measure_from = steady_state_start(total_steps)
         self.start = time.time()
         # The interval's loss lives on the device and is read only at log intervals: a .item() per step would
@@ -167,6 +172,14 @@ class MetricsProcessor:
         self.loss_sum += outcome.loss
         self.loss_count += outcome.micro_steps
         self.interval_steps += 1
+        samples = outcome.samples or self.samples_per_step
+        self.interval_samples += samples
+        self.samples_done += samples
+        if self.counted_flops is not None:
+            self.flops_per_sample, self.counted_flops = self.counted_flops / samples or None, None
+        window = self.profiler.window
+        if window and window[0] <= number <= window[1] and number > self.measure_from:
+            self.profiled_samples += samples  # taken out of the steady state with the window's seconds
         if self.time_steps:
             self._sync()  # benchmark mode: wait for the device so each step's time is its own
             now = time.perf_counter()
@@ -180,6 +193,7 @@ class MetricsProcessor:
         if number == self.measure_from:
             self._sync()
             self.steady_at = time.perf_counter()
+            self.samples_at_steady = self.samples_done
 
     @contextlib.contextmanager
     def paused(self):
@@ -216,7 +230,7 @@ class MetricsProcessor:
         local_loss, local_count, total_loss, total_count, *summed, norm_value = values
         summed_flags, table = summed[:len(flags)], summed[len(flags):]
         rank_times = self.stragglers.unpack(table)
-        rank_samples_per_s = self.interval_steps * self.samples_per_step / interval_s
+        rank_samples_per_s = self.interval_samples / interval_s
         record = {"step": number, "total_steps": self.total_steps, "epoch": epoch, "loss": total_loss / total_count,
                   "lr": lr, "samples_per_s": rank_samples_per_s * self.env.world_size, "skipped_steps": skipped_steps,
                   "grad_norm": norm_value, "elapsed_s": time.time() - self.start,
@@ -235,7 +249,7 @@ class MetricsProcessor:
         self.reporter.on_log(record)
         self.record = record
         self.loss_sum.zero_()
-        self.loss_count, self.interval_start, self.interval_steps = 0, now, 0
+        self.loss_count, self.interval_start, self.interval_steps, self.interval_samples = 0, now, 0, 0
         return summed_flags
 
     def prepare_utilisation(self, precision: str) -> None:
@@ -266,7 +280,7 @@ class MetricsProcessor:
         with FlopCounterMode(display=False) as counter:
             yield
         self.flops_counted = True
-        self.flops_per_sample = counter.get_total_flops() / self.samples_per_step or None
+        self.counted_flops = counter.get_total_flops()  # per sample once step_done knows the step's samples
 
     def utilisation(self, samples_per_s: float) -> dict[str, float]:
         """The training FLOP/s per rank (`tflops_per_rank`) and, against the rank's peak, the model FLOPs
@@ -289,11 +303,13 @@ class MetricsProcessor:
         steady_s = (time.perf_counter() - self.steady_at - self.paused_s if self.steady_at is not None
                     else end - self.start)
         steady_steps = steps_done - measured_from
+        steady_samples = self.samples_done - self.samples_at_steady
         # Profiled steps run slower: they are not part of the figure.
         profiled_s, profiled_steps = self.profiler.overlap(self.steady_at, measured_from)
         if profiled_steps < steady_steps:
             steady_s, steady_steps = steady_s - profiled_s, steady_steps - profiled_steps
-        rank_samples_per_s = max(1, steady_steps) * self.samples_per_step / steady_s
+            steady_samples -= self.profiled_samples
+        rank_samples_per_s = (steady_samples if steady_steps > 0 else self.samples_per_step) / steady_s
         samples_per_s = rank_samples_per_s * self.env.world_size
         launch = self.config.launch_time or self.start
         summary: dict[str, Any] = {

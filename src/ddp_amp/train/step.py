@@ -27,6 +27,7 @@ from ddp_amp.train.data import to_device
 from ddp_amp.train.microbatch import (
     MicroBatches,
     OutOfMemoryAgreement,
+    batch_length,
     free_after_out_of_memory,
     is_certainly_out_of_memory,
     is_out_of_memory,
@@ -48,6 +49,28 @@ class StepOutcome:
     micro_steps: int
     grad_norm: torch.Tensor | None
     """The global norm of the unscaled gradients, on the device; None when neither clipping nor a log asked."""
+    samples: int | None = None
+    """The samples this rank trained on in the step (an epoch's last batch may be short of --batch-size); None
+    where a batch holds no tensor to count them by."""
+
+
+class CountingBatches:
+    """The step's batches as they are taken, counting their samples (shapes only: no device sync)."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self.batches, self.samples = batches, 0
+
+    def __iter__(self) -> CountingBatches:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        if self.samples is not None:
+            try:
+                self.samples += batch_length(batch)
+            except ValueError:
+                self.samples = None
+        return batch
 
 
 class AmpStep:
@@ -118,6 +141,7 @@ class AmpStep:
         return taken
 
     def __call__(self, batches: Iterator[Any], step: int, *, want_norm: bool) -> StepOutcome:
+        batches = CountingBatches(batches)
         try:
             if self.micro is None and self.count_items is None:
                 loss_sum = self._accumulate(batches, step)
@@ -134,7 +158,7 @@ class AmpStep:
             if not is_certainly_out_of_memory(exc):  # a backend's own report: say whose words it was
                 line += f" (the backend reported: {str(exc).strip().splitlines()[0]})"
             raise RankOutOfMemory(line) from exc
-        return StepOutcome(stepped, loss_sum, self.grad_accum, grad_norm)
+        return StepOutcome(stepped, loss_sum, self.grad_accum, grad_norm, batches.samples)
 
     def try_batch(self, batch: Any, step: int) -> bool:
         """One optimizer step on `batch` as a single piece, under the out-of-memory agreement of auto: False,
