@@ -389,6 +389,20 @@ def test_under_plain_torchrun_a_restart_continues_from_this_launchs_checkpoint(t
     assert record["restarts"] == 1 and record["resumed_from_step"] in (4, 6)
 
 
+def test_a_restart_before_any_checkpoint_logs_each_step_once(tmp_path):
+    """A restart (torchrun's agent, here its count as `python` sees it) of a loop that failed before its first
+    checkpoint starts from step 0: the earlier attempt's metrics lines go, as ddp-amp's own loop drops them,
+    not kept beside the new attempt's same steps."""
+    run_dir = tmp_path / "ddp-amp-loop"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {step}, "loss": 9.0}}\n' for step in (10, 20, 30)))
+    result = subprocess.run([sys.executable, str(LOOP_FAILS), "--steps", "10"], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path, env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [10]  # --log-every's default
+
+
 def test_a_loop_resumed_past_a_checkpoint_whose_bytes_changed_continues_from_the_one_before(tmp_path):
     """The loop's checkpoints are the core manager's, checksums included: a byte flipped inside the model of the
     newest (its size unchanged, it still loads) is skipped with one warning naming it, and the loop continues

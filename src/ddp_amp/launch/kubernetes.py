@@ -18,7 +18,6 @@ from typing import Any
 
 from ddp_amp.errors import UsageError
 
-KINDS = ("trainjob", "pytorchjob", "jobset")
 RUN_DIR_MOUNT = "/ddp-amp"
 """Where the claim (or, without --pvc, an emptyDir) is mounted in every pod; the run dir lies below it."""
 RDZV_PORT = 29400

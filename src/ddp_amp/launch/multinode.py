@@ -114,8 +114,7 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
     common = {"nproc_per_node": nproc, "flag": "--nproc-per-node", "overwrite": output["overwrite"],
               "run_dir": output["run_dir"], "lock_run_dir": False, "extra": extra, "dry_run": dry_run}
     if script is not None:
-        plan = preflight_script(config, script, world_size=nodes.min * nproc if nodes.min == nodes.max else None,
-                                **common)
+        plan = preflight_script(config, script, **common)
     else:
         plan = preflight(config, world_size=nodes.min * nproc if nodes.min == nodes.max else None, **common)
     with stops_say(plan.changed_on_disk):  # until show() takes over, a stop says what the launch changed

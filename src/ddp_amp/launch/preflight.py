@@ -363,7 +363,7 @@ def _same_job_requeued(config: TrainConfig) -> bool:
 
 def preflight_script(config: TrainConfig, script, *, nproc_per_node: int, flag: str = "--nproc",
                      overwrite: bool = False, run_dir: str | None = None, extra: dict | None = None,
-                     lock_run_dir: bool = True, world_size: int | None = -1, dry_run: bool = False) -> LaunchPlan:
+                     lock_run_dir: bool = True, dry_run: bool = False) -> LaunchPlan:
     """Prepare a launch of the user's `script` (launch.script.Script, checked already): the run directory for its
     ranks' logs and the record, and config.json (the launch's options and the script). The run dir follows the
     rules of every launch (launch.run_dir): an earlier run in it needs --resume or --overwrite."""

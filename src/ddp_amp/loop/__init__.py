@@ -312,9 +312,8 @@ class Loop:
         return self._checkpoints.restore(state)
 
     def checkpoint_due(self, step: int) -> bool:
-        """--checkpoint-every N: whether optimizer step `step` is one to save at."""
-        every = self.settings.checkpoint_every
-        return bool(every) and step % every == 0
+        """--checkpoint-every N: whether optimizer step `step` is one to save at (the core's rule)."""
+        return self._checkpoints.manager.due(step)
 
     def save(self, step: int) -> Path | None:
         """Every rank: a checkpoint of the state restore() (or steps()) registered after optimizer step `step`

@@ -29,8 +29,12 @@ class Progress:
         if step % self.run.settings.log_every:
             return
         values = {name: _number(name, value) for name, value in metrics.items()}  # a host sync per tensor
-        self.last_step = step
         run = self.run
+        if run.rank == 0 and self.last_step is None:
+            # This attempt's first line: lines after the step it continues from are an earlier attempt's (a
+            # restart before any checkpoint starts from 0), logged again now; as ddp-amp's own loop drops them.
+            outputs.cut_metrics(run.run_dir, run._checkpoints.resumed_from_step or 0)
+        self.last_step = step
         if run.rank == 0:
             outputs.append_metrics(run.run_dir, {"step": step, **values})
             if run.settings.tensorboard:

@@ -305,7 +305,7 @@ def run_bench(train_options: dict[str, Any], options: BenchOptions, *, nproc: in
     tf32 = train_options.get("tf32")
     from ddp_amp.measure.environment import environment
 
-    env = environment(plan.device_type, nproc, summary, None if tf32 is None else tf32 == "on")
+    env = environment(plan.device_type, summary, None if tf32 is None else tf32 == "on")
     if summary.model_flops_per_token:
         env["model_flops_per_token"] = summary.model_flops_per_token
     if summary.task_description:

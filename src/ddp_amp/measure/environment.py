@@ -26,7 +26,7 @@ def cpu_name() -> str:
     return cpu_model()
 
 
-def environment(device_type: str, nproc: int, summary: RunRecord, tf32: bool | None) -> dict[str, Any]:
+def environment(device_type: str, summary: RunRecord, tf32: bool | None) -> dict[str, Any]:
     import torch
 
     from ddp_amp.precision import cpu_has_native_bf16

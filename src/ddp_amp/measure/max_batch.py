@@ -52,7 +52,7 @@ def run_max_batch(train_options: dict[str, Any], options: BenchOptions, *, nproc
     if "fp32" in results and amp and results["fp32"]["max_batch"]:
         report["max_batch_ratio"] = {"amp": amp, "ratio": results[amp]["max_batch"] / results["fp32"]["max_batch"]}
     tf32 = train_options.get("tf32")
-    env = environment(plan.device_type, nproc, first, None if tf32 is None else tf32 == "on")
+    env = environment(plan.device_type, first, None if tf32 is None else tf32 == "on")
     env["max_memory_gb"] = train_options.get("max_memory")
     report["environment"] = env
     report["method"] = {"search": "doubling from --batch-size, then bisecting to within 1/16",

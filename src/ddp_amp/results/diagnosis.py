@@ -24,11 +24,6 @@ TRAINING_GROUP = "default_pg"
 agreement's own group is left out."""
 
 
-def read_dumps(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's readable record in RUN_DIR/flight_recorder, by rank (damaged ones left out: read_records)."""
-    return read_records(run_dir)[0]
-
-
 def read_records(run_dir: Path) -> tuple[dict[int, dict[str, Any]], dict[Path, str]]:
     """Every rank's record in RUN_DIR/flight_recorder, by rank, and each file that could not be read, with why."""
     dumps: dict[int, dict[str, Any]] = {}

@@ -13,8 +13,6 @@ from ddp_amp.errors import RunFailed, UsageError
 from ddp_amp.files import check_parent_dir, checksum_file_of, not_a_torch_file
 from ddp_amp.outputs import BEST_MODEL_FILE, MODEL_FILE
 
-WHICH = ("auto", "best", "last")
-
 
 def choose_source(source: Path, which: str) -> tuple[Path, dict[str, Any] | None]:
     """(the weights file to export, the run's config where one is known). A run directory gives its best
@@ -93,7 +91,7 @@ def write(chosen: Path, config: dict[str, Any] | None, source: Path, output: Pat
         state = read_weights(chosen)
     except WeightsError as exc:
         raise UsageError(f"export: {exc}") from None
-    model = _model_with(state, config, source) if hf is not None else None
+    model = _model_with(state, config) if hf is not None else None
     written = []
     if hf is not None:
         try:
@@ -120,7 +118,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
-def _model_with(state: dict, config: dict[str, Any], source: Path):
+def _model_with(state: dict, config: dict[str, Any]):
     """The run's model, built by its task as the ranks built it, holding `state`; refused where it has no
     save_pretrained or the weights do not fit it."""
     import torch
