@@ -437,3 +437,20 @@ def test_ranks_killed_in_a_slow_checkpoint_write_after_a_stop_name_the_newest_co
                               f"{run / 'logs'}); the newest complete checkpoint is {run / 'checkpoints' / 'step-4.pt'} "
                               f"(continue with --resume auto --run-dir {run})")
     assert run_processes(mark) == []
+
+
+def test_a_stop_in_the_last_step_ends_the_loop_as_ddp_amps_own_finished_and_the_last_step_is_logged(tmp_path):
+    """SIGTERM to the launcher while every rank is in the loop's last step (5, of --log-every 2): as ddp-amp's
+    own loop, the run has finished: exit 0, one line saying the stop came after the loop, no stop recorded, no
+    checkpoint asking for a resume that has nothing left to do. metrics.jsonl ends on step 5, as the core's does
+    (it ended on 4)."""
+    run, holding = tmp_path / "run", tmp_path / "holding"
+    result = launch_until(run, "--log-every", "2", str(TASKS / "loop_samples.py"), "--out", str(tmp_path / "seen"),
+                          "--steps", "5", "--hold-last-step", str(holding),
+                          until=lambda: all((holding / f"rank{rank}.holding").exists() for rank in (0, 1)))
+    assert result.returncode == 0, result.stderr
+    assert "ddp-amp: SIGTERM came after the loop had finished (step 5)\n" in result.stderr
+    summary = read_summary(run)
+    assert summary["outcome"] == "finished" and summary["loop"]["completed_steps"] == 5
+    assert "stopped_at_step" not in summary["loop"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4, 5]

@@ -4,16 +4,18 @@ indices, `--batch` per rank; each rank appends the indices of every step's batch
 size; a checkpoint at --checkpoint-every (given on the command line) and at the end.
 
     python loop_samples.py --out DIR [--size N] [--batch B] [--steps K | --to-epoch-end] [--no-finish]
-                           [--async-save] [--file-size-limit BYTES]
+                           [--async-save] [--file-size-limit BYTES] [--hold-last-step DIR]
 
 --no-finish: the script ends without run.finish() (a mistake ddp_amp.loop names); --async-save: setup's default
 of background checkpoint writes; --file-size-limit: RLIMIT_FSIZE after setup(), so that a checkpoint write
-fails as on a full disk (EFBIG), where the loop's small files still fit.
+fails as on a full disk (EFBIG), where the loop's small files still fit; --hold-last-step: in the last step each
+rank writes DIR/rank<R>.holding and waits for a stop signal to reach it (a stop that lands in the last step).
 """
 
 import argparse
 import resource
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +35,18 @@ class Indices(torch.utils.data.Dataset):
         return torch.tensor(index)
 
 
+def hold_for_a_stop(where: Path, rank: int) -> None:
+    """Says this rank is in its last step, then waits (60 s at most) for the stop signal the test sends."""
+    from ddp_amp.files import atomic_write
+    from ddp_amp.rank.signals import STOP_REQUEST
+
+    where.mkdir(parents=True, exist_ok=True)
+    atomic_write(where / f"rank{rank}.holding", b"")
+    deadline = time.monotonic() + 60
+    while not STOP_REQUEST.signum and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -43,6 +57,7 @@ def main() -> None:
     parser.add_argument("--no-finish", action="store_true")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--file-size-limit", type=int, default=0)
+    parser.add_argument("--hold-last-step")
     args = parser.parse_args()
     run = loop.setup(**({"async_checkpoint": True} if args.async_save else {}))
     if args.file_size_limit:
@@ -57,7 +72,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"w{run.world_size}-r{run.rank}.txt", "a") as seen:
-        for _ in run.steps(total):
+        for step in run.steps(total):
             for batch in run.accumulate(model, data):
                 with run.autocast():
                     loss = model(batch.float().unsqueeze(1) / args.size).pow(2).mean()
@@ -65,6 +80,8 @@ def main() -> None:
                 print(" ".join(str(int(index)) for index in batch), file=seen, flush=True)
             run.step(optimizer)
             run.log(loss=loss)
+            if args.hold_last_step and step + 1 == total:
+                hold_for_a_stop(Path(args.hold_last_step), run.rank)
     if run.stopped_at is None:
         run.save(total)
     if not args.no_finish:

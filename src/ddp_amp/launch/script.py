@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,29 @@ def loop_stop_signal(run_dir: Path) -> signal.Signals | None:
         return None
 
 
+def stop_after_the_loop(run_dir: Path, view, started: float, stopped):
+    """`stopped`, a stop this launcher passed on; None, said in one line, where it came after a ddp_amp.loop
+    script's loop had run every step and every rank then returned 0: a finished run, as ddp-amp's own loop calls
+    it (exit 0: nothing is left for a resume). A plain script's exit 0 may be its own stop handler's: a stop."""
+    import json
+
+    from ddp_amp.outputs import LOOP_RECORD_FILE
+
+    try:
+        record = run_dir / LOOP_RECORD_FILE
+        loop = json.loads(record.read_text()) if record.stat().st_mtime >= started else {}  # this launch's
+    except (OSError, ValueError):
+        return stopped
+    ranks = view.ranks.values()
+    if loop.get("completed_steps") is None or loop.get("stopped_at_step") is not None or not ranks or \
+            any(state.status != "done" or state.exit_code != 0 for state in ranks):
+        return stopped
+    written = f"; {loop['model']} is written" if loop.get("model") else ""
+    print(f"ddp-amp: {str(stopped).removeprefix('stopped by ')} came after the loop had finished (step "
+          f"{loop['completed_steps']}){written}", file=sys.stderr, flush=True)  # a status line, as session.say's
+    return None
+
+
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint --resume auto would take first (ddp_amp.loop's), or None."""
     from ddp_amp.checkpoint.storage import checkpoints
@@ -264,11 +288,17 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
-def script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
+def script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str, view) -> str:
     """The verdict of a script stopped by a signal: for a ddp_amp.loop script that stopped at an agreed step,
     what the built-in loop's says (the step, the checkpoint, how to continue); else the signal passed on, and
     where a loop script's work is when it did not get to its stop (killed after --stop-timeout in a slow
-    checkpoint write, or stopped before its loop's stop took effect): the newest complete checkpoint."""
+    checkpoint write, or stopped before its loop's stop took effect): the newest complete checkpoint. Then the
+    ranks that had stalled, and where (the progress `view`'s)."""
+    return _stop_line(record, run_dir, signalled) + "".join(
+        f"; rank {state.rank} had stalled at {state.position[3]}" for state in view.stalled())
+
+
+def _stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
     loop = record.get("loop") or {}
     step, checkpoint = loop.get("stopped_at_step"), loop.get("checkpoint")
     if step is None:

@@ -223,8 +223,8 @@ def run_script_launch(launch: Launch, display) -> None:
     """A launch of the user's script: its ranks under the live progress view, which captures their output, then the
     verdict (the script finished on every rank, a rank failed, or a stop ended it) and the run's record in
     summary.json (launch.script.script_record), which `ddp-amp show` lists."""
+    from ddp_amp.launch import script as scripts
     from ddp_amp.launch.run_dir import settle_overwritten, trained_since, with_earlier_launches
-    from ddp_amp.launch.script import loop_stop_signal, newest_checkpoint, script_record, script_stop_line
     from ddp_amp.launch.verdict import script_restart_causes
     from ddp_amp.outputs import write_summary
     from ddp_amp.progress.live import LiveProgress
@@ -239,23 +239,24 @@ def run_script_launch(launch: Launch, display) -> None:
     started = time.time()
     failure = _start_ranks(launch, LiveProgress(display, run_dir, capture_output=True))
     view = display.view
-    if failure is None and (stopped := loop_stop_signal(run_dir)) is not None:
+    if failure is not None and failure.exit_code > 128:  # None where the loop had run every step first
+        failure = scripts.stop_after_the_loop(run_dir, view, started, failure)
+    if failure is None and (stopped := scripts.loop_stop_signal(run_dir)) is not None:
         # a stop signal reached a rank, not this launcher: the loop stopped every rank at one step, as ddp-amp's
         # own loop does, and the launch ends as a stop does (128 + the signal)
         failure = RunFailed(f"stopped by {stopped.name}", exit_code=128 + stopped.value)
-    record = script_record(script, run_dir, launch=launch, view=view, started=started, failure=failure)
+    record = scripts.script_record(script, run_dir, launch=launch, view=view, started=started, failure=failure)
     if causes := script_restart_causes(launch, view):
         record["restart_causes"] = causes
         for cause in causes:
             seen = f" (last seen in step {cause['last_seen_step']})" if cause.get("last_seen_step") else ""
             say(f"ddp-amp: restart {cause['restart']}: rank {cause['rank']} {cause['cause']}{seen}")
-    if failure is not None and failure.exit_code <= 128 and (kept := newest_checkpoint(run_dir)):
+    if failure is not None and failure.exit_code <= 128 and (kept := scripts.newest_checkpoint(run_dir)):
         # a loop script's checkpoints: where its work is, whatever failed (a full disk: the one before the write)
         failure = RunFailed(f"{failure}; the newest complete checkpoint is {kept} (continue with --resume auto "
                             f"--run-dir {run_dir})", exit_code=failure.exit_code, details=failure.details)
     if failure is not None and failure.exit_code > 128:
-        stalled = "".join(f"; rank {state.rank} had stalled at {state.position[3]}" for state in view.stalled())
-        failure = RunFailed(script_stop_line(record, run_dir, str(failure)) + stalled, exit_code=failure.exit_code)
+        failure = RunFailed(scripts.script_stop_line(record, run_dir, str(failure), view), exit_code=failure.exit_code)
     with_earlier_launches(plan, record)
     try:
         write_summary(run_dir, record)

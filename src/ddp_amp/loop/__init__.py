@@ -91,6 +91,9 @@ class Loop:
         self.stopped_by: int | None = None
         """The stop signal the ranks agreed on (its number), once should_stop() said so."""
         self.stopped_at: int | None = None
+        self.completed_steps: int | None = None
+        """steps()' total, once its loop ran every step (a launcher's stop after that finds the loop finished)."""
+        self.model_path: Path | None = None  # rank 0: the model.pt finish() wrote
         self._modules: dict[int, torch.nn.Module] = {}
         """id(what prepare returned) -> the model inside it (what a checkpoint holds)."""
         self._prepared: list[torch.nn.Module] = []  # what prepare returned, in order
@@ -285,11 +288,14 @@ class Loop:
             yield step
             done = step + 1
             logged, self._logged = self._logged, {}
-            self.report(done, **logged)
+            self._progress.report(done, logged, last=done == total)  # the last step logged, as the core logs it
             if self.checkpoint_due(done) and self._checkpoints.parts is not None:
                 self.save(done)
-            if self.should_stop(done):
+            # A stop agreed at the last step changes nothing, as in ddp-amp's own loop: the loop ends there and
+            # finish() writes model.pt (a stop would leave a checkpoint with no step left to resume).
+            if done < total and self.should_stop(done):
                 return
+        self.completed_steps = total
 
     def _check_nothing_asked_of_state(self) -> None:
         """steps() with no state registered: refused where a setting needs it (the checkpoints would not be
@@ -368,7 +374,8 @@ class Loop:
         if models and self.stopped_at is None:
             weights = {name: self.full_state_dict(model) for name, model in models.items()}
             if self.rank == 0:
-                save_weights(self.run_dir, weights if len(weights) > 1 else next(iter(weights.values())))
+                self.model_path = save_weights(self.run_dir, weights if len(weights) > 1 else
+                                               next(iter(weights.values())))
         self._progress.finish()
         self._stop.close()
         for sig in STOP_SIGNALS:

@@ -25,8 +25,9 @@ class Progress:
         self.trackers = None
         """--tracker: rank 0's experiment trackers (rank.trackers), opened at the first report."""
 
-    def report(self, step: int, metrics: dict[str, Any]) -> None:
-        if step % self.run.settings.log_every:
+    def report(self, step: int, metrics: dict[str, Any], *, last: bool = False) -> None:
+        """Every --log-every steps, and at the loop's `last` step."""
+        if step % self.run.settings.log_every and not last:
             return
         values = {name: _number(name, value) for name, value in metrics.items()}  # a host sync per tensor
         run = self.run
@@ -81,6 +82,10 @@ class Progress:
                       "last_reported_step": self.last_step, "seconds": round(time.time() - self.started, 3),
                       "models": [type(model).__name__ for model in run._prepared],
                       "optimizers": [type(optimizer).__name__ for optimizer in run._optimizers]}
+            if run.completed_steps is not None:
+                record["completed_steps"] = run.completed_steps
+            if run.model_path is not None:
+                record["model"] = str(run.model_path)
             if run.stopped_at is not None:
                 import signal
 
