@@ -55,7 +55,7 @@ class RankOutOfMemory(Exception):
     RankSetupError; the allocator's own error and traceback stay in the rank's log."""
 
 
-FailureKind = Literal["usage", "setup", "out_of_memory", "exception"]
+FailureKind = Literal["usage", "setup", "out_of_memory", "interrupted", "exception"]
 """What kind of failure ended a rank: sent as the `kind` of its error event (rank.reporter), so that the launcher
 decides by it (a usage failure exits 2, as a bad flag does) and never by the text of a traceback."""
 
@@ -67,6 +67,8 @@ def failure_kind(exc: BaseException) -> FailureKind:
         return "setup"
     if isinstance(exc, RankOutOfMemory):
         return "out_of_memory"
+    if isinstance(exc, KeyboardInterrupt):  # a script's rank that SIGINT reached (a stop, when one was passed on)
+        return "interrupted"
     return "exception"
 
 

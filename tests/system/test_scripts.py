@@ -215,6 +215,31 @@ def test_sigterm_to_the_process_group_reaches_every_rank_and_exits_143(command, 
 
 
 @pytest.mark.parametrize("command", ["spawn", "run"])
+def test_ctrl_c_stops_a_script_without_showing_its_keyboard_interrupt_as_a_failure(command, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole group. A script without a handler of its own raises
+    KeyboardInterrupt in every rank: the run was stopped, so the launcher says so in one line (exit 130); it
+    showed '[rank 1] failed:' and the KeyboardInterrupt's traceback under spawn, and under run it waited out
+    --stop-timeout (a rank that the passed-on SIGINT reached while it reported the first exited 0, without the
+    return value torchrun's agent waits for)."""
+    mark = uuid.uuid4().hex
+    # --stop-timeout well past the wait below: a launch still waiting for its ranks fails the test
+    process = _start(command, tmp_path / "run", "--steps", "1000", "--step-s", "0.1", mark=mark,
+                     options=["--stop-timeout", "600"])
+    try:
+        _wait_for_steps(tmp_path / "run")
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, stderr
+    assert "failed" not in stderr and "Traceback" not in stderr, stderr
+    assert last_line(stderr) == (f"ddp-amp: error: stopped by SIGINT: passed on to every rank (each rank's output "
+                                 f"in {tmp_path / 'run' / 'logs'})")
+    assert not run_processes(mark)
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
 def test_a_sigkilled_launcher_leaves_nothing_running(command, tmp_path):
     mark = uuid.uuid4().hex
     process = _start(command, tmp_path / "run", "--steps", "100000", "--step-s", "0.05", mark=mark)

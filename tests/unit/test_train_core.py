@@ -238,6 +238,31 @@ def test_each_epoch_is_the_order_distributed_sampler_gives_after_set_epoch():
     assert seen[0] != seen[1]
 
 
+def test_a_position_saved_at_an_epochs_last_batch_resumes_in_the_next_epoch():
+    """A checkpoint at the last batch of epoch 0 (the loop over it not yet ended): the resumed loader says epoch
+    1, as the uninterrupted one does once its loop ended, and gives epoch 1's batches. A script's
+    `for epoch in range(data.epoch, E): for batch in data:` trained the finished epoch's number once more."""
+    from torch.utils.data import TensorDataset
+
+    from ddp_amp.train.data import RankData
+
+    env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1", master_port=0)
+    dataset = TensorDataset(torch.arange(37))
+
+    def loader():
+        return RankData(dataset, env, torch.device("cpu"), batch_size=4, seed=3, workers=0)
+
+    running = loader()
+    epoch_0 = iter(running)
+    for _ in range(running.batches_per_epoch):
+        next(epoch_0)  # suspended after the last batch, as a loop body that saves there
+    resumed = loader()
+    resumed.load_state_dict(running.state_dict(), saved_world_size=2)
+    assert list(epoch_0) == [] and running.epoch == 1  # the uninterrupted loop's end of epoch 0
+    assert resumed.epoch == 1
+    assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in running]
+
+
 def test_fp16_clips_after_unscaling(one_rank_group, tmp_path):
     """--clip-grad above the true norm but below the scaled one (x65536) must not clip: the weights equal an fp16
     run without clipping. Clipping before unscale_ would clip the scaled gradients."""

@@ -57,6 +57,19 @@ def script_entry(script: dict, run_dir: str, env: dict[str, str]) -> None:
     """A rank running the user's script under the agent. A script that raised: its traceback goes to the
     agent's error file (as torchrun's @record would write it) and the rank exits 1, without the
     multiprocessing wrapper printing the traceback a second time into the rank's output."""
+    import sys
+
+    try:
+        _run_script_entry(script, run_dir, env)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches a rank twice (the terminal's group, then the launcher passing it on): the second one
+        # lands while the first's traceback is being reported. torch's process wrapper takes a KeyboardInterrupt
+        # for its parent's and exits 0 without the return value the agent waits for: the launch then hung until
+        # --stop-timeout ran out. Exit as SIGINT's default action would.
+        sys.exit(128 + signal.SIGINT)
+
+
+def _run_script_entry(script: dict, run_dir: str, env: dict[str, str]) -> None:
     os.environ.update(env)
     import sys
 

@@ -87,4 +87,7 @@ class LiveProgress:
         self._thread.join()
         self._server.__exit__(*exc)  # closes the listening socket; handler threads finish reading what was sent
         self._drain()
+        # A stop passed on to the ranks (the launch ends 128 + the signal): a script's ranks that the SIGINT
+        # interrupted show no KeyboardInterrupt traceback as a failure; their logs keep it.
+        self.display.view.stopped = getattr(exc[1], "exit_code", 0) > 128
         self.display.close()

@@ -69,6 +69,8 @@ class ProgressState:
     """(attempt, rank, last line) of failures that a restart recovered from: no longer shown as failures."""
     script: bool = False
     """The ranks run a user's script: no steps or losses of ours, their output instead."""
+    stopped: bool = False
+    """The launcher passed a stop signal on to the ranks: a rank that its SIGINT interrupted stopped, not failed."""
 
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()
@@ -195,7 +197,8 @@ class ProgressState:
 
     def failure_reports(self) -> list[tuple[int, str]]:
         """(rank, text): the first failure's whole traceback, then one line for each rank that failed after."""
-        failures = self.failures()
+        failures = [state for state in self.failures()
+                    if not (self.stopped and state.failure_kind == "interrupted")]
         reports = []
         for index, state in enumerate(failures):
             if index == 0:

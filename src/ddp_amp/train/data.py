@@ -223,3 +223,8 @@ class RankData:
         else:  # a checkpoint of an earlier version: batches of its own world size
             self.sampler.cursor = state["batches_in_epoch"] * self.batch_size * (saved_world_size or
                                                                                  self.env.world_size)
+        if self.sampler.cursor and not self.sampler.remaining():
+            # Saved at an epoch's last batch (a checkpoint every epoch): the next batch is the next epoch's, and
+            # `epoch` says so, as the uninterrupted run's does once its loop over the epoch ended. A script's
+            # `for epoch in range(data.epoch, E)` would otherwise run the finished epoch's number again.
+            self.sampler.epoch, self.sampler.cursor = self.sampler.epoch + 1, 0
