@@ -177,6 +177,34 @@ def test_a_ranks_streams_reach_its_log_byte_for_byte_and_the_display_line_by_lin
     assert [line for line in lines if line[1] == "stderr"] == [(1, "stderr", "warning: x")]
 
 
+def test_a_progress_bar_shows_as_a_terminal_shows_it_while_it_moves_and_when_its_line_ends(tmp_path, monkeypatch):
+    """tqdm's bar rewrites its line with carriage returns: its line showed every state run together, and only at
+    its newline. Now the rank's row follows it (output_progress, the text after the last CR) and the complete
+    line is its last state; the log keeps every byte."""
+    from ddp_amp.progress.view_state import ProgressState
+
+    server, events = _serve(tmp_path)
+    with server:
+        for key, value in server.environment().items():
+            monkeypatch.setenv(key, value)
+        err = connect_stream(0, "stderr")
+        err.sendall(b"\r 10%|#         |")
+        deadline = time.monotonic() + 10  # the launcher's reading thread gets to it
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        view = ProgressState()
+        for event in events:
+            view.apply(event)
+        assert [(e["type"], e["line"]) for e in events] == [("output_progress", " 10%|#         |")]
+        assert view.ranks[0].last_line == " 10%|#         |"
+        err.sendall(b"\r 50%|#####     |\r100%|##########|\nnext\r\n")
+        err.close()
+    assert [(e["type"], e["line"]) for e in events if e["type"] == "output"] == [
+        ("output", "100%|##########|"), ("output", "next")]
+    assert (tmp_path / "logs" / "rank0.log").read_bytes() == \
+        b"\r 10%|#         |\r 50%|#####     |\r100%|##########|\nnext\r\n"
+
+
 def test_a_rank_that_prints_nothing_still_has_its_log(tmp_path, monkeypatch):
     """Every rank's log exists once its streams connected: an empty logs/rank1.log, not a missing one."""
     server, events = _serve(tmp_path)

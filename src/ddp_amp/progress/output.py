@@ -30,6 +30,9 @@ DRAIN_S = 5.0
 that outlives its rank (and holds its stdout) must not hold the launcher."""
 MAX_LINE_CHARS = 64 * 1024
 """A longer line (a progress bar's carriage returns, a dump) reaches the display in pieces of this size."""
+PROGRESS_EVERY_S = 0.25
+"""How often a line being rewritten with carriage returns (tqdm's bar) updates the rank's row: the live view's
+refresh rate."""
 
 
 class OutputServer:
@@ -86,7 +89,7 @@ class OutputServer:
         rank, stream = int(parts[1]), parts[2]
         self._log(rank, b"")  # every rank that started has its log, even one that printed nothing
         connection.settimeout(None)  # a rank may stay silent for hours; EOF comes when it exits
-        pending = b""
+        pending, next_progress = b"", 0.0
         while True:
             try:
                 chunk = connection.recv(65536)
@@ -101,6 +104,11 @@ class OutputServer:
                 pending = pending[MAX_LINE_CHARS:]
             for line in lines:
                 self._line(rank, stream, line)
+            if b"\r" in pending and time.monotonic() >= next_progress:
+                # A progress bar rewriting its line, complete only at its newline: what a terminal shows of it
+                # now, for the rank's row in the live view (as under torchrun, where the bar moves).
+                next_progress = time.monotonic() + PROGRESS_EVERY_S
+                self._on_line({"type": "output_progress", "rank": rank, "stream": stream, "line": _shown(pending)})
         if pending:
             self._line(rank, stream, pending)
 
@@ -120,8 +128,7 @@ class OutputServer:
             self._last.append((thread, connection))
 
     def _line(self, rank: int, stream: str, raw: bytes) -> None:
-        self._on_line({"type": "output", "rank": rank, "stream": stream,
-                       "line": raw.decode(errors="replace").rstrip("\r")})
+        self._on_line({"type": "output", "rank": rank, "stream": stream, "line": _shown(raw)})
 
     def _log(self, rank: int, data: bytes) -> None:
         with self._lock:
@@ -182,3 +189,9 @@ def connect_stream(rank: int, stream: str) -> socket.socket | None:
     except OSError:
         return None
     return connection
+
+
+def _shown(raw: bytes) -> str:
+    """A line as a terminal shows it: the text after its last carriage return (a progress bar's last state, not
+    every state run together; a CRLF's CR is no rewrite). The log keeps every byte."""
+    return raw.decode(errors="replace").rstrip("\r").rsplit("\r", 1)[-1]

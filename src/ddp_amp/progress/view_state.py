@@ -93,7 +93,7 @@ class ProgressState:
             state.node = event.get("node", state.node)
             state.exit_code = event.get("exit_code", state.exit_code)
             state.world_size = event.get("world_size", state.world_size)
-        elif kind == "output":
+        elif kind in ("output", "output_progress"):
             state.last_line = event["line"]
         elif kind == "report":
             state.step, state.reported = event["step"], event["metrics"]
