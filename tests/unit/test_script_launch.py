@@ -28,7 +28,9 @@ def test_options_of_the_built_in_loop_with_a_script_are_named_and_refused(comman
                              "training loop, which a script does not run; drop them (a script takes its own "
                              "arguments after its name; of the training options only --stop-timeout, --device and "
                              f"--resume auto apply to it); --async-checkpoint would apply to a script that uses "
-                             f"ddp_amp.loop, and {CHECKS_SCRIPT} does not import it")
+                             f"ddp_amp.loop, and {CHECKS_SCRIPT} does not import it (a loop in a module of its "
+                             f"own: add `import ddp_amp.loop` to {CHECKS_SCRIPT} itself, which is where ddp-amp "
+                             "looks)")
     assert not run_dir.exists()
 
 
@@ -324,7 +326,8 @@ def test_the_loop_options_are_taken_for_a_script_that_imports_ddp_amp_loop_and_r
     code, out, err = run_main(["spawn", "-n", "2", "--amp", "on", "--optimizer", "sgd",
                                "--run-dir", str(tmp_path / "run2"), str(plain)], capsys)
     assert code == 2 and one_line(err).endswith(
-        f"--amp would apply to a script that uses ddp_amp.loop, and {plain} does not import it")
+        f"--amp would apply to a script that uses ddp_amp.loop, and {plain} does not import it (a loop in a "
+        f"module of its own: add `import ddp_amp.loop` to {plain} itself, which is where ddp-amp looks)")
     assert not (tmp_path / "run2").exists()
 
 
@@ -346,7 +349,8 @@ def test_a_packages_loop_options_follow_the_module_python_m_runs(layout, tmp_pat
     else:
         assert code == 2 and not run_dir.exists()
         assert one_line(err).endswith("; --amp would apply to a script that uses ddp_amp.loop, and pkg does not "
-                                      "import it")
+                                      "import it (a loop in a module of its own: add `import ddp_amp.loop` to "
+                                      f"{tmp_path / 'pkg' / '__main__.py'} itself, which is where ddp-amp looks)")
 
 
 def test_loop_options_from_a_config_file_are_refused_naming_the_file(tmp_path, capsys):

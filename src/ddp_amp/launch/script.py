@@ -178,11 +178,23 @@ def refuse_loop_options(changed: list[str], script: Script, dtype: str | None = 
         "--stop-timeout, --device and --resume auto"
     loop_ones = [flag for flag in given if flag[2:].replace("-", "_") in LOOP_OPTIONS]
     hint = (f"; {', '.join(loop_ones)} would apply to a script that uses ddp_amp.loop, and "
-            f"{script.target} does not import it") if loop_ones else ""
+            f"{script.target} does not import it (a loop in a module of its own: add `import ddp_amp.loop` to "
+            f"{entry_file(script) or script.target} itself, which is where ddp-amp looks)") if loop_ones else ""
     raise UsageError(f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of ddp-amp's own "
                      f"training loop, which a script does not run; drop {'it' if len(given) == 1 else 'them'} "
                      f"(a script takes its own arguments after its name; of the training options only {takes} apply "
                      f"to it){hint}")
+
+
+def entry_file(script: Script) -> str | None:
+    """The file whose source says whether a script uses ddp_amp.loop: the script, or the module python -m runs
+    (a package's __main__), found without importing."""
+    if not script.module:
+        return script.path
+    try:
+        return module_chain(script.target)[-1].origin
+    except ModuleNotFound:
+        return None
 
 
 def uses_loop_module(script: Script) -> bool:
@@ -191,14 +203,8 @@ def uses_loop_module(script: Script) -> bool:
     not seen; such a script takes the loop's settings as setup(**defaults)."""
     import ast
 
-    path = script.path
-    if script.module:  # the module python -m runs (a package's __main__), found without importing
-        try:
-            path = module_chain(script.target)[-1].origin
-        except ModuleNotFound:
-            path = None
     try:
-        tree = ast.parse(Path(path).read_bytes())
+        tree = ast.parse(Path(entry_file(script)).read_bytes())
     except (OSError, SyntaxError, ValueError, TypeError):
         return False
     for node in ast.walk(tree):
