@@ -271,3 +271,25 @@ def test_a_done_line_without_a_logged_loss():
     event = {"type": "done", "rank": 0, "steps": 40, "samples_per_s": 100.0, "peak_memory_mb": 12.0,
              "final_loss": None}
     assert plain_line(event) == "[rank 0] done: 40 steps, 100 samples/s, peak memory 12 MB, final loss none logged"
+
+
+@pytest.mark.parametrize("width, dropped", [(120, []), (60, ["progress", "epoch"]), (40, ["progress", "epoch", "lr"]),
+                                            (30, ["progress", "epoch", "lr", "samples/s"])])
+def test_a_narrow_terminal_drops_whole_columns_and_crops_no_value(width, dropped):
+    """At 60 columns the rows cropped every value ("0.01…" for a loss, "runni…"): the columns a user needs least
+    go first, and every value shown is whole."""
+    from rich.console import Console
+
+    display, _, _, _ = scripted_display()
+    console_file = io.StringIO()
+    console = Console(file=console_file, force_terminal=True, width=width, color_system=None)
+    display.console = console
+    console.print(display.render())
+    lines = console_file.getvalue().splitlines()
+    header = next(line for line in lines if line.split()[:1] == ["rank"]).split()
+    everything = ["rank", "progress", "step", "epoch", "loss", "lr", "samples/s", "status"]
+    assert header == [name for name in everything if name not in dropped]
+    rows = [line for line in lines if line.strip().startswith(("0 ", "1 "))]
+    assert len(rows) == 2 and "…" not in "".join(rows)
+    assert "0.2000" in rows[0] and "running" in rows[0] and "40/100" in rows[0]
+    assert all(len(line) <= width for line in rows)

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 from ddp_amp.outputs import RunRecord
 from ddp_amp.progress.events import Event, metrics_text, plain_line
@@ -125,6 +125,27 @@ class JsonDisplay:
         pass
 
 
+PROGRESS_BAR_WIDTH = 12
+DROPPED_FIRST = ("epoch", "progress", "lr", "skipped", "micro", "local", "node", "MFU", "scale", "samples/s")
+"""The live table's columns a narrow terminal loses, first to last: every value shown is shown whole (a loss
+cropped to "0.01…" says less than no loss column); rank, step, loss and status always stay."""
+
+
+def _columns_that_fit(headers: list[str], rows: list[list[Any]], width: int) -> list[int]:
+    """The indices of the columns to show in `width` columns of terminal, in order."""
+    def cell_width(cell: Any) -> int:  # a str, a rich Text, or the progress bar
+        return len(cell) if isinstance(cell, str) else len(cell.plain) if hasattr(cell, "plain") else \
+            PROGRESS_BAR_WIDTH
+
+    widths = [max([len(header), *(cell_width(row[index]) for row in rows)]) for index, header in enumerate(headers)]
+    kept = list(range(len(headers)))
+    for name in DROPPED_FIRST:
+        if sum(widths[index] for index in kept) + 2 * (len(kept) - 1) <= width:  # cells 2 apart (padding 0, 1)
+            break
+        kept = [index for index in kept if headers[index] != name]
+    return kept
+
+
 _STYLES = {"done": "green", "failed": "bold red", "restarting": "yellow", "checkpointing": "cyan",
            "stalled": "bold yellow", "stopped": "yellow", "slow": "yellow"}
 
@@ -161,7 +182,6 @@ class RichDisplay:
         if self.view.script:
             return self._render_script()
 
-        table = Table(box=None, pad_edge=False, expand=False)
         ranks = sorted(self.view.ranks.values(), key=lambda s: s.rank)
         show_node = any(s.node for s in ranks)
         show_scale = any(s.loss_scale is not None for s in ranks)  # fp16 only
@@ -170,14 +190,13 @@ class RichDisplay:
         headers = ["rank", *(("node", "local") if show_node else ()), "progress", "step", "epoch", "loss", "lr",
                    "samples/s", *(("MFU",) if show_mfu else ()), *(("scale", "skipped") if show_scale else ()),
                    *(("micro",) if show_micro else ()), "status"]
-        for header in headers:
-            table.add_column(header, justify="left" if header in ("progress", "status") else "right")
+        rows = []
         for state in ranks:
             total = state.total_steps or 0
             row = [str(state.rank)]
             if show_node:
                 row += [_fmt(state.node, "d"), _fmt(state.local_rank, "d")]
-            row += [ProgressBar(total=total or 1, completed=state.step if total else 0, width=12),
+            row += [ProgressBar(total=total or 1, completed=state.step if total else 0, width=PROGRESS_BAR_WIDTH),
                     f"{state.step}/{total or '?'}", str(state.epoch), _fmt(state.loss, ".4f"), _fmt(state.lr, ".1e"),
                     _fmt(state.samples_per_s, ".0f")]
             if show_mfu:
@@ -186,8 +205,14 @@ class RichDisplay:
                 row += [_fmt(state.loss_scale, ".0f"), str(state.skipped_steps)]
             if show_micro:
                 row.append(_fmt(state.micro_batch_size, "d"))
-            row.append(Text(state.status, style=_STYLES.get(state.status, "")))
-            table.add_row(*row)
+            rows.append([*row, Text(state.status, style=_STYLES.get(state.status, ""))])
+        kept = _columns_that_fit(headers, rows, self.console.width)
+        table = Table(box=None, pad_edge=False, expand=False)
+        for index in kept:
+            table.add_column(headers[index], justify="left" if headers[index] in ("progress", "status") else "right",
+                             no_wrap=True)
+        for row in rows:
+            table.add_row(*(row[index] for index in kept))
         view = self.view
         throughput = f"{_fmt(view.global_samples_per_s, '.0f')} samples/s"
         if view.item_name != "samples":
