@@ -47,6 +47,9 @@ def summary_footer(view: ProgressState) -> list[str]:
     if record.mfu is not None:
         lines.append(f"MFU {record.mfu:.1%}: {record.achieved_tflops_per_rank:.3g} TFLOP/s per rank of "
                      f"{record.peak_tflops_per_rank:.3g} ({record.peak_source})")
+    elif record.achieved_tflops_per_rank is not None and record.peak_source:  # a peak measured too low
+        lines.append(f"{record.achieved_tflops_per_rank:.3g} TFLOP/s per rank; peak {record.peak_tflops_per_rank:.3g} "
+                     f"({record.peak_source})")
     if record.frozen_parameters:
         lines.append(f"parameters: {record.trainable_parameters:,} trained, {record.frozen_parameters:,} "
                      "frozen (left out of the optimizer)")
