@@ -14,7 +14,7 @@ from ddp_amp.errors import UsageError
 def show(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to show and compare.", show_default=False)],
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw loss, LR and throughput against step for every "
-                                              "run to this PNG (needs matplotlib).")] = None,
+                                              "run to this .png, .pdf or .svg (needs matplotlib).")] = None,
 ) -> None:
     """Show runs side by side: summary, loss curve, and what differs between them."""
     from ddp_amp.results.runs import load_run, name_apart
