@@ -63,7 +63,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (CUDA when available, else CPU), cpu or cuda. CUDA ranks use nccl, CPU ranks gloo."""
     amp: str = "auto"
-    """Mixed precision: auto (on where the device computes bf16 natively), on, or off (fp32)."""
+    """Mixed precision: auto (on GPUs bf16 where native, else fp16; on CPU ranks whichever of fp32, bf16 and
+    bf16-true trains the task fastest, measured at start-up), on, or off (fp32)."""
     dtype: str = "auto"
     """Autocast dtype when AMP is on: auto, bf16 or fp16 (with a GradScaler); bf16-true: bf16 weights too, the
     optimizer updating fp32 masters; fp8 / fp8-rowwise: torchao's float8 layers (GPUs of compute capability 8.9+)."""
@@ -146,7 +147,7 @@ class TrainConfig:
     """A checkpoint to continue from: a path, or "auto" for the run dir's newest valid one (the launcher
     resolves "auto" to a path before any rank starts)."""
     stop_timeout: float = 60.0
-    """After a stop signal, how long the ranks get to reach the next log interval and checkpoint before they
+    """After a stop signal, how long the ranks get to agree on a step, write its checkpoint and exit before they
     are killed."""
     timeout: float = 300.0
     """Seconds a collective may wait for the other ranks before the run fails. 300: longer than any solo work

@@ -79,6 +79,17 @@ def test_a_rank_that_left_no_record_leaves_no_verdict_either(run_dir):
         "ranks 0,2 entered collective #2, but rank 1 left no record: no verdict on where the ranks parted")
 
 
+
+def test_diagnose_names_a_rank_that_left_no_record_of_the_world_size_the_run_recorded(run_dir, capsys):
+    """The command's analysis is the launcher's: a rank that failed before it wrote a record (before its first
+    collective) leaves no verdict, rather than "every rank with a record entered collective #2"."""
+    (run_dir / "flight_recorder" / "rank1.json").unlink()
+    (run_dir / "summary.json").write_text(json.dumps({"world_size": 3, "outcome": "failed"}))
+    code, out, err = run_main(["diagnose", str(run_dir)], capsys)
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == (
+        "ranks 0,2 entered collective #2, but rank 1 left no record: no verdict on where the ranks parted")
+
 def test_no_readable_record_at_all_is_one_line_exit_2(run_dir, capsys):
     for rank in range(3):
         (run_dir / "flight_recorder" / f"rank{rank}.json").write_text("[1, 2]")

@@ -76,6 +76,24 @@ def test_bench_says_what_its_own_steps_and_amp_are():
     assert "Timed optimizer steps" in " ".join(_help("bench", "--help-all").replace("│", " ").split())
 
 
+
+@pytest.mark.parametrize("name, default", [("spawn", "runs/<timestamp>"), ("bench", "runs/bench-<timestamp>"),
+                                           ("doctor", "runs/doctor-<timestamp>")])
+def test_run_dir_help_names_the_directory_the_command_makes(name, default):
+    """bench and doctor keep their launches under runs/bench-... and runs/doctor-..., not a training run's name."""
+    words = " ".join(_help(name, "--help").replace("│", " ").split())
+    assert f"[default: {default}]" in words
+
+
+def test_amp_and_stop_timeout_help_say_what_a_run_does():
+    """--amp auto on CPU ranks is measured (bf16 natively available or not), and a stop is agreed at a step, not
+    at the next log interval; show --plot writes what its suffix says."""
+    words = " ".join(_help("spawn", "--help-all").replace("│", " ").split())
+    assert "on CPU ranks whichever of fp32, bf16 and bf16-true trains the task fastest, measured at start-up" in words
+    assert "on where the device computes bf16 natively" not in words
+    assert "agree on a step, write its checkpoint and exit" in words and "next log interval" not in words
+    assert ".png, .pdf or .svg" in " ".join(_help("show", "--help").replace("│", " ").split())
+
 @pytest.mark.parametrize("name", TRAINING_COMMANDS)
 def test_help_all_shows_every_option_with_its_whole_help(name):
     text = _help(name, "--help-all")

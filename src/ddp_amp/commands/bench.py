@@ -7,7 +7,13 @@ from typing import Annotated, Literal
 
 import typer
 
-from ddp_amp.commands.options import Launcher, RunDir, check_json_path, check_plot_path, with_training_options
+from ddp_amp.commands.options import (
+    Launcher,
+    check_json_path,
+    check_plot_path,
+    run_dir_option,
+    with_training_options,
+)
 from ddp_amp.commands.panels import BENCH, LAUNCH, with_full_help
 from ddp_amp.errors import UsageError
 
@@ -18,6 +24,9 @@ GPU_DEFAULT_BATCH = 8
 """On GPUs, unless --task is given: GPT-2 small, 8 sequences of 1024 tokens per rank (unless --batch-size): the CPU
 task would only time the launch of its small kernels (the transformer task's bf16 measured 0.82x fp32 on an
 H200)."""
+
+BenchRunDir = run_dir_option("runs/bench-<timestamp>",
+                             "A new or empty directory that holds each launch's run directory")
 
 
 @with_full_help
@@ -50,7 +59,7 @@ def bench(
     max_batch: Annotated[bool, typer.Option(
         "--max-batch", rich_help_panel=BENCH, help="Instead of timing: per precision, the largest per-rank batch "
         "that trains (under --max-memory, or the device's memory) and the throughput at it.")] = False,
-    run_dir: RunDir = None,
+    run_dir: BenchRunDir = None,
 ) -> None:
     """Measure what mixed precision (or torch.compile) buys: the same training off and on, interleaved."""
     from ddp_amp.measure.bench import DEFAULT_STEPS, BenchOptions

@@ -15,10 +15,12 @@ from ddp_amp.commands.options import (
     LocalAddr,
     RdzvId,
     RdzvTimeout,
-    RunDir,
     check_json_path,
+    run_dir_option,
 )
 from ddp_amp.errors import RunFailed, UsageError
+
+DoctorRunDir = run_dir_option("runs/doctor-<timestamp>", "Output directory: doctor.json, the ranks' logs")
 
 
 def doctor(
@@ -42,7 +44,7 @@ def doctor(
     ifname: Ifname = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when a rank or a node is an outlier.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
-    run_dir: RunDir = None,
+    run_dir: DoctorRunDir = None,
 ) -> None:
     """Measure the ranks and their links before a long job; outliers are named.
 

@@ -14,7 +14,7 @@ from ddp_amp.errors import UsageError
 def show(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to show and compare.", show_default=False)],
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw loss, LR and throughput against step for every "
-                                              "run to this PNG (needs matplotlib).")] = None,
+                                              "run to this .png, .pdf or .svg (needs matplotlib).")] = None,
 ) -> None:
     """Show runs side by side: summary, loss curve, and what differs between them."""
     from ddp_amp.results.runs import load_run, name_apart
@@ -58,7 +58,11 @@ def diagnose(
                          "write them when a run fails or stalls")
     for path, why in damaged.items():
         typer.echo(f"ddp-amp: warning: skipped the damaged flight record {path}: {why}", err=True)
-    typer.echo(where_ranks_parted(dumps, damaged=damaged).line)
+    from ddp_amp.outputs import read_summary
+
+    # The world size the run recorded, as the launcher's own verdict has it: a rank that left no record (it
+    # failed before its first collective) is named, and no verdict is drawn from the others' records alone.
+    typer.echo(where_ranks_parted(dumps, read_summary(run_dir).world_size, damaged).line)
     for line in timeline(dumps, last):
         typer.echo(line)
 

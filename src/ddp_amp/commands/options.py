@@ -95,8 +95,14 @@ def _typer_option(spec: OptionSpec) -> tuple[Any, Any]:
 TRAINING_OPTIONS: dict[str, tuple[Any, Any]] = {spec.name: _typer_option(spec) for spec in option_specs()}
 """Every training option, (default, annotation) by TrainConfig field; TrainConfig validates the values."""
 
-RunDir = Annotated[str | None, typer.Option("--run-dir", help="Output directory \\[default: runs/<timestamp>].",
-                                            rich_help_panel=OUTPUT)]
+def run_dir_option(default: str, what: str = "Output directory") -> Any:
+    """--run-dir, its help naming the default the command really uses (bench and doctor keep a folder of runs
+    of their own, runs/bench-<timestamp>/ and runs/doctor-<timestamp>/)."""
+    return Annotated[str | None, typer.Option("--run-dir", help=f"{what} \\[default: {default}].",
+                                              rich_help_panel=OUTPUT)]
+
+
+RunDir = run_dir_option("runs/<timestamp>")
 LOG_FORMATS = ("auto", "rich", "plain", "json")
 
 OUTPUT_OPTIONS: dict[str, tuple[Any, Any]] = {
