@@ -58,8 +58,7 @@ class TrainConfig:
     task: str = "mlp"
     """A built-in task name (linear, mlp, transformer, gpt) or `module:factory` / `path/to/file.py:factory`."""
     task_arg: tuple[str, ...] = ()
-    """KEY=VALUE, repeatable: an argument of the --task factory, converted by its annotation (int, float, bool,
-    str, Path)."""
+    """KEY=VALUE, repeatable: an argument of the --task factory, converted by its annotation (int, bool, Path...)."""
     device: str = "auto"
     """auto (CUDA when available, else CPU), cpu or cuda. CUDA ranks use nccl, CPU ranks gloo."""
     amp: str = "auto"
