@@ -56,7 +56,7 @@ class TrainConfig:
     """Everything a rank needs to train. Validated on construction; every problem is reported at once."""
 
     task: str = "mlp"
-    """A built-in task name (linear, mlp, transformer, gpt) or `module:factory` / `path/to/file.py:factory`."""
+    """A built-in task (linear, mlp, mlp-wide, transformer, gpt) or `module:factory` / `path/to/file.py:factory`."""
     task_arg: tuple[str, ...] = ()
     """KEY=VALUE, repeatable: an argument of the --task factory, converted by its annotation (int, bool, Path...)."""
     device: str = "auto"

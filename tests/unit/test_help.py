@@ -208,3 +208,13 @@ def test_print_config_is_flat_toml_grouped_under_each_concern(capsys):
     assert "lr = 0.01" in sections["Optimization"] and 'tracker = ["wandb"]' in sections["Observability"]
     assert 'nproc_per_node = "2"' in sections["Launch"]
     assert tomllib.loads(out)["lr"] == 0.01
+
+
+def test_bench_help_gives_the_task_and_batch_it_runs_on_each_device():
+    """bench's --task and --batch-size defaults depend on the device (a GPT-2 small on GPUs): its help said
+    mlp-wide and 32 alone, and listed the built-in tasks without mlp-wide."""
+    words = " ".join(_help("bench", "--help-all").replace("│", " ").split())
+    assert "[default: (mlp-wide on CPU ranks, gpt size=124m on GPUs)]" in words
+    assert "[default: (32 on CPU ranks, 8 on GPUs)]" in words and "mlp, mlp-wide, transformer" in words
+    spawn = " ".join(_help("spawn", "--help-all").replace("│", " ").split())
+    assert "[default: mlp]" in spawn and "on GPUs)]" not in spawn

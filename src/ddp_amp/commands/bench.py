@@ -30,7 +30,8 @@ BenchRunDir = run_dir_option("runs/bench-<timestamp>",
 
 
 @with_full_help
-@with_training_options(task=DEFAULT_TASK)
+@with_training_options(task=DEFAULT_TASK, shown={"task": f"{DEFAULT_TASK} on CPU ranks, gpt size=124m on GPUs",
+                                                  "batch_size": f"32 on CPU ranks, {GPU_DEFAULT_BATCH} on GPUs"})
 def bench(
     ctx: typer.Context,
     train: dict,

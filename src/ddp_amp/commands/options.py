@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import functools
 import inspect
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -175,17 +177,27 @@ def check_plot_path(path: Path | None) -> None:
             from None
 
 
-def option_group(options: dict[str, tuple[Any, Any]], into: str, **defaults: Any):
+def option_group(options: dict[str, tuple[Any, Any]], into: str, shown: dict[str, str] | None = None,
+                 **defaults: Any):
     """A decorator adding `options` to a command's signature; the command receives them as one dict named
-    `into`. `defaults` change a default for that command; an option the command defines itself (bench's --amp)
-    replaces the group's one."""
+    `into`. `defaults` change a default for that command, `shown` the words --help gives for a default that
+    depends on the device (bench's task); an option the command defines itself (bench's --amp) replaces the
+    group's one."""
+
+    def annotation(name: str) -> Any:
+        if name not in (shown or {}):
+            return options[name][1]
+        kind, info = typing.get_args(options[name][1])
+        info = copy.copy(info)
+        info.show_default = shown[name]
+        return Annotated[kind, info]
 
     def decorate(command):
         signature = inspect.signature(command, eval_str=True)
         own = [p for p in signature.parameters.values() if p.name != into]
         shared = [name for name in options if name not in signature.parameters]
         added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, options[name][0]),
-                                   annotation=options[name][1]) for name in shared]
+                                   annotation=annotation(name)) for name in shared]
 
         @functools.wraps(command)
         def wrapper(**kwargs: Any) -> Any:
@@ -199,9 +211,9 @@ def option_group(options: dict[str, tuple[Any, Any]], into: str, **defaults: Any
     return decorate
 
 
-def with_training_options(command=None, **defaults: Any):
+def with_training_options(command=None, shown: dict[str, str] | None = None, **defaults: Any):
     """Add TRAINING_OPTIONS as the dict `train`: `@with_training_options` or `@with_training_options(task=...)`."""
-    decorate = option_group(TRAINING_OPTIONS, "train", **defaults)
+    decorate = option_group(TRAINING_OPTIONS, "train", shown, **defaults)
     return decorate if command is None else decorate(command)
 
 

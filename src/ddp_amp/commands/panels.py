@@ -66,7 +66,7 @@ PANEL_OF: dict[str, str] = {name: panel for panels in (PANELS, COMMAND_PANELS)
 ORDER = [*PANELS, *COMMAND_PANELS]
 
 SHORT_HELP: dict[str, str] = {
-    "task": "linear, mlp, transformer, gpt, or module:factory / file.py:factory.",
+    "task": "linear, mlp, mlp-wide, transformer, gpt, or module:factory / file.py:factory.",
     "task_arg": "KEY=VALUE, repeatable: an argument of the --task factory.",
     "batch_size": "Samples per rank per micro-step.",
     "steps": "Optimizer steps to train \\[default: 100, unless --epochs].",
