@@ -240,6 +240,10 @@ def call_spawned(function: Callable[..., Any], *args: Any) -> Any:
     return call_in_child(multiprocessing.get_context("spawn"), "ddp-amp-child", function, args)
 
 
+CHILD_EXIT_S = 10.0
+"""How long a child that answered gets to end on its own (a thread the user's code left running may hold it)."""
+
+
 def call_in_child(context, name: str, function: Callable[..., Any], args: tuple) -> Any:
     """`function(*args)` in a child of multiprocessing `context`, with this process's environment and working
     directory as they are now: its result, or its exception raised here; ChildDied where it died unanswered."""
@@ -255,6 +259,9 @@ def call_in_child(context, name: str, function: Callable[..., Any], args: tuple)
         raise ChildDied(f"exit code {child.exitcode}") from None
     finally:
         receive.close()
+        # Its answer sent, the child ends on its own: killed at once, it left what its exit would have cleaned
+        # up (a semaphore tqdm's lock made: "resource_tracker: ... leaked semaphore objects" at this one's exit).
+        child.join(CHILD_EXIT_S)
         if child.is_alive():
             child.kill()
         child.join()

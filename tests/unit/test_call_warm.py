@@ -35,3 +35,20 @@ def test_a_child_that_dies_without_an_answer_is_told_apart():
     start_forkserver()
     with pytest.raises(WarmChildDied, match="exit code 3"):
         call_warm(os._exit, 3)
+
+
+def test_a_child_that_answered_ends_on_its_own_and_leaves_the_resource_tracker_nothing(tmp_path):
+    """export --hf ran save_pretrained in a child whose tqdm bar made a multiprocessing lock; killed as soon as
+    it answered, the child never released it: "resource_tracker: There appear to be 1 leaked semaphore objects"
+    at the command's exit, every time."""
+    import subprocess
+    import sys
+
+    (tmp_path / "locks.py").write_text("import multiprocessing\n\nLOCKS = []\n\n\ndef make_a_lock():\n"
+                                       "    LOCKS.append(multiprocessing.RLock())  # tqdm's write lock is one\n"
+                                       "    return 7\n")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import locks; "
+            "from ddp_amp.process import call_spawned; print(call_spawned(locks.make_a_lock))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "7\n", result.stderr
+    assert "leaked" not in result.stderr, result.stderr
