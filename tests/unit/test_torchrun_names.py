@@ -125,7 +125,7 @@ def test_doctor_takes_torchruns_rendezvous_spellings(monkeypatch, capsys):
                  ["--rdzv-endpoint", "node0:29400", "--rdzv_id=j", "--local_addr=10.0.0.2", "-n", "2"]):
         with pytest.raises(Stop):
             run_main(["doctor", "--nnodes", "2", *args], capsys)
-    assert seen == [(2, "node0:29400", 2, "j", "10.0.0.2")] * 3
+    assert seen == [("2", "node0:29400", 2, "j", "10.0.0.2")] * 3  # --nnodes as typed: doctor_job reads it
 
 
 NOT_TAKEN = [  # (the command line, the flag as typed, a word of what to do instead)
