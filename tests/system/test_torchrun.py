@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,46 @@ def test_unreachable_endpoint_fails_fast_with_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not be reached within 3s" in lines[0], result.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_node_whose_peers_never_join_fails_after_the_rdzv_timeout_with_a_line_that_says_so(tmp_path):
+    """The node hosting the store, alone: torch's RendezvousTimeoutError has no message; the verdict names the
+    rendezvous, --nnodes and --rdzv-timeout, and shows no tail of the agent's log."""
+    port = closed_port()
+    result = run_cli("multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2",
+                     "--device", "cpu", "--task", "linear", "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert last_line(result.stderr).startswith(f"ddp-amp: error: fewer than 2 node(s) (--nnodes 2) joined the "
+                                               f"rendezvous at 127.0.0.1:{port}"), result.stderr
+    assert "within --rdzv-timeout 2s: start ddp-amp multinode on the other nodes" in result.stderr
+    assert "INFO torch.distributed" not in result.stderr  # the agent's log stays in its file
+
+
+def test_a_node_whose_rendezvous_host_ends_says_it_lost_the_rendezvous(tmp_path):
+    """Two nodes with different training options (so different --rdzv-id): the one hosting the store gives up
+    after its --rdzv-timeout and takes the store with it; the other's verdict says it lost the rendezvous."""
+    port = closed_port()
+    common = ["multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--task", "linear"]
+    host = subprocess.Popen([sys.executable, "-m", "ddp_amp", *common, "--rdzv-timeout", "4", "--steps", "5",
+                             "--run-dir", str(tmp_path / "host")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_open(port):  # the host's store serves: the other node joins it, not a store of its own
+            assert time.monotonic() < deadline and host.poll() is None, "the host never served its store"
+            time.sleep(0.1)
+        other = run_cli(*common, "--rdzv-timeout", "60", "--steps", "6", "--run-dir", str(tmp_path / "other"))
+    finally:
+        host.kill()
+        host.communicate()
+    assert other.returncode == 1, other.stderr
+    assert last_line(other.stderr).startswith(f"ddp-amp: error: lost the connection to the rendezvous at "
+                                              f"127.0.0.1:{port}"), other.stderr
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_two_runs_started_together_do_not_collide_and_match_spawn(tmp_path):
