@@ -83,25 +83,36 @@ def test_a_node_whose_peers_never_join_fails_after_the_rdzv_timeout_with_a_line_
 
 
 def test_a_node_whose_rendezvous_host_ends_says_it_lost_the_rendezvous(tmp_path):
-    """Two nodes with different training options (so different --rdzv-id): the one hosting the store gives up
-    after its --rdzv-timeout and takes the store with it; the other's verdict says it lost the rendezvous."""
+    """Two nodes with different training options (so different --rdzv-id) wait in the host node's store; the host
+    is killed; the other's verdict says it lost the rendezvous."""
     port = closed_port()
-    common = ["multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--task", "linear"]
-    host = subprocess.Popen([sys.executable, "-m", "ddp_amp", *common, "--rdzv-timeout", "4", "--steps", "5",
-                             "--run-dir", str(tmp_path / "host")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not port_open(port):  # the host's store serves: the other node joins it, not a store of its own
-            assert time.monotonic() < deadline and host.poll() is None, "the host never served its store"
+    common = ["multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--task", "linear",
+              "--rdzv-timeout", "120"]
+
+    def start(steps: str, name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "ddp_amp", *common, "--steps", steps, "--run-dir",
+                                 str(tmp_path / name)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_for(condition, job: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline and job.poll() is None, "never got there"
             time.sleep(0.1)
-        other = run_cli(*common, "--rdzv-timeout", "60", "--steps", "6", "--run-dir", str(tmp_path / "other"))
-    finally:
+
+    host = start("5", "host")
+    try:
+        wait_for(lambda: port_open(port), host)  # the host serves the store: the other node joins it
+        other = start("6", "other")
+        log = tmp_path / "other" / "logs" / "agent.log"
+        wait_for(lambda: log.exists() and "attempts to join" in log.read_text(), other)
         host.kill()
-        host.communicate()
-    assert other.returncode == 1, other.stderr
-    assert last_line(other.stderr).startswith(f"ddp-amp: error: lost the connection to the rendezvous at "
-                                              f"127.0.0.1:{port}"), other.stderr
+        _, err = other.communicate(timeout=120)
+    finally:
+        for job in (host, *([other] if "other" in locals() else [])):
+            job.kill()
+            job.communicate()
+    assert other.returncode == 1, err
+    assert last_line(err).startswith(f"ddp-amp: error: lost the connection to the rendezvous at 127.0.0.1:{port}"), err
 
 
 def port_open(port: int) -> bool:
