@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,57 @@ def test_unreachable_endpoint_fails_fast_with_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not be reached within 3s" in lines[0], result.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_node_whose_peers_never_join_fails_after_the_rdzv_timeout_with_a_line_that_says_so(tmp_path):
+    """The node hosting the store, alone: torch's RendezvousTimeoutError has no message; the verdict names the
+    rendezvous, --nnodes and --rdzv-timeout, and shows no tail of the agent's log."""
+    port = closed_port()
+    result = run_cli("multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2",
+                     "--device", "cpu", "--task", "linear", "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert last_line(result.stderr).startswith(f"ddp-amp: error: fewer than 2 node(s) (--nnodes 2) joined the "
+                                               f"rendezvous at 127.0.0.1:{port}"), result.stderr
+    assert "within --rdzv-timeout 2s: start ddp-amp multinode on the other nodes" in result.stderr
+    assert "INFO torch.distributed" not in result.stderr  # the agent's log stays in its file
+
+
+def test_a_node_whose_rendezvous_host_ends_says_it_lost_the_rendezvous(tmp_path):
+    """Two nodes with different training options (so different --rdzv-id) wait in the host node's store; the host
+    is killed; the other's verdict says it lost the rendezvous."""
+    port = closed_port()
+    common = ["multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--task", "linear",
+              "--rdzv-timeout", "120"]
+
+    def start(steps: str, name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "ddp_amp", *common, "--steps", steps, "--run-dir",
+                                 str(tmp_path / name)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_for(condition, job: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline and job.poll() is None, "never got there"
+            time.sleep(0.1)
+
+    host = start("5", "host")
+    try:
+        wait_for(lambda: port_open(port), host)  # the host serves the store: the other node joins it
+        other = start("6", "other")
+        log = tmp_path / "other" / "logs" / "agent.log"
+        wait_for(lambda: log.exists() and "attempts to join" in log.read_text(), other)
+        host.kill()
+        _, err = other.communicate(timeout=120)
+    finally:
+        for job in (host, *([other] if "other" in locals() else [])):
+            job.kill()
+            job.communicate()
+    assert other.returncode == 1, err
+    assert last_line(err).startswith(f"ddp-amp: error: lost the connection to the rendezvous at 127.0.0.1:{port}"), err
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_two_runs_started_together_do_not_collide_and_match_spawn(tmp_path):
