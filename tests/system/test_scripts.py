@@ -198,13 +198,7 @@ def test_sigterm_to_the_process_group_reaches_every_rank_and_exits_143(command, 
     signals.mkdir()
     process = _start(command, tmp_path / "run", "--steps", "1000", "--step-s", "0.1", "--signals-to", str(signals),
                      "--slow-save-rank", "1", "--save-s", "7", mark=mark, options=["--stop-timeout", "60"])
-    try:
-        _wait_for_steps(tmp_path / "run")
-        os.killpg(process.pid, signal.SIGTERM)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    stderr = _group_signalled_once_stepping(process, tmp_path / "run", signal.SIGTERM)
     assert process.returncode == 143, stderr
     assert sorted(p.name for p in signals.iterdir()) == ["rank0.SIGTERM", "rank1.SIGTERM"]
     assert last_line(stderr) == (f"ddp-amp: error: stopped by SIGTERM: passed on to every rank (each rank's output "
@@ -212,6 +206,18 @@ def test_sigterm_to_the_process_group_reaches_every_rank_and_exits_143(command, 
     summary = read_summary(tmp_path / "run")
     assert summary["outcome"] == "stopped" and summary["restarts"] == 0
     assert not run_processes(mark)
+
+
+def _group_signalled_once_stepping(process, run_dir, signum) -> str:
+    """`signum` to the launch's whole process group (a terminal's Ctrl-C, a scheduler's stop) once its ranks
+    step; its stderr once it ended (SIGKILL to the group if it had not within 60 s)."""
+    try:
+        _wait_for_steps(run_dir)
+        os.killpg(process.pid, signum)
+        return process.communicate(timeout=60)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("command", ["spawn", "run"])
@@ -225,13 +231,7 @@ def test_ctrl_c_stops_a_script_without_showing_its_keyboard_interrupt_as_a_failu
     # --stop-timeout well past the wait below: a launch still waiting for its ranks fails the test
     process = _start(command, tmp_path / "run", "--steps", "1000", "--step-s", "0.1", mark=mark,
                      options=["--stop-timeout", "600"])
-    try:
-        _wait_for_steps(tmp_path / "run")
-        os.killpg(process.pid, signal.SIGINT)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    stderr = _group_signalled_once_stepping(process, tmp_path / "run", signal.SIGINT)
     assert process.returncode == 130, stderr
     assert "failed" not in stderr and "Traceback" not in stderr, stderr
     assert last_line(stderr) == (f"ddp-amp: error: stopped by SIGINT: passed on to every rank (each rank's output "

@@ -183,14 +183,9 @@ def test_a_resume_from_a_nan_checkpoint_names_the_newest_finite_one(tmp_path, ca
     assert not (tmp_path / "again").exists()
 
 
-@pytest.mark.parametrize("saved, given, named", [
-    ({"epochs": 1, "steps": None}, [], "--steps 100, the default (checkpoint: --epochs 1)"),
-    ({"epochs": None, "steps": 6}, ["--epochs", "2"], "--epochs 2 (checkpoint: --steps 6)")])
-def test_a_resume_that_counts_in_steps_where_the_checkpoint_counted_epochs_names_both_flags(saved, given, named,
-                                                                                            tmp_path, capsys):
-    """A run of --epochs resumed without it (or the reverse) differs in one thing, how long the run is: one
-    difference naming the flag each was given. It read "--steps 100 (checkpoint: None); --epochs None
-    (checkpoint: 1)", a flag nobody passed."""
+def _resume_refusal(tmp_path, capsys, saved: dict, given: list[str]) -> str:
+    """A checkpoint of a run of TrainConfig(`saved`) resumed with the flags `given`: the refusal's line; nothing
+    launched."""
     from ddp_amp.checkpoint.storage import save_checkpoint
 
     config = dataclasses.asdict(TrainConfig(task="mlp", device="cpu", amp="off", launch_time=1000.0, **saved))
@@ -199,25 +194,28 @@ def test_a_resume_that_counts_in_steps_where_the_checkpoint_counted_epochs_names
     checkpoint = tmp_path / "checkpoints" / "step-2.pt"
     code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--amp", "off", *given, "--resume",
                              str(checkpoint), "--run-dir", str(tmp_path / "again")], capsys)
-    assert (code, err) == (2, f"ddp-amp: error: --resume {checkpoint}: this run differs from the checkpoint's: "
-                              f"{named}\n")
-    assert not (tmp_path / "again").exists()
+    assert code == 2 and not (tmp_path / "again").exists()
+    prefix = f"ddp-amp: error: --resume {checkpoint}: this run differs from the checkpoint's: "
+    assert err.startswith(prefix) and err.endswith("\n") and err.count("\n") == 1, err
+    return err.removeprefix(prefix).rstrip("\n")
+
+
+@pytest.mark.parametrize("saved, given, named", [
+    ({"epochs": 1, "steps": None}, [], "--steps 100, the default (checkpoint: --epochs 1)"),
+    ({"epochs": None, "steps": 6}, ["--epochs", "2"], "--epochs 2 (checkpoint: --steps 6)")])
+def test_a_resume_that_counts_in_steps_where_the_checkpoint_counted_epochs_names_both_flags(saved, given, named,
+                                                                                            tmp_path, capsys):
+    """A run of --epochs resumed without it (or the reverse) differs in one thing, how long the run is: one
+    difference naming the flag each was given. It read "--steps 100 (checkpoint: None); --epochs None
+    (checkpoint: 1)", a flag nobody passed."""
+    assert _resume_refusal(tmp_path, capsys, saved, given) == named
 
 
 @pytest.mark.parametrize("given, named", [([], "--batch-size 32, the default (checkpoint: 16)"),
                                            (["--batch-size", "8"], "--batch-size 8 (checkpoint: 16)")])
 def test_a_resume_that_differs_by_a_flag_left_out_says_its_value_is_the_default(given, named, tmp_path, capsys):
     """A flag forgotten on the resume: "--batch-size 32" alone reads as a value the user typed."""
-    from ddp_amp.checkpoint.storage import save_checkpoint
-
-    config = dataclasses.asdict(TrainConfig(task="mlp", device="cpu", amp="off", batch_size=16, launch_time=1000.0))
-    save_checkpoint(tmp_path, {"step": 2, "trainer": {"model": {"weight": torch.zeros(2)}}, "rng": [],
-                               "world_size": 2, "config": config, "saved_at": 1002.0}, keep=2)
-    checkpoint = tmp_path / "checkpoints" / "step-2.pt"
-    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--amp", "off", *given, "--resume",
-                             str(checkpoint), "--run-dir", str(tmp_path / "again")], capsys)
-    assert (code, err) == (2, f"ddp-amp: error: --resume {checkpoint}: this run differs from the checkpoint's: "
-                              f"{named}\n")
+    assert _resume_refusal(tmp_path, capsys, {"batch_size": 16}, given) == named
 
 
 def _sized_weights(width: int) -> dict[str, torch.Tensor]:
