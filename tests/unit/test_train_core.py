@@ -263,6 +263,30 @@ def test_a_position_saved_at_an_epochs_last_batch_resumes_in_the_next_epoch():
     assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in running]
 
 
+def test_a_position_saved_at_the_last_epochs_end_leaves_no_batch_to_train_on_any_world_size():
+    """An --epochs 1 run's checkpoint at its final batch, resumed on another world size (an elastic node lost
+    after it): nothing is left. Read as the start of the next epoch, it counted a whole epoch more, which the
+    trainer then ran with its schedule started over."""
+    from torch.utils.data import TensorDataset
+
+    from ddp_amp.train.data import RankData
+
+    def loader(world_size: int):
+        env = DistEnv(rank=0, local_rank=0, world_size=world_size, local_world_size=world_size,
+                      master_addr="127.0.0.1", master_port=0)
+        return RankData(TensorDataset(torch.arange(40)), env, torch.device("cpu"), batch_size=4, seed=3, workers=0)
+
+    running = loader(2)
+    epoch_0 = iter(running)
+    for _ in range(running.batches_per_epoch):
+        next(epoch_0)
+    assert running.remaining_batches(1) == 0
+    for world_size in (2, 1):
+        resumed = loader(world_size)
+        resumed.load_state_dict(running.state_dict(), saved_world_size=2)
+        assert resumed.remaining_batches(1) == 0 and resumed.remaining_batches(2) == resumed.batches_per_epoch
+
+
 def test_fp16_clips_after_unscaling(one_rank_group, tmp_path):
     """--clip-grad above the true norm but below the scaled one (x65536) must not clip: the weights equal an fp16
     run without clipping. Clipping before unscale_ would clip the scaled gradients."""

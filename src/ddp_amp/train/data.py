@@ -204,6 +204,8 @@ class RankData:
 
     def remaining_batches(self, epochs: int) -> int:
         """Batches left on this rank until the end of epoch `epochs` (from the current position)."""
+        if self.epoch >= epochs:  # a position saved at the last epoch's end reads as the start of the next
+            return 0
         this_epoch = math.ceil(self.sampler.remaining() / self.batch_size)
         return this_epoch + max(0, epochs - self.epoch - 1) * self.batches_per_epoch
 
