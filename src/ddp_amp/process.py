@@ -240,7 +240,7 @@ def call_spawned(function: Callable[..., Any], *args: Any) -> Any:
     return call_in_child(multiprocessing.get_context("spawn"), "ddp-amp-child", function, args)
 
 
-CHILD_EXIT_S = 10.0
+CHILD_EXIT_S = 5.0
 """How long a child that answered gets to end on its own (a thread the user's code left running may hold it)."""
 
 
@@ -252,8 +252,10 @@ def call_in_child(context, name: str, function: Callable[..., Any], args: tuple)
                             daemon=True, name=name)
     child.start()
     send.close()
+    answered = False
     try:
         succeeded, value = receive.recv()
+        answered = True
     except EOFError:  # the child died without an answer
         child.join(5)
         raise ChildDied(f"exit code {child.exitcode}") from None
@@ -261,7 +263,8 @@ def call_in_child(context, name: str, function: Callable[..., Any], args: tuple)
         receive.close()
         # Its answer sent, the child ends on its own: killed at once, it left what its exit would have cleaned
         # up (a semaphore tqdm's lock made: "resource_tracker: ... leaked semaphore objects" at this one's exit).
-        child.join(CHILD_EXIT_S)
+        # Unanswered (this launcher interrupted, Ctrl-C), it is killed at once.
+        child.join(CHILD_EXIT_S if answered else 0)
         if child.is_alive():
             child.kill()
         child.join()

@@ -52,3 +52,26 @@ def test_a_child_that_answered_ends_on_its_own_and_leaves_the_resource_tracker_n
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "7\n", result.stderr
     assert "leaked" not in result.stderr, result.stderr
+
+
+def test_a_launcher_interrupted_before_the_child_answered_kills_it_at_once(tmp_path):
+    """Ctrl-C while a check runs in the child: the child is killed at once, not waited for as one that has
+    answered (the launcher waited CHILD_EXIT_S more, 10 s then). The wait is made 600 s here: a launcher that
+    waited would outlast the test's 60."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time; import ddp_amp.process as process; process.CHILD_EXIT_S = 600; "
+            "print('calling', flush=True); process.call_spawned(time.sleep, 3600)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        assert launcher.stdout.readline() == "calling\n"
+        time.sleep(1)  # the child is under way (an interrupt before it started only makes this easier)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert "KeyboardInterrupt" in err
