@@ -575,3 +575,18 @@ def test_a_scripts_loop_refuses_bf16_true_as_the_command_line_does():
 
     with pytest.raises(LoopError, match="dtype='bf16-true' is for ddp-amp's own loop"):
         LoopSettings(amp="on", dtype="bf16-true").precision(torch.device("cpu"))
+
+
+def test_a_batch_with_a_scalar_field_is_counted_and_split_by_its_samples():
+    """A custom task's batch {'scale': tensor(0.5), 'x': (4, 3)}: the step's sample count (throughput) read the
+    scalar's first dimension and failed every step (IndexError); --micro-batch slicing it failed too. The scalar
+    belongs to the whole batch: each piece gets it."""
+    from ddp_amp.train.microbatch import split_batch
+    from ddp_amp.train.step import CountingBatches
+
+    batch = {"scale": torch.tensor(0.5), "x": torch.zeros(4, 3)}
+    counted = CountingBatches(iter([batch, batch]))
+    assert len(list(counted)) == 2 and counted.samples == 8
+    pieces = split_batch(batch, 3)
+    assert [(piece["x"].shape[0], share) for piece, share in pieces] == [(3, 0.75), (1, 0.25)]
+    assert all(piece["scale"].item() == 0.5 for piece, _ in pieces)

@@ -47,8 +47,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def batch_length(batch: Any) -> int:
-    """The number of samples in a batch: the first dimension of its first tensor."""
+    """The number of samples in a batch: the first dimension of its first tensor that has one (a 0-d tensor, a
+    scalar of the whole batch such as a loss weight, has none)."""
     if isinstance(batch, torch.Tensor):
+        if batch.ndim == 0:
+            raise ValueError("a 0-d tensor counts no samples")
         return batch.shape[0]
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
     for value in values:
@@ -61,7 +64,7 @@ def batch_length(batch: Any) -> int:
 
 def _slice(batch: Any, start: int, stop: int) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
+        return batch if batch.ndim == 0 else batch[start:stop]  # a 0-d tensor is the whole batch's: every piece's
     if isinstance(batch, Mapping):
         return type(batch)({key: _slice(value, start, stop) for key, value in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
