@@ -454,3 +454,17 @@ def test_a_stop_in_the_last_step_ends_the_loop_as_ddp_amps_own_finished_and_the_
     assert summary["outcome"] == "finished" and summary["loop"]["completed_steps"] == 5
     assert "stopped_at_step" not in summary["loop"]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4, 5]
+
+
+def test_a_report_before_restore_in_a_resumed_run_keeps_the_metrics_before_its_checkpoint(tmp_path):
+    """A resumed script that reports (an evaluation) before restore(): its first report came before the loop
+    knew the step it continues from, and cut metrics.jsonl back to nothing; the lines up to the checkpoint stay."""
+    run = tmp_path / "run"
+    code, _, err = _stopped(run, "--steps", "100000", "--step-s", "0.02")
+    assert code == 143, err
+    stopped = read_summary(run)["loop"]["stopped_at_step"]
+    resumed = launch_script(run, LOOP_FAILS, "--steps", str(stopped + 3), "--report-first",
+                            options=("--resume", "auto", "--log-every", "1"))
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [*range(1, stopped + 1), 0, *range(stopped + 1, stopped + 4)], steps

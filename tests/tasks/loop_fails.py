@@ -11,6 +11,7 @@ generator, so a resume draws the same data), a report every step, a checkpoint e
     --scale-to FILE  rank 0 writes the gradient scaler's scale right after restore() (a resume's)
     --kill-once-at K rank 1 SIGKILLs itself at step K of the first attempt (torchrun's restart count 0)
     --write-s S      each checkpoint after step 4 takes S seconds more to write (a slow disk)
+    --report-first   report(0, loss=0.0) before restore() (an evaluation before training)
 """
 
 import argparse
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--scale-to")
     parser.add_argument("--kill-once-at", type=int, default=-1)
     parser.add_argument("--write-s", type=float, default=0.0)
+    parser.add_argument("--report-first", action="store_true")
     args = parser.parse_args()
     if args.write_s:
         slow_disk(args.write_s)
@@ -64,6 +66,8 @@ def main() -> None:
     torch.manual_seed(0)
     net = nn.Linear(4, 1)
     model, optimizer = run.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    if args.report_first:
+        run.report(0, loss=0.0)
     start = run.restore(model=model, optimizer=optimizer)
     if args.scale_to and run.rank == 0:
         Path(args.scale_to).write_text(repr(run.scaler.get_scale() if run.scaler.is_enabled() else None))

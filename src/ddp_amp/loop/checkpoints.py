@@ -98,6 +98,8 @@ class LoopCheckpoints:
         except (RankSetupError, RankUsageError) as exc:
             raise LoopError(str(exc)) from None
         if restored is None:
+            if run.rank == 0:  # from the beginning: an earlier attempt's lines go, as the core drops them
+                cut_metrics(run.run_dir, 0)
             return 0
         manager.last_step = restored.step  # a stop at this very step saves nothing new
         self.resumed_from, self.resumed_from_step = restored.path, restored.step

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from ddp_amp import outputs
+from ddp_amp.checkpoint import storage
 from ddp_amp.loop.settings import LoopError
 from ddp_amp.progress.channel import EventSender
 
@@ -31,10 +32,12 @@ class Progress:
             return
         values = {name: _number(name, value) for name, value in metrics.items()}  # a host sync per tensor
         run = self.run
-        if run.rank == 0 and self.last_step is None:
-            # This attempt's first line: lines after the step it continues from are an earlier attempt's (a
-            # restart before any checkpoint starts from 0), logged again now; as ddp-amp's own loop drops them.
-            outputs.cut_metrics(run.run_dir, run._checkpoints.resumed_from_step or 0)
+        if run.rank == 0 and self.last_step is None and run._checkpoints.parts is None and \
+                not storage.checkpoints(run.run_dir):
+            # This attempt's first line, and no checkpoint it could continue from: an earlier attempt's lines (a
+            # restart) are logged again now; dropped, as ddp-amp's own loop drops them. Where a checkpoint is,
+            # restore() cuts them back to its step (a report before restore() must not cut them all).
+            outputs.cut_metrics(run.run_dir, 0)
         self.last_step = step
         if run.rank == 0:
             outputs.append_metrics(run.run_dir, {"step": step, **values})
