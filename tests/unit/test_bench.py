@@ -377,3 +377,22 @@ def test_a_json_report_named_by_a_symlink_is_written_where_it_points_and_the_lin
     assert capsys.readouterr().err.strip() == (f"ddp-amp: error: --json {str(link)!r} already exists and is not a "
                                                "report ddp-amp wrote; remove it or choose another name")
     assert link.is_symlink() and target.read_text() == "mine\n" and not (tmp_path / "bench").exists()
+
+
+def test_bench_claims_no_mfu_over_100_percent():
+    """bench computes its MFU from the runs' peaks: a peak the run itself found below the rate achieved (a busy
+    machine) gave the table an MFU over 100%; now none, and the peak's source says why."""
+    from ddp_amp.measure.bench import Measurement, analyse
+    from ddp_amp.outputs import RunRecord
+
+    def measured(label, repeat, peak):
+        summary = {"global_batch_size": 64, "final_loss": 0.5, "samples_per_s": 6400.0, "world_size": 2,
+                   "model_flops_per_sample": 1e9, "peak_tflops_per_rank": peak,
+                   "peak_source": "measured matmul, fp32, 1 thread"}
+        return Measurement(label, repeat, {0: [0.01] * 3, 1: [0.01] * 3}, {0: 100.0, 1: 100.0}, RunRecord(summary))
+
+    report = analyse([measured("fp32", 0, 4.0), measured("bf16", 0, 2.0)])  # 3.2 TFLOP/s per rank achieved
+    fp32, bf16 = report["precisions"]["fp32"], report["precisions"]["bf16"]
+    assert fp32["mfu"] == pytest.approx(0.8) and fp32["peak_source"] == "measured matmul, fp32, 1 thread"
+    assert bf16["mfu"] is None and bf16["achieved_tflops_per_rank"] == pytest.approx(3.2)
+    assert bf16["peak_source"] == "measured matmul, fp32, 1 thread; below the rate achieved: no MFU"

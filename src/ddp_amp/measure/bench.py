@@ -80,9 +80,12 @@ def _precision_entry(runs: list[Measurement]) -> dict[str, Any]:
     if first.model_flops_per_sample and first.peak_tflops_per_rank:
         # The table's throughput in FLOP/s per rank, over the peak the ranks measured or looked up (median).
         tflops = samples_per_s / first.world_size * first.model_flops_per_sample / 1e12
-        peak = statistics.median(m.summary.peak_tflops_per_rank for m in runs)
-        entry.update(achieved_tflops_per_rank=tflops, peak_tflops_per_rank=peak, mfu=tflops / peak,
-                     peak_source=first.peak_source)
+        from ddp_amp.train.utilisation import Peak, held_to
+
+        mfu, peak = held_to(tflops, Peak(statistics.median(m.summary.peak_tflops_per_rank for m in runs),
+                                         first.peak_source))  # none over 100%, as a run's summary claims none
+        entry.update(achieved_tflops_per_rank=tflops, peak_tflops_per_rank=peak.tflops, mfu=mfu,
+                     peak_source=peak.source)
     return entry
 
 

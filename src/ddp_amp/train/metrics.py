@@ -11,7 +11,6 @@ an asynchronous device.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import resource
@@ -28,9 +27,7 @@ from ddp_amp.tasks import Task
 from ddp_amp.train.profiling import StepProfiler
 from ddp_amp.train.step import PHASES, StepOutcome
 from ddp_amp.train.stragglers import StragglerWatch
-from ddp_amp.train.utilisation import Peak, device_peak
-
-PEAK_BELOW_ACHIEVED = "; measured twice below the rate achieved (the cores were busy): no MFU"
+from ddp_amp.train.utilisation import Peak, device_peak, held_to
 
 
 class Reporter(Protocol):
@@ -245,6 +242,7 @@ class MetricsProcessor:
                   "rank_loss": local_loss / local_count, "rank_samples_per_s": rank_samples_per_s}
         if self.task.item_name != "samples":
             record[f"{self.task.item_name}_per_s"] = record["samples_per_s"] * self.task.items_per_sample
+        measured_again = self.peak_measured_again
         record.update(self.utilisation(record["samples_per_s"]))
         if self.micro is not None:
             record["micro_batch_size"] = self.micro.size
@@ -254,7 +252,9 @@ class MetricsProcessor:
         self.reporter.on_log(record)
         self.record = record
         self.loss_sum.zero_()
-        self.loss_count, self.interval_start, self.interval_steps, self.interval_samples = 0, now, 0, 0
+        # The next interval starts now, or after the peak utilisation() just measured again (not training)
+        start = now if self.peak_measured_again == measured_again else time.perf_counter()
+        self.loss_count, self.interval_start, self.interval_steps, self.interval_samples = 0, start, 0, 0
         return summed_flags
 
     def prepare_utilisation(self, precision: str) -> None:
@@ -300,21 +300,18 @@ class MetricsProcessor:
         return figures
 
     def _mfu(self, flops_per_s: float) -> float | None:
-        """The rate against the rank's peak. Above 100%, which no true peak allows, a measured peak was taken
-        while other work held the cores (a shared machine): measured once more, its seconds paused, the faster
-        kept; still above, no MFU is claimed and the peak's source says why."""
-        mfu = self.peak.mfu(flops_per_s)
-        if mfu > 1 and self.peak.source.startswith("measured") and not self.peak_measured_again:
+        """The rate against the rank's peak. Above 100%, which no true peak allows, a CPU's measured peak was
+        taken while other work held the cores (a shared machine): measured once more, its seconds paused, the
+        faster kept; still above (or a GPU's), no MFU is claimed and the peak's source says why. Not measured
+        again on a GPU: mid-run, its memory may be full."""
+        if self.peak.mfu(flops_per_s) > 1 and self.peak.source.startswith("measured") and \
+                self.device.type == "cpu" and not self.peak_measured_again:
             self.peak_measured_again = True
             with self.paused():
                 again = self.measure_peak()
             self.peak = max(self.peak, again, key=lambda peak: peak.tflops)
-            mfu = self.peak.mfu(flops_per_s)
-        if mfu <= 1:
-            return mfu
-        if not self.peak.source.endswith(PEAK_BELOW_ACHIEVED):
-            self.peak = dataclasses.replace(self.peak, source=self.peak.source + PEAK_BELOW_ACHIEVED)
-        return None
+        mfu, self.peak = held_to(flops_per_s / 1e12, self.peak)
+        return mfu
 
     def summary(self, steps_done: int) -> dict[str, Any]:
         """The run's throughput over the steady state (profiled steps and validations left out) and its

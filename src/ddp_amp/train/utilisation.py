@@ -79,6 +79,19 @@ class Peak:
         return flops_per_s / (self.tflops * 1e12)
 
 
+PEAK_BELOW_ACHIEVED = "; below the rate achieved: no MFU"
+"""Said of a peak that training outran (an MFU over 100%, which no true peak allows: a CPU's peak measured while
+other work held its cores, measured again and still too low; or a FLOP count too high for a data sheet's)."""
+
+
+def held_to(tflops: float, peak: Peak) -> tuple[float | None, Peak]:
+    """The MFU of `tflops` against `peak`, and the peak to report: None and a peak saying why, above 100%."""
+    mfu = tflops / peak.tflops
+    if mfu <= 1:
+        return mfu, peak
+    return None, Peak(peak.tflops, peak.source.removesuffix(PEAK_BELOW_ACHIEVED) + PEAK_BELOW_ACHIEVED)
+
+
 MATMUL_SIZE = {"cpu": 512, "cuda": 4096}
 """Square matmuls large enough to reach a core's (a GPU's) GEMM rate, small enough to time in ~20 ms (~100 ms
 on the slowest CPU path, emulated bf16) and to hold next to nothing (on a GPU 192 MB at most, given back to it
