@@ -69,16 +69,18 @@ def test_unreachable_endpoint_fails_fast_with_one_line(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_a_node_whose_peers_never_join_fails_after_the_rdzv_timeout_with_a_line_that_says_so(tmp_path):
+@pytest.mark.parametrize("command", [["multinode", "--task", "linear"], ["doctor"]], ids=["multinode", "doctor"])
+def test_a_node_whose_peers_never_join_fails_after_the_rdzv_timeout_with_a_line_that_says_so(tmp_path, command):
     """The node hosting the store, alone: torch's RendezvousTimeoutError has no message; the verdict names the
-    rendezvous, --nnodes and --rdzv-timeout, and shows no tail of the agent's log."""
+    rendezvous, --nnodes and --rdzv-timeout, the command to start on the other nodes, and shows no tail of the
+    agent's log."""
     port = closed_port()
-    result = run_cli("multinode", "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2",
-                     "--device", "cpu", "--task", "linear", "--run-dir", str(tmp_path / "r"), timeout=120)
+    result = run_cli(*command, "--nnodes", "2", "--endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2",
+                     "--device", "cpu", "--run-dir", str(tmp_path / "r"), timeout=120)
     assert result.returncode == 1, result.stderr
     assert last_line(result.stderr).startswith(f"ddp-amp: error: fewer than 2 node(s) (--nnodes 2) joined the "
                                                f"rendezvous at 127.0.0.1:{port}"), result.stderr
-    assert "within --rdzv-timeout 2s: start ddp-amp multinode on the other nodes" in result.stderr
+    assert f"within --rdzv-timeout 2s: start ddp-amp {command[0]} on the other nodes" in result.stderr
     assert "INFO torch.distributed" not in result.stderr  # the agent's log stays in its file
 
 

@@ -197,16 +197,16 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
             # --stop-timeout, kill them: anything the agent starts after that dies with this process.
             _pass_on_until_finished(stop.signum, rank_pids, finished, stop_timeout)
             raise RunFailed(str(stop), exit_code=stop.exit_code) from None
-    _raise_failure(outcome.get("error"), log_path, job)
+    _raise_failure(outcome.get("error"), log_path, job, kind)
 
 
-def _raise_failure(error: BaseException | None, log_path: Path, job: ElasticJob) -> None:
+def _raise_failure(error: BaseException | None, log_path: Path, job: ElasticJob, kind: JobKind = "train") -> None:
     """The agent's failure as RunFailed: the rank that failed first and why, or the agent's own error."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if error is None:
         return
-    if (line := _rendezvous_failure(error, job)) is not None:
+    if (line := _rendezvous_failure(error, job, "doctor" if kind == "doctor" else "multinode")) is not None:
         raise RunFailed(f"{line} (the agent's log: {log_path})")
     if isinstance(error, ChildFailedError):  # the rank and why: its traceback was shown, the log is named
         rank, what = root_failure(error.failures)
@@ -216,7 +216,7 @@ def _raise_failure(error: BaseException | None, log_path: Path, job: ElasticJob)
                     f"(its log: {log_path})", details=_tail(log_path))
 
 
-def _rendezvous_failure(error: BaseException, job: ElasticJob) -> str | None:
+def _rendezvous_failure(error: BaseException, job: ElasticJob, command: str) -> str | None:
     """What a rendezvous failure means to the user, in one line (torch's RendezvousTimeoutError has no message
     at all), or None for another error. A multinode job only: a standalone one's store is this launcher's."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
@@ -227,8 +227,8 @@ def _rendezvous_failure(error: BaseException, job: ElasticJob) -> str | None:
     if isinstance(error, RendezvousTimeoutError):
         # A node running other training options derives another --rdzv-id: it waits in a rendezvous of its own.
         return (f"fewer than {job.nnodes.min} node(s) (--nnodes {job.nnodes}) joined {where} within "
-                f"--rdzv-timeout {job.rdzv_configs.get('join_timeout', '?')}s: start ddp-amp multinode on the "
-                "other nodes with the same command (the same training options give the same --rdzv-id)")
+                f"--rdzv-timeout {job.rdzv_configs.get('join_timeout', '?')}s: start ddp-amp {command} on the "
+                "other nodes with the same command (the same options give the same --rdzv-id)")
     if isinstance(error, RendezvousConnectionError):
         return (f"lost the connection to {where}: the node hosting it ended, or the network between the "
                 "nodes failed")
