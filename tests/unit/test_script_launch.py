@@ -199,12 +199,19 @@ def test_a_progress_bar_shows_as_a_terminal_shows_it_while_it_moves_and_when_its
             view.apply(event)
         assert [(e["type"], e["line"]) for e in events] == [("output_progress", " 10%|#         |")]
         assert view.ranks[0].last_line == " 10%|#         |"
+        for state in (b"\r 20%|##        |", b"\r 30%|###       |"):  # within the throttle's window, then quiet
+            err.sendall(state)
+            time.sleep(0.01)
+        deadline = time.monotonic() + 10  # the last state is shown though no more comes
+        while events[-1]["line"] != " 30%|###       |" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[-1] == {"type": "output_progress", "rank": 0, "stream": "stderr", "line": " 30%|###       |"}
         err.sendall(b"\r 50%|#####     |\r100%|##########|\nnext\r\n")
         err.close()
     assert [(e["type"], e["line"]) for e in events if e["type"] == "output"] == [
         ("output", "100%|##########|"), ("output", "next")]
     assert (tmp_path / "logs" / "rank0.log").read_bytes() == \
-        b"\r 10%|#         |\r 50%|#####     |\r100%|##########|\nnext\r\n"
+        b"\r 10%|#         |\r 20%|##        |\r 30%|###       |\r 50%|#####     |\r100%|##########|\nnext\r\n"
 
 
 def test_a_rank_that_prints_nothing_still_has_its_log(tmp_path, monkeypatch):

@@ -20,7 +20,10 @@ Every event has "type" and "rank"; the rest depends on the type:
     stalled    step, phase, silent_s: made by the launcher when no rank's loop has moved for a while, for the
            ranks furthest behind (the others wait for them)
     output     stream (stdout, stderr), line: a line a user's script wrote on the rank (made by the launcher
-           from the rank's captured output, progress.output)
+           from the rank's captured output, progress.output; a line rewritten with carriage returns as a terminal
+           shows it, its last state)
+    output_progress  stream, line: such a line before its newline, as it stands now (a progress bar: about four
+           a second while it moves; the rank's live row shows it, plain output prints nothing)
 """
 
 from __future__ import annotations
@@ -122,6 +125,13 @@ class OutputEvent(TypedDict):
     line: str
 
 
+class OutputProgressEvent(TypedDict):
+    type: Literal["output_progress"]
+    rank: int
+    stream: str
+    line: str
+
+
 class ReportEvent(TypedDict):
     type: Literal["report"]
     rank: int
@@ -130,7 +140,7 @@ class ReportEvent(TypedDict):
 
 
 Event = (StateEvent | LogEvent | DoneEvent | ErrorEvent | HeartbeatEvent | StalledEvent | PrecisionEvent
-         | OutputEvent | ReportEvent | dict[str, Any])
+         | OutputEvent | OutputProgressEvent | ReportEvent | dict[str, Any])
 """Any progress event ("eval" events carry a validation's values under their own names: a plain dict)."""
 
 

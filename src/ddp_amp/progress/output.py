@@ -89,25 +89,32 @@ class OutputServer:
         rank, stream = int(parts[1]), parts[2]
         self._log(rank, b"")  # every rank that started has its log, even one that printed nothing
         connection.settimeout(None)  # a rank may stay silent for hours; EOF comes when it exits
-        pending, next_progress = b"", 0.0
+        pending, next_progress, unshown = b"", 0.0, False
         while True:
+            # A progress bar's state not yet shown (it came within PROGRESS_EVERY_S of the last): shown when the
+            # stream goes quiet that long, not held until the bar's next update.
+            connection.settimeout(PROGRESS_EVERY_S if unshown else None)
             try:
                 chunk = connection.recv(65536)
+            except TimeoutError:
+                chunk = None
             except OSError:
                 chunk = b""
-            if not chunk:
+            if chunk == b"":
                 break
-            self._log(rank, chunk)
-            *lines, pending = (pending + chunk).split(b"\n")
-            while len(pending) > MAX_LINE_CHARS:
-                lines.append(pending[:MAX_LINE_CHARS])
-                pending = pending[MAX_LINE_CHARS:]
-            for line in lines:
-                self._line(rank, stream, line)
-            if b"\r" in pending and time.monotonic() >= next_progress:
+            if chunk is not None:
+                self._log(rank, chunk)
+                *lines, pending = (pending + chunk).split(b"\n")
+                while len(pending) > MAX_LINE_CHARS:
+                    lines.append(pending[:MAX_LINE_CHARS])
+                    pending = pending[MAX_LINE_CHARS:]
+                for line in lines:
+                    self._line(rank, stream, line)
+            unshown = b"\r" in pending
+            if unshown and (chunk is None or time.monotonic() >= next_progress):
                 # A progress bar rewriting its line, complete only at its newline: what a terminal shows of it
                 # now, for the rank's row in the live view (as under torchrun, where the bar moves).
-                next_progress = time.monotonic() + PROGRESS_EVERY_S
+                next_progress, unshown = time.monotonic() + PROGRESS_EVERY_S, False
                 self._on_line({"type": "output_progress", "rank": rank, "stream": stream, "line": _shown(pending)})
         if pending:
             self._line(rank, stream, pending)
