@@ -329,10 +329,11 @@ def check_report_path(path: Path | None, flag: str, suffixes: tuple[str, ...] = 
 
     if path is None:
         return
-    where = f"{flag} {str(path)!r}"
+    where, given = f"{flag} {str(path)!r}", path
+    path = through_link(path)  # the file written: its suffix chooses the format
     if suffixes and path.suffix.lower() not in suffixes:
-        raise UsageError(f"{where}: the suffix chooses the format: {', '.join(suffixes)}")
-    path = through_link(path)
+        links = f" (it links to {str(path)!r})" if path != given else ""
+        raise UsageError(f"{where}{links}: the suffix chooses the format: {', '.join(suffixes)}")
     if path.is_dir():
         raise UsageError(f"{where} is a directory; name a file")
     check_parent_dir(path, flag)

@@ -396,3 +396,29 @@ def test_bench_claims_no_mfu_over_100_percent():
     assert fp32["mfu"] == pytest.approx(0.8) and fp32["peak_source"] == "measured matmul, fp32, 1 thread"
     assert bf16["mfu"] is None and bf16["achieved_tflops_per_rank"] == pytest.approx(3.2)
     assert bf16["peak_source"] == "measured matmul, fp32, 1 thread; below the rate achieved: no MFU"
+
+
+def test_a_plot_named_by_a_symlink_takes_the_format_of_the_file_it_points_to(tmp_path, capsys):
+    """`latest.png -> runs.pdf`: the file written is a PDF (PNG bytes went into runs.pdf); a link to a file
+    of no plot format is refused naming it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddp_amp.commands.options import check_plot_path
+    from ddp_amp.errors import UsageError
+    from ddp_amp.results.report import save_figure
+
+    link, target = tmp_path / "latest.png", tmp_path / "runs.pdf"
+    link.symlink_to(target)
+    check_plot_path(link)
+    fig, ax = plt.subplots()
+    ax.plot([1, 2])
+    save_figure(fig, link, dpi=50)
+    assert link.is_symlink() and target.read_bytes().startswith(b"%PDF")
+    other = tmp_path / "other.png"
+    other.symlink_to(tmp_path / "notes.txt")
+    with pytest.raises(UsageError, match=r"it links to .*notes\.txt'\): the suffix chooses the format"):
+        check_plot_path(other)

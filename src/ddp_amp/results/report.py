@@ -258,9 +258,9 @@ def save_figure(fig, path: Path, dpi: int) -> None:
     replace it, and nothing else), written whole or not at all; the figure closed."""
     import matplotlib.pyplot as plt
 
-    from ddp_amp.files import PLOT_FORMATS, WRITTEN_BY, write_report
+    from ddp_amp.files import PLOT_FORMATS, WRITTEN_BY, through_link, write_report
 
-    suffix = path.suffix.lower()
+    suffix = through_link(path).suffix.lower()  # of the file written, where a link points
     try:
         write_report(path, "--plot", lambda temporary: fig.savefig(
             temporary, format=suffix[1:], dpi=dpi, metadata={PLOT_FORMATS[suffix]: f"{WRITTEN_BY} (matplotlib)"}))
