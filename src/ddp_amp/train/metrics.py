@@ -145,7 +145,7 @@ class MetricsProcessor:
         # make every step wait for the device.
         self.loss_sum = torch.zeros((), device=device)
         self.loss_count = 0
-        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        self.interval_start = time.perf_counter()
         self.record: dict[str, Any] = {}
         self.step_s: list[float] = []
         """Each optimizer step's duration on this rank, with time_steps (bench)."""
@@ -173,7 +173,6 @@ class MetricsProcessor:
         """After optimizer step `number` (from 1): its loss into the interval's sum, and the windows' edges."""
         self.loss_sum += outcome.loss
         self.loss_count += outcome.micro_steps
-        self.interval_steps += 1
         samples = outcome.samples or self.samples_per_step
         self.interval_samples += samples
         self.samples_done += samples
@@ -254,7 +253,7 @@ class MetricsProcessor:
         self.loss_sum.zero_()
         # The next interval starts now, or after the peak utilisation() just measured again (not training)
         start = now if self.peak_measured_again == measured_again else time.perf_counter()
-        self.loss_count, self.interval_start, self.interval_steps, self.interval_samples = 0, start, 0, 0
+        self.loss_count, self.interval_start, self.interval_samples = 0, start, 0
         return summed_flags
 
     def prepare_utilisation(self, precision: str) -> None:
