@@ -11,6 +11,7 @@ plus the store's read timeout (torch's own bound on the call), it gives up on th
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,9 +69,15 @@ def _alive(pid: int) -> bool:
     """Running, not a zombie. The ranks are the fork server's children, which it reaps at once; a zombie waits
     only for that, and has ended as much as a reaped one has."""
     try:
+        os.kill(pid, 0)  # the check every system has; /proc, where there is one, tells a zombie apart
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
+        return True
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
