@@ -383,7 +383,6 @@ def test_kubernetes_pods_train_like_spawn_and_a_kubelet_sigterm_keeps_the_work(t
     assert (claim / "k8s" / "model.pt").read_bytes() == (reference / "model.pt").read_bytes()
 
 
-
 def _finish_or_report(jobs: list[tuple[subprocess.Popen, Path]], timeout: float,
                       run_dirs: list[Path]) -> list[tuple[str, str]]:
     """Every job's (stdout, stderr), read from the files `_start_logged` gave it, once all have exited. Past
@@ -420,12 +419,12 @@ def _finish_or_report(jobs: list[tuple[subprocess.Popen, Path]], timeout: float,
     return outputs
 
 
-def _start_logged(command: list[str], prefix: Path) -> tuple[subprocess.Popen, Path]:
+def _start_logged(command: list[str], prefix: Path, **env: str) -> tuple[subprocess.Popen, Path]:
     """`command` in a session of its own, its output in files (`prefix`.out/.err): no pipe to fill while the
-    test waits on another job."""
+    test waits on another job. `env`: variables set on top of this process's."""
     with open(prefix.with_suffix(".out"), "w") as out, open(prefix.with_suffix(".err"), "w") as err:
         return subprocess.Popen(command, stdout=out, stderr=err, text=True, start_new_session=True,
-                                env={**os.environ, "PYTHONFAULTHANDLER": "1"}), prefix
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1", **env}), prefix
 
 
 def test_a_users_script_runs_on_two_namespaces_in_one_process_group(three_hosts, tmp_path):
@@ -449,3 +448,55 @@ def test_a_users_script_runs_on_two_namespaces_in_one_process_group(three_hosts,
         assert lines == [f"[rank {index}] rank {index} step {step} sum {2 * (step + 1)} restart 0"
                          for step in range(5)], out
         assert read_summary(run_dirs[index])["outcome"] == "finished"
+
+
+def _group(pid: int) -> list[int]:
+    """The processes of the process group `pid` leads (a launcher started in a session of its own)."""
+    found = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(member) for member in found]
+
+
+def test_a_node_cut_off_from_the_network_ends_its_launcher_and_leaves_nothing_running(three_hosts, tmp_path):
+    """Two namespaces train with `multinode --nnodes 2`; mid-run the second one's veth is deleted. Its rank fails
+    (--timeout), but its elastic agent sits in a call to the rendezvous store on the first node, which the dead
+    link keeps blocked until TCP gives up (~15 minutes: its launcher lived 938 s). Its launcher now gives up on
+    the agent once that call outlasts the store's own read timeout: exit 1, one line naming the rank's failure
+    and the store call, and nothing of it left running. The first node's ranks fail too (their peer vanished),
+    which its agent, the store's host, sees: exit 1."""
+    (_, host_addr), (cut_ns, _), _ = three_hosts
+    run_dirs = [tmp_path / f"node{index}" for index in range(2)]
+    jobs = []
+    for index, (ns, _) in enumerate(three_hosts[:2]):
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2",
+                   "--nproc-per-node", "1", "--endpoint", f"{host_addr}:29400", "--device", "cpu", "--task",
+                   f"{HELPER_TASKS}:resumable", "--steps", "100000", "--log-every", "10", "--timeout", "20",
+                   "--rdzv-timeout", "60", "--log-format", "plain", "--run-dir", str(run_dirs[index])]
+        jobs.append(_start_logged(command, tmp_path / f"launcher{index}", DDP_AMP_TEST_STEP_SLEEP="0.05"))
+    try:
+        deadline = time.monotonic() + 180
+        while not all(prefix.with_suffix(".out").read_text().count(" step ") >= 1 for _, prefix in jobs):
+            assert time.monotonic() < deadline and all(job.poll() is None for job, _ in jobs), "never trained"
+            time.sleep(0.2)
+        cut_off = jobs[1][0]
+        processes = _group(cut_off.pid)  # the launcher, its fork server and resource tracker, the rank
+        assert len(processes) >= 3, processes
+        assert ip("-n", cut_ns, "link", "del", f"v{cut_ns}").returncode == 0
+    except BaseException:
+        for job, _ in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+        raise
+    (_, host_err), (_, cut_err) = _finish_or_report(jobs, 300, run_dirs)  # a hang guard: it took ~15 minutes
+    assert cut_off.returncode == 1, cut_err
+    verdict = cut_err.strip().splitlines()[-1]
+    # The rank's own error (gloo's timeout, --timeout), as its agent would have told it, then why it never did.
+    assert verdict.startswith("ddp-amp: error: rank 1 failed: RuntimeError: "), verdict
+    assert ("the elastic agent has not seen it: its call to the rendezvous store at "
+            f"{host_addr}:29400 has not returned (the network between the nodes failed?)") in verdict
+    deadline = time.monotonic() + 30  # the fork server's parent-death signal is delivered, not instant
+    while (left := [pid for pid in processes if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left and not _group(cut_off.pid), left
+    # The first node's rank times out too (its peer vanished); its agent hosts the store and sees it at once.
+    assert jobs[0][0].returncode == 1, host_err
+    assert "ddp-amp: error: rank 0 failed: RuntimeError: " in host_err, host_err

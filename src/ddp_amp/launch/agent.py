@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ddp_amp.config import JobKind
 from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom
+from ddp_amp.launch.agent_watch import AgentWatch
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.torchrun import ElasticJob
 from ddp_amp.process import StopSignal, signal_processes
@@ -184,9 +185,11 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
 
     with _agent_log(log_path), _error_files_of_our_own():
         threading.Thread(target=agent, name="ddp-amp-agent", daemon=True).start()
+        watch = AgentWatch(agents, job)  # gives up on a multinode agent that no longer sees its ranks
         try:
             while not _finished_within(finished, 0.2):  # timed: the main thread keeps handling signals
-                pass
+                if (overdue := watch.overdue()) is not None:
+                    raise _cut_off(*overdue, job, log_path)
         except StopSignal as stop:
             # A stop is the end of the job: no restart of ranks it ended (a script's, killed by the signal).
             for running in agents:
@@ -214,6 +217,20 @@ def _raise_failure(error: BaseException | None, log_path: Path, job: ElasticJob,
         raise RunFailed(f"rank {rank} {what}{note}", rank=rank, note=note)
     raise RunFailed(f"the elastic agent failed: {type(error).__name__}: {_first_line(error)} "
                     f"(its log: {log_path})", details=_tail(log_path))
+
+
+def _cut_off(ended_s: float, failures: dict, job: ElasticJob, log_path: Path) -> RunFailed:
+    """The agent's call to the store has outlasted torch's own bound on it (agent_watch): this node's ranks'
+    failure as the agent would have told it (launch.session retells it by their error events), and why the
+    agent never did. The agent's thread stays blocked in C++, its GIL released: a daemon, it ends with this
+    process, as the fork server does; the ranks have ended already."""
+    note = (f"; this node's ranks ended {ended_s:.0f}s ago and the elastic agent has not seen it: its call to "
+            f"the rendezvous store at {job.rdzv_endpoint} has not returned (the network between the nodes "
+            f"failed?) (the agent's log: {log_path})")
+    if not failures:
+        return RunFailed(note[2:])
+    rank, what = root_failure(failures)
+    return RunFailed(f"rank {rank} {what}{note}", rank=rank, note=note)
 
 
 def _rendezvous_failure(error: BaseException, job: ElasticJob, command: str) -> str | None:
