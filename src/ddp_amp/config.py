@@ -157,8 +157,8 @@ class TrainConfig:
     rank, or GradScaler has skipped this many in a row (the fp16 loss scale collapsed); 0 never stops. 20 skips
     divide the scale by 10^6, far beyond its normal settling at the start of a run."""
     num_workers: int | None = None
-    """DataLoader worker processes per rank (None: 0 on CPU ranks, a few per rank on CUDA, leaving cores to
-    the other ranks)."""
+    """DataLoader worker processes per rank (None: 0 on CPU ranks, a few per rank on CUDA); refused only where this
+    node cannot start that many processes, warned of above its usable cores per rank (I/O-bound workers may be)."""
     optimizer_impl: str = "auto"
     """The optimizer's implementation: fused (one kernel for all parameters), foreach (per tensor list), loop (one
     parameter at a time, torch's CPU default); auto: fused, but foreach under fp16's GradScaler or SGD --shard full."""

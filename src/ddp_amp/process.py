@@ -287,3 +287,29 @@ def _call_and_send(send, environ: dict[str, str], cwd: str, function: Callable[.
         send.send(result)
     except Exception as exc:  # an unpicklable exception or result
         send.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}"[:2000] + f" ({exc})")))
+
+
+def process_limit() -> tuple[int, str] | None:
+    """The most processes (threads included) this node lets this launch start, and what sets it: kernel.pid_max,
+    kernel.threads-max, this cgroup's pids.max, and `ulimit -u` (which does not bind root); None where none can be
+    read (not Linux). A launch that needs more than this cannot start them all, whatever else runs."""
+    from pathlib import Path
+
+    files = {"/proc/sys/kernel/pid_max": "kernel.pid_max", "/proc/sys/kernel/threads-max": "kernel.threads-max"}
+    with contextlib.suppress(OSError):  # cgroup v2 (0::/path) or v1's pids controller (N:pids:/path)
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, where = line.split(":", 2)
+            if controllers in ("", "pids"):
+                root = "/sys/fs/cgroup" + ("/pids" if controllers else "")
+                files[f"{root}{where.rstrip('/')}/pids.max"] = "the cgroup's pids.max"
+    limits = []
+    for path, name in files.items():
+        with contextlib.suppress(OSError):
+            if (text := Path(path).read_text().strip()).isdigit():
+                limits.append((int(text), name))
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY:
+        limits.append((soft, "ulimit -u"))
+    return min(limits) if limits else None

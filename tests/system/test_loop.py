@@ -352,6 +352,20 @@ def test_a_script_that_never_calls_finish_is_told_and_its_last_background_write_
     assert last.is_file() and torch.load(last, weights_only=True)["step"] == 4
 
 
+@pytest.mark.parametrize(("exit", "status"), [("3", 3), ("giving up", 1)])
+def test_a_script_that_exits_by_systemexit_without_finish_is_not_told_it_ended(tmp_path, exit, status):
+    """`python script.py` whose script leaves by sys.exit(3) or raise SystemExit("giving up") before finish():
+    atexit is not told the status, so the line says how it left (not the forgotten finish() of a script that ran
+    to its end), and the status is the script's."""
+    result = subprocess.run([sys.executable, str(TASKS / "loop_samples.py"), "--out", str(tmp_path / "seen"),
+                             "--steps", "2", "--exit", exit], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert result.returncode == status, result.stderr
+    assert UNFINISHED not in result.stderr, result.stderr
+    assert last_line(result.stderr) == ("ddp_amp.loop: the script exited by sys.exit or SystemExit without "
+                                        "finish(): no model.pt and no loop.json written"), result.stderr
+
+
 @pytest.mark.parametrize("launcher", ["spawn", "python"])
 def test_a_script_without_finish_whose_last_background_write_fails_exits_1_naming_it(tmp_path, launcher):
     """Its last checkpoint's background write fails (RLIMIT_FSIZE: EFBIG, as a full disk) and the script never

@@ -11,8 +11,9 @@ from ddp_amp.files import DirectoryLock
 
 
 def show(*args, columns=200):
+    where = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}  # this checkout's code
     return subprocess.run([sys.executable, "-m", "ddp_amp", "show", *map(str, args)], capture_output=True,
-                          text=True, timeout=60, env={"COLUMNS": str(columns), "PATH": ""})
+                          text=True, timeout=60, env={"COLUMNS": str(columns), "PATH": "", **where})
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +89,23 @@ def test_eight_runs_at_100_columns_are_shown_in_tables_that_cut_no_word(two_runs
     assert sum(line.count("val_accuracy") for line in lines) == 8
     assert [line.strip() for line in lines if line.startswith("ddp-amp runs")] == ["ddp-amp runs (1 of 2)",
                                                                                     "ddp-amp runs (2 of 2)"]
+
+
+def test_a_loop_scripts_options_are_shown_as_its_loop_ran_them(tmp_path):
+    """examples/own_loop.py calls setup(checkpoint_every=50): a launch without --checkpoint-every checkpoints every
+    50 steps, and show says 50 (config.json holds the command line's 0), beside a launch given
+    --checkpoint-every 25 (the command line wins over setup()'s default); the --keep both were given is the same."""
+    from helpers import TESTS, launch_script
+
+    example = TESTS.parent / "examples" / "own_loop.py"
+    runs = {"setup": tmp_path / "setup", "flag": tmp_path / "flag"}
+    for name, options in (("setup", ()), ("flag", ("--checkpoint-every", "25"))):
+        assert_ok(launch_script(runs[name], example, "--steps", "50", nproc=1,
+                                options=("--device", "cpu", "--keep", "3", *options)))
+    assert sorted(p.name for p in (runs["setup"] / "checkpoints").glob("*.pt")) == ["step-50.pt"]
+    result = show(runs["setup"], runs["flag"])
+    assert result.returncode == 0, result.stderr
+    differing = {cells[1].strip(): [c.strip() for c in cells[2:4]]
+                 for cells in (line.split("│") for line in result.stdout.split("options that differ")[1].splitlines())
+                 if len(cells) == 5}
+    assert differing == {"--checkpoint-every": ["50", "25"]}, result.stdout

@@ -4,17 +4,19 @@ indices, `--batch` per rank; each rank appends the indices of every step's batch
 size; a checkpoint at --checkpoint-every (given on the command line) and at the end.
 
     python loop_samples.py --out DIR [--size N] [--batch B] [--steps K | --to-epoch-end] [--no-finish]
-                           [--async-save] [--file-size-limit BYTES] [--hold-last-step DIR]
+                           [--async-save] [--file-size-limit BYTES] [--hold-last-step DIR] [--exit CODE|MESSAGE]
 
 --no-finish: the script ends without run.finish() (a mistake ddp_amp.loop names); --async-save: setup's default
 of background checkpoint writes; --file-size-limit: RLIMIT_FSIZE after setup(), so that a checkpoint write
 fails as on a full disk (EFBIG), where the loop's small files still fit; --hold-last-step: in the last step each
-rank writes DIR/rank<R>.holding and waits for a stop signal to reach it (a stop that lands in the last step).
+rank writes DIR/rank<R>.holding and waits for a stop signal to reach it (a stop that lands in the last step);
+--exit: after the loop, without finish(), sys.exit(CODE) for a number, else raise SystemExit(MESSAGE).
 """
 
 import argparse
 import resource
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--file-size-limit", type=int, default=0)
     parser.add_argument("--hold-last-step")
+    parser.add_argument("--exit")
     args = parser.parse_args()
     run = loop.setup(**({"async_checkpoint": True} if args.async_save else {}))
     if args.file_size_limit:
@@ -84,6 +87,10 @@ def main() -> None:
                 hold_for_a_stop(Path(args.hold_last_step), run.rank)
     if run.stopped_at is None:
         run.save(total)
+    if args.exit is not None:
+        if args.exit.isdigit():
+            sys.exit(int(args.exit))
+        raise SystemExit(args.exit)
     if not args.no_finish:
         run.finish()
 

@@ -255,10 +255,30 @@ def test_print_config_writes_floats_json_has_no_word_for_as_toml():
 
 
 @pytest.mark.parametrize(("text", "expected"), [
+    ('steps = "5"\n', "steps = 5\n"), ('lr = 1\n', "lr = 1.0\n"), ('lr = "0.5"\n', "lr = 0.5\n"),
+    ('micro_batch = 4\n', 'micro_batch = "4"\n'), ('tracker = "mlflow"\n', 'tracker = ["mlflow"]\n'),
+])
+def test_a_config_value_is_read_as_the_command_line_reads_the_flag(tmp_path, capsys, text, expected):
+    """A TOML string is the flag's text (`--steps 5`), an integer is a number, and one string is one use of a
+    repeatable flag; an integer is a string option's value only where that is a number (--micro-batch)."""
+    config = tmp_path / "ok.toml"
+    config.write_text(text)
+    code, out, err = run_main(["spawn", "--config", str(config), "--print-config"], capsys)
+    assert code == 0 and expected in out, err
+
+
+@pytest.mark.parametrize(("text", "expected"), [
     ('lr = 0.01\nbogus = 3\n', "unknown key 'bogus'"),
-    ('steps = "many"\n', "steps = 'many' is not a valid --steps"),
-    ('device = "tpu"\n', "device = 'tpu' is not a valid --device"),
-    ('bucket_view = 1\n', "bucket_view = 1 is not a valid --bucket-view"),
+    ('steps = "many"\n', 'steps = "many" is not a valid --steps'),
+    ('device = "tpu"\n', 'device = "tpu" is not a valid --device'),
+    ('bucket_view = 1\n', "bucket_view = 1 is an integer, but --bucket-view takes true or false"),
+    ('run_dir = 5\n', "run_dir = 5 is an integer, but --run-dir takes a string"),
+    ('run_dir = 2024-01-01\n', "run_dir = 2024-01-01 is a date or time, but --run-dir takes a string"),
+    ('steps = 5.0\n', "steps = 5.0 is a float, but --steps takes an integer"),
+    ('steps = true\n', "steps = true is a boolean, but --steps takes an integer"),
+    ('lr = false\n', "lr = false is a boolean, but --lr takes a number"),
+    ('compile = "true"\n', 'compile = "true" is a string, but --compile takes true or false'),
+    ('task_arg = [1]\n', "task_arg = [1] is an array, but --task-arg takes an array of strings"),
     ('lr = \n', "is not valid TOML"),
     ('# caf\xe9, saved as latin-1\nlr = 0.01\n', "is not UTF-8, as TOML must be (byte 5)"),
 ])

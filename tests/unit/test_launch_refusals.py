@@ -725,3 +725,25 @@ def test_device_cuda_where_no_gpu_is_visible_says_so_not_lower_the_rank_count(co
     assert code == 2
     assert one_line(err) == "ddp-amp: error: --device cuda: no CUDA GPU is visible; use --device cpu or auto"
     assert not (tmp_path / "run").exists()
+
+
+def test_more_dataloader_workers_than_the_node_can_start_is_refused_and_more_than_its_cores_is_a_warning(
+        tmp_path, capsys):
+    """2 ranks x 4194304 workers are more processes than any Linux kernel.pid_max allows (at most 2^22): one line,
+    nothing launched. Above the usable cores per rank, torch's warning (which reaches only a rank's log) is the
+    launcher's own line; a dry run shows it and starts nothing."""
+    from ddp_amp.process import process_limit, usable_cores
+
+    if process_limit() is None:
+        pytest.skip("no process limit readable here (not Linux)")
+    run_dir = tmp_path / "run"
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", "--num-workers", "4194304", "--run-dir",
+                             str(run_dir)], capsys)
+    assert code == 2 and not run_dir.exists()
+    assert one_line(err).startswith("ddp-amp: error: --num-workers 4194304: 2 rank(s) with 4194304 DataLoader "
+                                    "workers each are 8388610 processes, more than this node can start ("), err
+    warning = "ddp-amp: warning: --num-workers"
+    for workers, warned in ((usable_cores(), False), (usable_cores() + 1, True)):
+        code, _, err = run_main(["run", "-n", "2", "--device", "cpu", "--num-workers", str(workers), "--dry-run",
+                                 "--run-dir", str(tmp_path / f"dry{workers}")], capsys)
+        assert code == 0 and (warning in err) == warned, err

@@ -55,21 +55,53 @@ def _load_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
         if param is None:
             raise UsageError(f"--config {str(path)!r}: unknown key {key!r} (not an option of "
                              f"ddp-amp {ctx.info_name}; keys are option names with underscores)")
-        is_flag = param.type_descriptor.annotation is bool
-        repeatable = typing.get_origin(param.type_descriptor.annotation) is list  # --task-arg: a list of strings
-        try:
-            if isinstance(value, bool) != is_flag or isinstance(value, dict) or isinstance(value, list) != repeatable:
-                raise ValueError
-            if repeatable and not all(isinstance(item, str) for item in value):
-                raise ValueError
-            if not repeatable:
-                param.get_runtime_param().coerce(value, param=param, ctx=ctx)
-        except Exception:
-            raise UsageError(f"--config {str(path)!r}: {key} = {value!r} is not a valid --{key.replace('_', '-')}")\
-                from None
+        values[key] = _checked_value(ctx, param, key, value, path)
     ctx.default_map = {**(ctx.default_map or {}), **values}
     ctx.meta[CONFIG_FILE_META] = path
     return path
+
+
+NUMBER_OR_WORD = ("nproc_per_node", "micro_batch")
+"""Text options whose text is a number or a word ("2" or "auto"): a TOML integer there is that number (spawn's
+documented `nproc = 2`); any other text option takes a TOML string, so `run_dir = 5` is not silently "5"."""
+TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array",
+              dict: "a table"}
+
+
+def _checked_value(ctx: typer.Context, param: Any, key: str, value: Any, path: Path) -> Any:
+    """One key's value, refused unless it is of the option's type. The rule: a TOML string is the flag's text,
+    read as the command line reads it (`steps = "5"` as `--steps 5`; one string for a repeatable flag is one use
+    of it); any other value must be of the option's own type: true/false for a flag (which takes no text), an
+    integer for an integer option (5.0 is not one, as `--steps 5.0` is not), an integer or float for a number, an
+    array of strings for a repeatable option, and a string for a text option (NUMBER_OR_WORD aside)."""
+    annotation = param.type_descriptor.annotation
+    repeatable = typing.get_origin(annotation) is list
+    if repeatable and isinstance(value, str):
+        value = [value]
+    expected = ("true or false" if annotation is bool else "an array of strings" if repeatable
+                else "an integer" if annotation is int else "a number" if annotation is float
+                else "a string or an integer" if key in NUMBER_OR_WORD else "a string")
+    allowed = {"true or false": (bool,), "an array of strings": (list,), "an integer": (str, int),
+               "a number": (str, int, float), "a string or an integer": (str, int), "a string": (str,)}[expected]
+    if not isinstance(value, allowed) or (isinstance(value, bool) and annotation is not bool) \
+            or (repeatable and not all(isinstance(item, str) for item in value)):
+        kind = next((name for kind, name in TOML_TYPES.items() if isinstance(value, kind)), "a date or time")
+        raise UsageError(f"--config {str(path)!r}: {key} = {_shown(value)} is {kind}, but "
+                         f"--{key.replace('_', '-')} takes {expected}")
+    try:
+        param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+    except Exception:
+        raise UsageError(f"--config {str(path)!r}: {key} = {_shown(value)} is not a valid --{key.replace('_', '-')}")\
+            from None
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A value as the TOML file wrote it (a date or time as Python shows it: TOML writes it the same way)."""
+    try:
+        return toml_value(value)
+    except TypeError:
+        return str(value)
 
 
 OLD_KEYS = {"nproc": "nproc_per_node"}

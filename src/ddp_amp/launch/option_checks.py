@@ -5,6 +5,7 @@ the packages an option needs (--tensorboard, --tracker). Each refusal is one lin
 from __future__ import annotations
 
 import os
+import sys
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.errors import UsageError
@@ -62,3 +63,32 @@ def check_ddp_options(config: TrainConfig, device_type: str, precision: Precisio
     if config.optimizer_impl == "fused" and config.optimizer == "sgd" and config.shard == "full":
         raise UsageError("--optimizer-impl fused cannot run SGD under --shard full: torch has no fused SGD step for "
                          "sharded (DTensor) parameters; use foreach (what auto picks), loop, or --optimizer adamw")
+
+
+def check_processes(config: TrainConfig, nproc_per_node: int, flag: str) -> None:
+    """The processes a launch starts on this node: at least one rank; and --num-workers refused only where the
+    node certainly cannot start the ranks and their DataLoader workers (each worker a forked process). More
+    workers than cores are the user's call: workers waiting on I/O (network storage, decoding) may usefully
+    outnumber them (warn_of_workers says so)."""
+    from ddp_amp.process import process_limit
+
+    if nproc_per_node < 1:
+        raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
+    workers = config.num_workers or 0
+    needed = nproc_per_node * (workers + 1)
+    limit = process_limit() if workers else None
+    if limit is not None and needed > limit[0]:
+        raise UsageError(f"--num-workers {workers}: {nproc_per_node} rank(s) with {workers} DataLoader workers each "
+                         f"are {needed} processes, more than this node can start ({limit[1]} {limit[0]}); lower it")
+
+
+def warn_of_workers(config: TrainConfig, nproc_per_node: int) -> None:
+    """Above the usable cores per rank, torch's own warning, said where the user sees it (a rank's warnings reach
+    only its log); after every refusal, so that a refused launch still says one line."""
+    from ddp_amp.process import usable_cores
+
+    workers = config.num_workers or 0
+    if workers > (cores := usable_cores()):
+        print(f"ddp-amp: warning: --num-workers {workers}: {nproc_per_node * workers} DataLoader worker processes "
+              f"on {cores} usable core(s) (torch suggests at most {cores} per rank); each is a forked copy of its "
+              "rank, so memory grows with them", file=sys.stderr)

@@ -20,6 +20,7 @@ from pathlib import Path
 from ddp_amp.config import CONFIG_FILE, TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.files import atomic_write
+from ddp_amp.launch import option_checks
 from ddp_amp.launch import run_dir as run_dirs
 from ddp_amp.launch.devices import device_facts
 from ddp_amp.launch.option_checks import check_ddp_options, check_max_memory, check_tensorboard, check_trackers
@@ -296,8 +297,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     if overwrite and config.resume is not None:
         raise UsageError("--overwrite starts the run dir over and --resume continues it: pass one of them")
     config = config.replace(**(extra or {}), run_dir=str(run_dir or default_run_dir()), launch_time=launch_time)
-    if nproc_per_node < 1:
-        raise UsageError(f"{flag} must be >= 1, got {nproc_per_node}")
+    option_checks.check_processes(config, nproc_per_node, flag)  # --nproc and the DataLoader workers
     if world_size == -1:  # one node (spawn, run)
         world_size = nproc_per_node
     devices = device_facts(config.device, nproc_per_node)
@@ -339,6 +339,7 @@ def preflight(config: TrainConfig, *, nproc_per_node: int, flag: str = "--nproc"
     # A node joining a running elastic job in a shared run dir keeps the job's config.json (its ranks read it
     # at every restart) and writes its own beside it.
     config_path = path / (f"config.{socket.gethostname()}.{os.getpid()}.json" if joins else CONFIG_FILE)
+    option_checks.warn_of_workers(config, nproc_per_node)  # after the last refusal
     with stops_say(changed):
         _write_config(config_path, (config.to_json() + "\n").encode())
     return LaunchPlan(config=config, device_type=device_type, precision=precision, config_path=config_path,

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import dis
 import os
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -153,25 +155,57 @@ class UnfinishedCheck:
 
     def __init__(self, manager: CheckpointManager, rank: int, under_ddp_amp: bool) -> None:
         self.manager, self.rank, self.under_ddp_amp = manager, rank, under_ddp_amp
+        self.main_frame = None
         if under_ddp_amp:
             at_script_return(self.at_return)
         else:
+            self.main_frame = _main_module_frame()
             atexit.register(self.at_exit)
 
     def cancel(self) -> None:
         """finish() was called: nothing to check."""
         forget_at_script_return(self.at_return) if self.under_ddp_amp else atexit.unregister(self.at_exit)
+        self.main_frame = None
 
-    def at_return(self, exit_code: int) -> None:
+    def at_return(self, exit_code: int | None) -> None:
+        """`exit_code` None: the script ended by SystemExit, its status unknown here (atexit is not told it)."""
         self.manager.wait()
-        if exit_code == 0 and self.rank == 0:
-            print("ddp_amp.loop: the script ended without finish(): no model.pt and no loop.json written (call "
-                  "run.finish(model=model) once, after the loop)", file=sys.stderr, flush=True)
+        if self.rank != 0 or exit_code not in (0, None):
+            return
+        if exit_code == 0:
+            print(f"{UNFINISHED} (call run.finish(model=model) once, after the loop)", file=sys.stderr, flush=True)
+        else:  # said as it is: sys.exit(3) may be a failure, not a clean end that forgot finish()
+            print("ddp_amp.loop: the script exited by sys.exit or SystemExit without finish(): no model.pt and no "
+                  "loop.json written", file=sys.stderr, flush=True)
 
     def at_exit(self) -> None:
         try:  # an uncaught exception left sys.last_value before atexit's handlers run: said already
-            self.at_return(1 if hasattr(sys, "last_value") else 0)
+            self.at_return(1 if hasattr(sys, "last_value") else _exit_code(self.main_frame))
         except BaseException as exc:  # the process must not exit 0 past a lost checkpoint
             print(f"ddp_amp.loop: the checkpoint write in flight failed: {type(exc).__name__}: {exc}",
                   file=sys.stderr, flush=True)
             os._exit(1)
+
+
+UNFINISHED = "ddp_amp.loop: the script ended without finish(): no model.pt and no loop.json written"
+RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST") if name in dis.opmap}
+
+
+def _main_module_frame() -> FrameType | None:
+    """The frame that runs the __main__ module (`python script.py`, `python -m module`, torchrun's ranks), or None
+    (an interactive session, setup() in a thread). Kept, so that at exit its last instruction tells whether the
+    script ran to its end or left it by SystemExit, whose status atexit's handlers are not told."""
+    main = sys.modules.get("__main__")
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and main is not None
+                                     and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    return frame
+
+
+def _exit_code(main_frame: FrameType | None) -> int | None:
+    """0 where the __main__ module ran to its end (its last instruction a return); None where it was left by
+    SystemExit (sys.exit(3), raise SystemExit("msg"): the status is not known here) or is not known."""
+    if main_frame is None or main_frame.f_lasti < 0:
+        return None
+    return 0 if main_frame.f_code.co_code[main_frame.f_lasti] in RETURNS else None

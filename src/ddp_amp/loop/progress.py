@@ -11,6 +11,7 @@ from typing import Any
 
 from ddp_amp import outputs
 from ddp_amp.checkpoint import storage
+from ddp_amp.config import LOOP_OPTIONS
 from ddp_amp.loop.settings import LoopError
 from ddp_amp.progress.channel import EventSender
 
@@ -84,7 +85,10 @@ class Progress:
                       "world_size": run.world_size, "skipped_steps": run.skipped_steps,
                       "last_reported_step": self.last_step, "seconds": round(time.time() - self.started, 3),
                       "models": [type(model).__name__ for model in run._prepared],
-                      "optimizers": [type(optimizer).__name__ for optimizer in run._optimizers]}
+                      "optimizers": [type(optimizer).__name__ for optimizer in run._optimizers],
+                      # the options as the loop ran them: setup()'s own defaults under the command line's, where
+                      # config.json holds the command line's alone (`ddp-amp show` compares these)
+                      "settings": {key: getattr(run.settings, key) for key in LOOP_OPTIONS}}
             if run.completed_steps is not None:
                 record["completed_steps"] = run.completed_steps
             if run.model_path is not None:

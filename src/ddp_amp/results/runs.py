@@ -85,6 +85,9 @@ def load_run(path: Path) -> Run:
                    ] if (path / METRICS_FILE).is_file() else []
     except (OSError, ValueError) as exc:
         raise UsageError(f"show: {str(path)!r} has an unreadable file: {exc}") from None
+    settings = summary.loop.get("settings")  # a loop script's options as it ran them (setup()'s defaults too)
+    if "script" in config and isinstance(settings, dict):
+        config = {**config, **settings}
     if lock_holder(path) is not None:
         state = "in progress"
     elif not summary:
