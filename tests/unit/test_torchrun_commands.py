@@ -298,7 +298,7 @@ def test_torch_still_has_what_the_worker_context_patch_wraps():
     guard leaves torch alone: finished ranks then wait for the agent's read, as before)."""
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
-    from ddp_amp.launch.agent import let_workers_leave_when_done
+    from ddp_amp.launch.agent_torch import let_workers_leave_when_done
 
     assert let_workers_leave_when_done() is True
     assert MultiprocessContext._start.lets_workers_leave
@@ -331,7 +331,7 @@ class _ContextWithOtherParameters:
 def test_the_patch_sets_the_finished_reading_event_before_any_worker_starts():
     """Set before torch starts the workers: none ever sleeps on it (multiprocessing's Event.set would wait for a
     sleeper to wake), and each leaves as soon as it has put its return value."""
-    from ddp_amp.launch.agent import let_workers_leave_when_done
+    from ddp_amp.launch.agent_torch import let_workers_leave_when_done
 
     assert let_workers_leave_when_done(_ContextAsTorchHasIt) is True
     context = _ContextAsTorchHasIt()
@@ -341,7 +341,7 @@ def test_the_patch_sets_the_finished_reading_event_before_any_worker_starts():
 
 @pytest.mark.parametrize("context_class", [_ContextWithoutTheEvent, _ContextWithOtherParameters, object])
 def test_the_patch_leaves_a_changed_torch_alone(context_class):
-    from ddp_amp.launch.agent import let_workers_leave_when_done
+    from ddp_amp.launch.agent_torch import let_workers_leave_when_done
 
     before = getattr(context_class, "_start", None)
     assert let_workers_leave_when_done(context_class) is False

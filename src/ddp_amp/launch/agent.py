@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ddp_amp.config import JobKind
 from ddp_amp.errors import RunFailed, exception_line, failure_line, is_peer_symptom
+from ddp_amp.launch.agent_torch import agents_recorded, import_torch_without_cpp_warnings, let_workers_leave_when_done
 from ddp_amp.launch.agent_watch import AgentWatch
 from ddp_amp.launch.forkserver import start_forkserver
 from ddp_amp.launch.torchrun import ElasticJob
@@ -92,66 +93,16 @@ def _run_script_entry(script: dict, run_dir: str, env: dict[str, str]) -> None:
     leave_once_stopped()
 
 
-def let_workers_leave_when_done(context_class: type | None = None) -> bool:
-    """Make torch's function-entry worker context let each worker leave as soon as it is done, as torchrun's
-    subprocess workers do; whether it now does.
-
-    A worker run as a function hands its return value to the agent and then waits until the agent says it has
-    read every worker's (MultiprocessContext's finished-reading event). A rank whose work is done stays alive,
-    its connections open: a script whose rank 1 returns early leaves rank 0 hanging in its next collective until
-    its timeout (under torchrun it fails at once, "Connection closed by peer"); at a membership change the agent
-    sends SIGTERM and joins its workers without ever reading, so our ranks, which take the SIGTERM as a stop
-    (one step, a checkpoint), would wait until its SIGKILL 30 s later. The event is set as the context starts,
-    before any worker can sleep on it: each worker puts its return value (None: a small write to a pipe, read
-    by the agent's next poll) and exits. (Setting it later risks a hang: multiprocessing's Event.set waits for
-    every sleeper to wake, and one killed while it slept never does.)
-
-    The one patch of a private torch API, so it is guarded: where the class no longer has `_start(self)`, or no
-    longer makes `_worker_finished_event`, torch's behaviour is left as it is (finished ranks then leave at the
-    agent's signal: rank.signals.leave_once_stopped)."""
-    if context_class is None:
-        from torch.distributed.elastic.multiprocessing.api import MultiprocessContext as context_class
-    start = getattr(context_class, "_start", None)
-    if getattr(start, "lets_workers_leave", False):
-        return True
-    if not _start_is_as_patched(context_class, start):
-        return False
-
-    def _start(self) -> None:
-        finished_reading = getattr(self, "_worker_finished_event", None)
-        if finished_reading is not None:
-            finished_reading.set()  # no worker is running yet, so none sleeps on it
-        start(self)
-
-    _start.lets_workers_leave = True
-    context_class._start = _start
-    return True
-
-
-def _start_is_as_patched(context_class: type, start) -> bool:
-    """torch's worker context still has what the patch wraps: `_start(self)`, and the finished-reading event
-    its __init__ makes."""
-    import inspect
-
-    if not callable(start):
-        return False
-    try:
-        parameters = list(inspect.signature(start).parameters)
-        source = inspect.getsource(context_class)
-    except (TypeError, ValueError, OSError):
-        return False
-    return parameters == ["self"] and "self._worker_finished_event =" in source
-
-
 def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log_path: Path, *,
               rank_pids=lambda: [], stop_timeout: float = 60.0, kind: JobKind = "train", script=None) -> None:
     """Run this node's share of the job (its ranks doing `kind`, or running the user's `script`, a
     launch.script.Script) to completion; a failure becomes RunFailed naming the rank that failed first. The
     agent's log goes to `log_path`."""
+    start_forkserver()  # usually running already: the CLI starts it before importing torch
+    import_torch_without_cpp_warnings()
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
-    start_forkserver()  # usually running already: the CLI starts it before importing torch
     let_workers_leave_when_done()
     # The agent reads some of these itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE); the workers get them all.
     os.environ.update(job.env)
@@ -176,7 +127,7 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
 
     def agent() -> None:
         try:
-            with _agents_recorded(agents):
+            with agents_recorded(agents):
                 launch_agent(config, entry, args)
         except BaseException as exc:  # reported by the launcher's thread
             outcome["error"] = exc
@@ -250,31 +201,6 @@ def _rendezvous_failure(error: BaseException, job: ElasticJob, command: str) -> 
         return (f"lost the connection to {where}: the node hosting it ended, or the network between the "
                 "nodes failed")
     return None
-
-
-@contextlib.contextmanager
-def _agents_recorded(agents: list) -> Iterator[None]:
-    """The agent that launch_agent makes, appended to `agents`, so that a stop can take its remaining restarts
-    away (torchrun's own agent gets the stop signal itself and shuts down; ours runs in a thread that gets none).
-    torch's agent counts down `_remaining_restarts` (torch 2.13); where that changes, a stopped script's ranks
-    may be restarted by the agent, and are killed with it at --stop-timeout."""
-    import torch.distributed.launcher.api as launcher_api
-
-    made = getattr(launcher_api, "LocalElasticAgent", None)
-    if not isinstance(made, type):
-        yield
-        return
-
-    class Recorded(made):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            agents.append(self)
-
-    launcher_api.LocalElasticAgent = Recorded
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = made
 
 
 def _finished_within(finished: threading.Event, timeout: float) -> bool:
