@@ -7,12 +7,23 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MARK_VAR, TASKS, TESTS, last_line, launch_script, launch_until, read_summary, run_processes
+from helpers import (
+    MARK_VAR,
+    TASKS,
+    TESTS,
+    free_port,
+    last_line,
+    launch_script,
+    launch_until,
+    read_summary,
+    run_processes,
+)
 
 pytestmark = pytest.mark.slow
 EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
@@ -468,6 +479,36 @@ def test_a_stop_in_the_last_step_ends_the_loop_as_ddp_amps_own_finished_and_the_
     assert summary["outcome"] == "finished" and summary["loop"]["completed_steps"] == 5
     assert "stopped_at_step" not in summary["loop"]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4, 5]
+
+
+def test_a_stop_in_the_last_step_ends_every_node_as_finished_each_with_its_own_run_dir(tmp_path):
+    """Two multinode launchers on loopback, one rank each, each its own run dir (only the node of global rank 0
+    holds loop.json): SIGTERM to both launchers while both ranks are in the last step. Each node decides from
+    its own ranks, which ran every step as all ranks do: both exit 0 saying the stop came after the loop, and
+    nothing is left running."""
+    mark, holding, port = uuid.uuid4().hex, tmp_path / "holding", free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1", "--endpoint",
+         f"127.0.0.1:{port}", "--device", "cpu", "--rdzv-timeout", "120", "--run-dir", str(tmp_path / name),
+         str(TASKS / "loop_samples.py"), "--out", str(tmp_path / "seen"), "--steps", "5", "--hold-last-step",
+         str(holding)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, MARK_VAR: mark}) for name in ("a", "b")]
+    try:
+        deadline = time.monotonic() + 240
+        while not all((holding / f"rank{rank}.holding").exists() for rank in (0, 1)):
+            assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, "never held"
+            time.sleep(0.05)
+        for node in nodes:
+            node.send_signal(signal.SIGTERM)
+        results = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.communicate()
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err
+        assert "ddp-amp: SIGTERM came after the loop had finished (step 5)" in err, err
+    assert run_processes(mark) == []
 
 
 def test_a_report_before_restore_in_a_resumed_run_keeps_the_metrics_before_its_checkpoint(tmp_path):

@@ -266,23 +266,27 @@ def loop_stop_signal(run_dir: Path) -> signal.Signals | None:
 def stop_after_the_loop(run_dir: Path, view, started: float, stopped):
     """`stopped`, a stop this launcher passed on; None, said in one line, where it came after a ddp_amp.loop
     script's loop had run every step and every rank then returned 0: a finished run, as ddp-amp's own loop calls
-    it (exit 0: nothing is left for a resume). A plain script's exit 0 may be its own stop handler's: a stop."""
+    it (exit 0: nothing is left for a resume). A plain script's exit 0 may be its own stop handler's: a stop.
+    Decided from this node's ranks, their "loop" events: every rank ends its loop at the same step, completed or
+    stopped (the ranks agree on a stop together), so each node of a multinode job gives the same verdict, not
+    only the one whose run dir gets rank 0's loop.json (read here for the model.pt it names, where it is)."""
     import json
 
     from ddp_amp.outputs import LOOP_RECORD_FILE
 
+    ranks = view.ranks.values()
+    if not ranks or any(state.status != "done" or state.exit_code != 0 or "completed_steps" not in state.loop
+                        or "stopped_at_step" in state.loop for state in ranks):
+        return stopped
     try:
         record = run_dir / LOOP_RECORD_FILE
         loop = json.loads(record.read_text()) if record.stat().st_mtime >= started else {}  # this launch's
     except (OSError, ValueError):
-        return stopped
-    ranks = view.ranks.values()
-    if loop.get("completed_steps") is None or loop.get("stopped_at_step") is not None or not ranks or \
-            any(state.status != "done" or state.exit_code != 0 for state in ranks):
-        return stopped
-    written = f"; {loop['model']} is written" if loop.get("model") else ""
+        loop = {}
+    written = f"; {loop['model']} is written" if isinstance(loop, dict) and loop.get("model") else ""
+    steps = max(state.loop["completed_steps"] for state in ranks)
     print(f"ddp-amp: {str(stopped).removeprefix('stopped by ')} came after the loop had finished (step "
-          f"{loop['completed_steps']}){written}", file=sys.stderr, flush=True)  # a status line, as session.say's
+          f"{steps}){written}", file=sys.stderr, flush=True)  # a status line, as session.say's
     return None
 
 

@@ -49,6 +49,13 @@ class Progress:
         if self.sender is not None:
             self.sender.send({"type": "report", "rank": run.rank, "step": step, "metrics": values})
 
+    def loop_ended(self, **how: int) -> None:
+        """A "loop" event: the loop ran every step (completed_steps) or stopped at an agreed step (stopped_at_step).
+        Every rank sends it, since every rank ends the same way at the same step: a launcher whose node does not
+        hold rank 0 (loop.json's writer) decides from its own ranks whether a stop came after the loop."""
+        if self.sender is not None:
+            self.sender.send({"type": "loop", "rank": self.run.rank, **how})
+
     def _scalars(self, step: int, values: dict[str, float]) -> None:
         """Each metric as the scalar report/<name>."""
         if self.tensorboard is None:
