@@ -272,8 +272,8 @@ def test_how_a_ranks_loop_ended_is_kept_until_a_restart():
     model = ProgressState(clock=FakeClock())
     model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 0, "node": 1})
     model.apply({"type": "loop", "rank": 1, "completed_steps": 5})
-    model.apply({"type": "loop", "rank": 1, "stopped_at_step": 7})
-    assert model.ranks[1].loop == {"completed_steps": 5, "stopped_at_step": 7}
+    model.apply({"type": "loop", "rank": 1, "stopped_at_step": 7, "stopped_by": "SIGTERM"})
+    assert model.ranks[1].loop == {"completed_steps": 5, "stopped_at_step": 7, "stopped_by": "SIGTERM"}
     assert plain_line({"type": "loop", "rank": 1, "completed_steps": 5}) is None
     model.apply({"type": "state", "rank": 1, "status": "restarting", "restart": 1, "local_rank": 0, "node": 1})
     assert model.ranks[1].loop == {}

@@ -250,17 +250,12 @@ def script_record(script: Script, run_dir: Path, *, launch, view, started: float
     return record
 
 
-def loop_stop_signal(run_dir: Path) -> signal.Signals | None:
-    """The stop signal a ddp_amp.loop script's ranks agreed on (its loop.json), or None."""
-    from ddp_amp.outputs import LOOP_RECORD_FILE
-
-    try:
-        import json
-
-        name = json.loads((run_dir / LOOP_RECORD_FILE).read_text()).get("stopped_by")
-        return signal.Signals[name] if name in signal.Signals.__members__ else None
-    except (OSError, ValueError, AttributeError):
-        return None
+def loop_stop_signal(view) -> signal.Signals | None:
+    """The stop signal a ddp_amp.loop script's ranks agreed on, as this node's ranks said it (their "loop"
+    events: every rank stops at the same step, so every node knows it, not only the one whose run dir gets rank
+    0's loop.json), or None."""
+    name = next((state.loop["stopped_by"] for state in view.ranks.values() if "stopped_by" in state.loop), None)
+    return signal.Signals[name] if name in signal.Signals.__members__ else None
 
 
 def stop_after_the_loop(run_dir: Path, view, started: float, stopped):
@@ -271,8 +266,6 @@ def stop_after_the_loop(run_dir: Path, view, started: float, stopped):
     stopped (the ranks agree on a stop together), so each node of a multinode job gives the same verdict, not
     only the one whose run dir gets rank 0's loop.json (read here for the model.pt it names, where it is)."""
     import json
-
-    from ddp_amp.outputs import LOOP_RECORD_FILE
 
     ranks = view.ranks.values()
     if not ranks or any(state.status != "done" or state.exit_code != 0 or "completed_steps" not in state.loop
@@ -304,13 +297,18 @@ def script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str, view
     where a loop script's work is when it did not get to its stop (killed after --stop-timeout in a slow
     checkpoint write, or stopped before its loop's stop took effect): the newest complete checkpoint. Then the
     ranks that had stalled, and where (the progress `view`'s)."""
-    return _stop_line(record, run_dir, signalled) + "".join(
+    return _stop_line(record, run_dir, signalled, view) + "".join(
         f"; rank {state.rank} had stalled at {state.position[3]}" for state in view.stalled())
 
 
-def _stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
+def _stop_line(record: dict[str, Any], run_dir: Path, signalled: str, view) -> str:
     loop = record.get("loop") or {}
     step, checkpoint = loop.get("stopped_at_step"), loop.get("checkpoint")
+    agreed = next((state.loop for state in view.ranks.values() if "stopped_at_step" in state.loop), None)
+    if step is None and agreed is not None and 0 not in view.ranks:
+        # a node of a multinode job without a shared run dir: loop.json and the checkpoint are rank 0's node's
+        return (f"stopped by {agreed['stopped_by']} at step {agreed['stopped_at_step']} (the loop's record and "
+                "its checkpoint are in global rank 0's run dir, on its node)")
     if step is None:
         line = f"{signalled}: passed on to every rank (each rank's output in {run_dir / 'logs'})"
         if kept := newest_checkpoint(run_dir):

@@ -340,7 +340,7 @@ class Loop:
         if not signum:
             return False
         self.stopped_at, self.stopped_by = step, signum
-        self._progress.loop_ended(stopped_at_step=step)
+        self._progress.loop_ended(stopped_at_step=step, stopped_by=signum)
         if self._checkpoints.parts is not None and self._checkpoints.last_step != step:
             self.save(step)
         return True

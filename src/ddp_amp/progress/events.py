@@ -25,8 +25,8 @@ Every event has "type" and "rank"; the rest depends on the type:
     output_progress  stream, line: such a line before its newline, as it stands now (a progress bar: about four
            a second while it moves; the rank's live row shows it, plain output prints nothing)
     report     step, metrics: a ddp_amp.loop script's report() (every --log-every steps and its loop's last)
-    loop       completed_steps (its steps() ran every step) or stopped_at_step (its ranks agreed on a stop there):
-           how a ddp_amp.loop script's loop ended, sent by every rank
+    loop       completed_steps (its steps() ran every step), or stopped_at_step and stopped_by (its ranks agreed
+           on a stop there, by that signal): how a ddp_amp.loop script's loop ended, sent by every rank
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class LoopEvent(TypedDict, total=False):
     rank: int
     completed_steps: int
     stopped_at_step: int
+    stopped_by: str
 
 
 Event = (StateEvent | LogEvent | DoneEvent | ErrorEvent | HeartbeatEvent | StalledEvent | PrecisionEvent

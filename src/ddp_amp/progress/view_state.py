@@ -45,9 +45,9 @@ class RankState:
     reported: dict[str, float] = field(default_factory=dict)
     """A script's rank using ddp_amp.loop: the metrics of its last report() (its step in `step`)."""
     exit_code: int | None = None
-    loop: dict[str, int] = field(default_factory=dict)
+    loop: dict[str, Any] = field(default_factory=dict)
     """A script's rank using ddp_amp.loop: how its loop ended, its "loop" events folded (completed_steps,
-    stopped_at_step), as loop.json says it on rank 0's node alone."""
+    stopped_at_step, stopped_by), as loop.json says it on rank 0's node alone."""
 
 
 @dataclass
@@ -101,7 +101,7 @@ class ProgressState:
         elif kind == "report":
             state.step, state.reported = event["step"], event["metrics"]
         elif kind == "loop":
-            state.loop.update({key: event[key] for key in ("completed_steps", "stopped_at_step") if key in event})
+            state.loop.update({key: value for key, value in event.items() if key not in ("type", "rank")})
         elif kind == "log":
             state.status = "slow" if event.get("slow") else "running"
             for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "mfu", "loss_scale",
