@@ -7,12 +7,23 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MARK_VAR, TASKS, TESTS, last_line, launch_script, launch_until, read_summary, run_processes
+from helpers import (
+    MARK_VAR,
+    TASKS,
+    TESTS,
+    free_port,
+    last_line,
+    launch_script,
+    launch_until,
+    read_summary,
+    run_processes,
+)
 
 pytestmark = pytest.mark.slow
 EXAMPLE = TESTS.parent / "examples" / "own_loop.py"
@@ -468,6 +479,70 @@ def test_a_stop_in_the_last_step_ends_the_loop_as_ddp_amps_own_finished_and_the_
     assert summary["outcome"] == "finished" and summary["loop"]["completed_steps"] == 5
     assert "stopped_at_step" not in summary["loop"]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4, 5]
+
+
+def _two_nodes(tmp_path, mark: str, script: Path, *script_args: str) -> list[subprocess.Popen]:
+    """Two multinode launchers on loopback, one rank each, each its own run dir (tmp_path/a, tmp_path/b): only
+    the node of global rank 0 gets loop.json and the checkpoints."""
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "ddp_amp", "multinode", "--nnodes", "2", "--nproc-per-node", "1", "--endpoint",
+         f"127.0.0.1:{port}", "--device", "cpu", "--rdzv-timeout", "120", "--run-dir", str(tmp_path / name),
+         str(script), *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, MARK_VAR: mark}) for name in ("a", "b")]
+
+
+def _signalled(nodes: list[subprocess.Popen], ready, pids) -> list[tuple[str, str]]:
+    """Once `ready()`, SIGTERM to each pid of `pids()`; then each node's (stdout, stderr), none left running."""
+    try:
+        deadline = time.monotonic() + 240
+        while not ready():
+            assert all(node.poll() is None for node in nodes) and time.monotonic() < deadline, "never got there"
+            time.sleep(0.05)
+        for pid in pids():
+            os.kill(pid, signal.SIGTERM)
+        return [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.communicate()
+
+
+def test_a_stop_in_the_last_step_ends_every_node_as_finished_each_with_its_own_run_dir(tmp_path):
+    """SIGTERM to both launchers while both ranks are in the last step. Each node decides from its own ranks,
+    which ran every step as all ranks do, not from loop.json, which one of them has: both exit 0 saying the stop
+    came after the loop, and nothing is left running."""
+    mark, holding = uuid.uuid4().hex, tmp_path / "holding"
+    nodes = _two_nodes(tmp_path, mark, TASKS / "loop_samples.py", "--out", str(tmp_path / "seen"), "--steps", "5",
+                       "--hold-last-step", str(holding))
+    results = _signalled(nodes, lambda: all((holding / f"rank{rank}.holding").exists() for rank in (0, 1)),
+                         lambda: [node.pid for node in nodes])
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err
+        assert "ddp-amp: SIGTERM came after the loop had finished (step 5)" in err, err
+    assert run_processes(mark) == []
+
+
+def test_a_stop_signal_to_one_rank_ends_every_node_as_a_stop_at_one_step(tmp_path):
+    """SIGTERM to global rank 1 alone, each node its own run dir: both launchers exit 143 and name the step the
+    ranks agreed on, rank 0's node with its checkpoint, the other saying where that is; nothing left running."""
+    mark, pids = uuid.uuid4().hex, tmp_path / "pids"
+    nodes = _two_nodes(tmp_path, mark, LOOP_FAILS, "--steps", "100000", "--step-s", "0.02", "--pids-to", str(pids))
+    results = _signalled(nodes, lambda: all((pids / f"rank{rank}.pid").exists() for rank in (0, 1)),
+                         lambda: [int((pids / "rank1.pid").read_text())])
+    assert [node.returncode for node in nodes] == [143, 143], [err for _, err in results]
+    first = 0 if (tmp_path / "a" / "loop.json").exists() else 1
+    run = tmp_path / "ab"[first]
+    loop = read_summary(run)["loop"]
+    assert loop["stopped_by"] == "SIGTERM" and (run / "checkpoints" / f"step-{loop['stopped_at_step']}.pt").is_file()
+    assert last_line(results[first][1]) == (
+        f"ddp-amp: error: stopped by SIGTERM at step {loop['stopped_at_step']}; checkpoint {loop['checkpoint']} "
+        f"(continue with --resume auto --run-dir {run})")
+    assert last_line(results[1 - first][1]) == (
+        f"ddp-amp: error: stopped by SIGTERM at step {loop['stopped_at_step']} (the loop's record and its checkpoint "
+        "are in global rank 0's run dir, on its node)")
+    assert read_summary(tmp_path / "ab"[1 - first])["outcome"] == "stopped"
+    assert run_processes(mark) == []
 
 
 def test_a_report_before_restore_in_a_resumed_run_keeps_the_metrics_before_its_checkpoint(tmp_path):

@@ -264,6 +264,21 @@ def test_a_restart_names_the_later_of_the_heartbeat_and_the_last_log_step():
     assert model.steps_before_restart[1] == 31
 
 
+def test_how_a_ranks_loop_ended_is_kept_until_a_restart():
+    """A loop script's "loop" events fold into the rank's state: a stop agreed after an earlier steps() loop had
+    completed stays a stop (as loop.json keeps both); a restart's new attempt starts with none."""
+    from ddp_amp.progress.view_state import ProgressState
+
+    model = ProgressState(clock=FakeClock())
+    model.apply({"type": "state", "rank": 1, "status": "starting", "local_rank": 0, "node": 1})
+    model.apply({"type": "loop", "rank": 1, "completed_steps": 5})
+    model.apply({"type": "loop", "rank": 1, "stopped_at_step": 7, "stopped_by": "SIGTERM"})
+    assert model.ranks[1].loop == {"completed_steps": 5, "stopped_at_step": 7, "stopped_by": "SIGTERM"}
+    assert plain_line({"type": "loop", "rank": 1, "completed_steps": 5}) is None
+    model.apply({"type": "state", "rank": 1, "status": "restarting", "restart": 1, "local_rank": 0, "node": 1})
+    assert model.ranks[1].loop == {}
+
+
 def test_a_done_line_without_a_logged_loss():
     """A restarted group that resumes from a checkpoint at the last step logs no step, so has no loss."""
     from ddp_amp.progress.events import plain_line

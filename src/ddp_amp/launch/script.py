@@ -250,39 +250,36 @@ def script_record(script: Script, run_dir: Path, *, launch, view, started: float
     return record
 
 
-def loop_stop_signal(run_dir: Path) -> signal.Signals | None:
-    """The stop signal a ddp_amp.loop script's ranks agreed on (its loop.json), or None."""
-    from ddp_amp.outputs import LOOP_RECORD_FILE
-
-    try:
-        import json
-
-        name = json.loads((run_dir / LOOP_RECORD_FILE).read_text()).get("stopped_by")
-        return signal.Signals[name] if name in signal.Signals.__members__ else None
-    except (OSError, ValueError, AttributeError):
-        return None
+def loop_stop_signal(view) -> signal.Signals | None:
+    """The stop signal a ddp_amp.loop script's ranks agreed on, as this node's ranks said it (their "loop"
+    events: every rank stops at the same step, so every node knows it, not only the one whose run dir gets rank
+    0's loop.json), or None."""
+    name = next((state.loop["stopped_by"] for state in view.ranks.values() if "stopped_by" in state.loop), None)
+    return signal.Signals[name] if name in signal.Signals.__members__ else None
 
 
 def stop_after_the_loop(run_dir: Path, view, started: float, stopped):
     """`stopped`, a stop this launcher passed on; None, said in one line, where it came after a ddp_amp.loop
     script's loop had run every step and every rank then returned 0: a finished run, as ddp-amp's own loop calls
-    it (exit 0: nothing is left for a resume). A plain script's exit 0 may be its own stop handler's: a stop."""
+    it (exit 0: nothing is left for a resume). A plain script's exit 0 may be its own stop handler's: a stop.
+    Decided from this node's ranks, their "loop" events: every rank ends its loop at the same step, completed or
+    stopped (the ranks agree on a stop together), so each node of a multinode job gives the same verdict, not
+    only the one whose run dir gets rank 0's loop.json (read here for the model.pt it names, where it is)."""
     import json
 
-    from ddp_amp.outputs import LOOP_RECORD_FILE
-
+    ranks = view.ranks.values()
+    if not ranks or any(state.status != "done" or state.exit_code != 0 or "completed_steps" not in state.loop
+                        or "stopped_at_step" in state.loop for state in ranks):
+        return stopped
     try:
         record = run_dir / LOOP_RECORD_FILE
         loop = json.loads(record.read_text()) if record.stat().st_mtime >= started else {}  # this launch's
     except (OSError, ValueError):
-        return stopped
-    ranks = view.ranks.values()
-    if loop.get("completed_steps") is None or loop.get("stopped_at_step") is not None or not ranks or \
-            any(state.status != "done" or state.exit_code != 0 for state in ranks):
-        return stopped
-    written = f"; {loop['model']} is written" if loop.get("model") else ""
+        loop = {}
+    written = f"; {loop['model']} is written" if isinstance(loop, dict) and loop.get("model") else ""
+    steps = max(state.loop["completed_steps"] for state in ranks)
     print(f"ddp-amp: {str(stopped).removeprefix('stopped by ')} came after the loop had finished (step "
-          f"{loop['completed_steps']}){written}", file=sys.stderr, flush=True)  # a status line, as session.say's
+          f"{steps}){written}", file=sys.stderr, flush=True)  # a status line, as session.say's
     return None
 
 
@@ -300,13 +297,18 @@ def script_stop_line(record: dict[str, Any], run_dir: Path, signalled: str, view
     where a loop script's work is when it did not get to its stop (killed after --stop-timeout in a slow
     checkpoint write, or stopped before its loop's stop took effect): the newest complete checkpoint. Then the
     ranks that had stalled, and where (the progress `view`'s)."""
-    return _stop_line(record, run_dir, signalled) + "".join(
+    return _stop_line(record, run_dir, signalled, view) + "".join(
         f"; rank {state.rank} had stalled at {state.position[3]}" for state in view.stalled())
 
 
-def _stop_line(record: dict[str, Any], run_dir: Path, signalled: str) -> str:
+def _stop_line(record: dict[str, Any], run_dir: Path, signalled: str, view) -> str:
     loop = record.get("loop") or {}
     step, checkpoint = loop.get("stopped_at_step"), loop.get("checkpoint")
+    agreed = next((state.loop for state in view.ranks.values() if "stopped_at_step" in state.loop), None)
+    if step is None and agreed is not None and 0 not in view.ranks:
+        # a node of a multinode job without a shared run dir: loop.json and the checkpoint are rank 0's node's
+        return (f"stopped by {agreed['stopped_by']} at step {agreed['stopped_at_step']} (the loop's record and "
+                "its checkpoint are in global rank 0's run dir, on its node)")
     if step is None:
         line = f"{signalled}: passed on to every rank (each rank's output in {run_dir / 'logs'})"
         if kept := newest_checkpoint(run_dir):

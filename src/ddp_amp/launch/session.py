@@ -241,7 +241,7 @@ def run_script_launch(launch: Launch, display) -> None:
     view = display.view
     if failure is not None and failure.exit_code > 128:  # None where the loop had run every step first
         failure = scripts.stop_after_the_loop(run_dir, view, started, failure)
-    if failure is None and (stopped := scripts.loop_stop_signal(run_dir)) is not None:
+    if failure is None and (stopped := scripts.loop_stop_signal(view)) is not None:
         # a stop signal reached a rank, not this launcher: the loop stopped every rank at one step, as ddp-amp's
         # own loop does, and the launch ends as a stop does (128 + the signal)
         failure = RunFailed(f"stopped by {stopped.name}", exit_code=128 + stopped.value)

@@ -296,6 +296,7 @@ class Loop:
             if done < total and self.should_stop(done):
                 return
         self.completed_steps = total
+        self._progress.loop_ended(completed_steps=total)
 
     def _check_nothing_asked_of_state(self) -> None:
         """steps() with no state registered: refused where a setting needs it (the checkpoints would not be
@@ -339,6 +340,7 @@ class Loop:
         if not signum:
             return False
         self.stopped_at, self.stopped_by = step, signum
+        self._progress.loop_ended(stopped_at_step=step, stopped_by=signum)
         if self._checkpoints.parts is not None and self._checkpoints.last_step != step:
             self.save(step)
         return True

@@ -49,6 +49,19 @@ class Progress:
         if self.sender is not None:
             self.sender.send({"type": "report", "rank": run.rank, "step": step, "metrics": values})
 
+    def loop_ended(self, *, completed_steps: int | None = None, stopped_at_step: int | None = None,
+                   stopped_by: int | None = None) -> None:
+        """A "loop" event: the loop ran every step (completed_steps), or its ranks agreed on a stop at a step
+        (stopped_at_step, and the signal). Every rank sends it, since every rank ends the same way at the same
+        step: a launcher whose node does not hold rank 0 (loop.json's writer) decides from its own ranks."""
+        if self.sender is None:
+            return
+        import signal
+
+        how = {"completed_steps": completed_steps} if stopped_at_step is None else \
+            {"stopped_at_step": stopped_at_step, "stopped_by": signal.Signals(stopped_by).name}
+        self.sender.send({"type": "loop", "rank": self.run.rank, **how})
+
     def _scalars(self, step: int, values: dict[str, float]) -> None:
         """Each metric as the scalar report/<name>."""
         if self.tensorboard is None:

@@ -24,6 +24,9 @@ Every event has "type" and "rank"; the rest depends on the type:
            shows it, its last state)
     output_progress  stream, line: such a line before its newline, as it stands now (a progress bar: about four
            a second while it moves; the rank's live row shows it, plain output prints nothing)
+    report     step, metrics: a ddp_amp.loop script's report() (every --log-every steps and its loop's last)
+    loop       completed_steps (its steps() ran every step), or stopped_at_step and stopped_by (its ranks agreed
+           on a stop there, by that signal): how a ddp_amp.loop script's loop ended, sent by every rank
 """
 
 from __future__ import annotations
@@ -139,8 +142,16 @@ class ReportEvent(TypedDict):
     metrics: dict[str, float]
 
 
+class LoopEvent(TypedDict, total=False):
+    type: Literal["loop"]
+    rank: int
+    completed_steps: int
+    stopped_at_step: int
+    stopped_by: str
+
+
 Event = (StateEvent | LogEvent | DoneEvent | ErrorEvent | HeartbeatEvent | StalledEvent | PrecisionEvent
-         | OutputEvent | OutputProgressEvent | ReportEvent | dict[str, Any])
+         | OutputEvent | OutputProgressEvent | ReportEvent | LoopEvent | dict[str, Any])
 """Any progress event ("eval" events carry a validation's values under their own names: a plain dict)."""
 
 

@@ -45,6 +45,9 @@ class RankState:
     reported: dict[str, float] = field(default_factory=dict)
     """A script's rank using ddp_amp.loop: the metrics of its last report() (its step in `step`)."""
     exit_code: int | None = None
+    loop: dict[str, Any] = field(default_factory=dict)
+    """A script's rank using ddp_amp.loop: how its loop ended, its "loop" events folded (completed_steps,
+    stopped_at_step, stopped_by), as loop.json says it on rank 0's node alone."""
 
 
 @dataclass
@@ -97,6 +100,8 @@ class ProgressState:
             state.last_line = event["line"]
         elif kind == "report":
             state.step, state.reported = event["step"], event["metrics"]
+        elif kind == "loop":
+            state.loop.update({key: value for key, value in event.items() if key not in ("type", "rank")})
         elif kind == "log":
             state.status = "slow" if event.get("slow") else "running"
             for name in ("step", "total_steps", "epoch", "loss", "lr", "samples_per_s", "mfu", "loss_scale",
@@ -144,7 +149,7 @@ class ProgressState:
         for state in self.failures():
             self.recovered.append((attempt - 1, state.rank, state.traceback.strip().splitlines()[-1]))
         for state in self.ranks.values():
-            state.traceback, state.failed_at, state.done = None, 0.0, None
+            state.traceback, state.failed_at, state.done, state.loop = None, 0.0, None, {}
             state.position = None
 
     def stalls(self) -> list[dict[str, Any]]:
