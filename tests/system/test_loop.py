@@ -188,24 +188,32 @@ def test_wrong_calls_are_one_line_each_and_a_checkpoint_of_another_model_is_not_
     assert torch.load(checkpoint, weights_only=True)["trainer"]["model"]["weight"].shape == (3, 4)
 
 
+def _sharded_loop(run, mode: str) -> dict:
+    """The example for 30 steps under `--shard mode`, its record checked: its weights."""
+    result = launch_script(run, EXAMPLE, "--steps", "30", options=("--shard", mode, "--checkpoint-every", "15"))
+    assert result.returncode == 0, result.stderr
+    record = read_summary(run)["loop"]
+    assert record["shard"] == mode
+    assert record["models"] == 2 * [{"none": "DistributedDataParallel", "optimizer": "DistributedDataParallel",
+                                     "full": "FSDPSequential"}[mode]]
+    assert record["optimizers"] == ({"optimizer": 2 * ["ZeroRedundancyOptimizer"]}.get(mode, ["AdamW", "Adam"]))
+    assert (run / "checkpoints" / "step-30.pt").exists()
+    return torch.load(run / "model.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def unsharded_loop(tmp_path_factory) -> dict:
+    """_sharded_loop under `--shard none` (DDP), launched once for both modes' comparisons."""
+    return _sharded_loop(tmp_path_factory.mktemp("unsharded") / "none", "none")
+
+
 @pytest.mark.parametrize("shard", ["optimizer", "full"])
-def test_the_loop_under_shard_trains_as_under_ddp(shard, tmp_path):
+def test_the_loop_under_shard_trains_as_under_ddp(shard, tmp_path, unsharded_loop):
     """`--shard optimizer`: prepare() rebuilds each optimizer as a ZeroRedundancyOptimizer, whose step is DDP's
     bit for bit (as in the core). `--shard full`: the models sharded by FSDP2 and their optimizers rebuilt over the
     shards; the weights DDP's within float rounding (its reduce-scatter sums in another order). Both checkpoint
     and finish as under DDP; loop.json names the mode."""
-    runs = {}
-    for mode in ("none", shard):
-        run = tmp_path / mode
-        result = launch_script(run, EXAMPLE, "--steps", "30", options=("--shard", mode, "--checkpoint-every", "15"))
-        assert result.returncode == 0, result.stderr
-        record = read_summary(run)["loop"]
-        assert record["shard"] == mode
-        assert record["models"] == 2 * [{"none": "DistributedDataParallel", "optimizer": "DistributedDataParallel",
-                                         "full": "FSDPSequential"}[mode]]
-        assert record["optimizers"] == ({"optimizer": 2 * ["ZeroRedundancyOptimizer"]}.get(mode, ["AdamW", "Adam"]))
-        assert (run / "checkpoints" / "step-30.pt").exists()
-        runs[mode] = torch.load(run / "model.pt", weights_only=True)
+    runs = {"none": unsharded_loop, shard: _sharded_loop(tmp_path / shard, shard)}
     if shard == "optimizer":
         assert weights_equal(runs[shard], runs["none"])
     else:

@@ -107,18 +107,33 @@ def test_a_module_runs_as_python_m_runs_it(tmp_path):
     assert found["path0"] == str(TASKS) and found["name"] == "__main__"
 
 
+@pytest.fixture(scope="module")
+def raised(tmp_path_factory):
+    """`ddp-amp COMMAND` of the script whose rank 1 raises, launched once per command (cached): (run dir,
+    result). Its run dir is read, not written, by the tests that take it."""
+    runs = {}
+
+    def launched(command: str):
+        if command not in runs:
+            run_dir = tmp_path_factory.mktemp(f"raised-{command}") / "script"
+            runs[command] = run_dir, launch_script(run_dir, CHECKS_SCRIPT, "--fail-rank", "1", "--fail-step", "2",
+                                                   command=command)
+        return runs[command]
+    return launched
+
+
 @pytest.mark.parametrize("command", ["spawn", "run"])
-def test_a_rank_that_raises_is_named_with_its_exception_and_its_traceback_shown_once(command, tmp_path):
-    result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--fail-rank", "1", command=command)
+def test_a_rank_that_raises_is_named_with_its_exception_and_its_traceback_shown_once(command, raised):
+    run_dir, result = raised(command)
     assert result.returncode == 1, result.stderr
     assert last_line(result.stderr).startswith("ddp-amp: error: rank 1 failed: ValueError: rank 1 fails on purpose")
     shown = result.stdout + result.stderr  # the display's report (stdout), the last line (stderr)
     assert shown.count("Traceback (most recent call last)") == 1
     assert shown.count('raise ValueError(f"rank {rank} fails on purpose")') == 1
     assert "runpy" not in shown and "ddp_amp" not in shown  # it starts in the script, as python SCRIPT shows it
-    log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    log = (run_dir / "logs" / "rank1.log").read_text()
     assert "rank 1 step 1 sum 4" in log and log.rstrip().endswith("ValueError: rank 1 fails on purpose")
-    summary = read_summary(tmp_path / "run")
+    summary = read_summary(run_dir)
     assert summary["outcome"] == "failed" and summary["exit_code"] == 1
     assert summary["failure"].startswith("rank 1 failed: ValueError: rank 1 fails on purpose")
 
@@ -286,22 +301,21 @@ def test_a_hang_in_the_scripts_all_reduce_is_named_by_diagnose(tmp_path):
     assert diagnosis.stdout.splitlines()[0].startswith("rank 1 never entered collective #3 (all_reduce, 4 B)")
 
 
-def test_show_lists_a_script_run_beside_a_task_run(tmp_path):
+def test_show_lists_a_script_run_beside_a_task_run(tmp_path, raised):
     """`ddp-amp show` reads a script's record: its state and what it ran, beside a run of a built-in task."""
     task = subprocess.run([sys.executable, "-m", "ddp_amp", "spawn", "-n", "2", "--device", "cpu", "--task",
                            "linear", "--steps", "2", "--run-dir", str(tmp_path / "task")], capture_output=True,
                           text=True, timeout=300)
     assert task.returncode == 0, task.stderr
-    failed = launch_script(tmp_path / "script", CHECKS_SCRIPT, "--fail-rank", "0", "--fail-step", "0")
+    script, failed = raised("spawn")
     assert failed.returncode == 1
-    shown = subprocess.run([sys.executable, "-m", "ddp_amp", "show", str(tmp_path / "task"),
-                            str(tmp_path / "script")], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "COLUMNS": "250"})
+    shown = subprocess.run([sys.executable, "-m", "ddp_amp", "show", str(tmp_path / "task"), str(script)],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "250"})
     assert shown.returncode == 0, shown.stderr
     rows = {line.split()[1]: line.split()[3:6] for line in shown.stdout.splitlines() if line.startswith("│ ")}
     assert rows["task"] == ["finished", "│", "linear"], shown.stdout
     assert rows["script"] == ["failed", "│", "script_checks.py"], shown.stdout
-    assert "script_checks.py --fail-rank 0 --fail-step 0" in shown.stdout
+    assert "script_checks.py --fail-rank 1 --fail-step 2" in shown.stdout
 
 
 @pytest.mark.parametrize("command", ["spawn", "run"])

@@ -33,11 +33,18 @@ def trained_indices(log_dir: Path) -> list[int]:
     return [int(line) for path in log_dir.glob("*.txt") for line in path.read_text().split()]
 
 
-def test_a_hugging_face_model_with_dict_items_trains_as_the_wrapper_and_pairs_form(tmp_path):
+@pytest.fixture(scope="module")
+def bert_run(tmp_path_factory) -> Path:
+    """One run of a Hugging Face model on dict items, for the tests that read it (none writes into it)."""
+    run_dir = tmp_path_factory.mktemp("bert") / "plain"
+    assert_ok(spawn(run_dir, "--task", task("bert_dict_items"), "--steps", "6", "--batch-size", "4"))
+    return run_dir
+
+
+def test_a_hugging_face_model_with_dict_items_trains_as_the_wrapper_and_pairs_form(tmp_path, bert_run):
     """model(**batch) and the model's own output.loss: the same weights, bit for bit, as the 12 lines of glue
     users wrote before (a wrapper calling hf(**batch), pairs, loss_fn=output.loss)."""
-    plain, wrapped = tmp_path / "plain", tmp_path / "wrapped"
-    assert_ok(spawn(plain, "--task", task("bert_dict_items"), "--steps", "6", "--batch-size", "4"))
+    plain, wrapped = bert_run, tmp_path / "wrapped"
     assert_ok(spawn(wrapped, "--task", task("bert_wrapped_pairs"), "--steps", "6", "--batch-size", "4"))
     ours, theirs = load_weights(plain), {k.removeprefix("hf."): v for k, v in load_weights(wrapped).items()}
     assert ours.keys() == theirs.keys()
@@ -373,20 +380,39 @@ def test_keep_best_survives_a_resume(tmp_path, keep_best_run):
     assert _assert_best_kept(run_dir) == best
 
 
+def _keep_all_best(checkpoint_format: str) -> list[str]:
+    """KEEP_BEST keeping every checkpoint, in `checkpoint_format`."""
+    return [*KEEP_BEST[:KEEP_BEST.index("--keep")], "--keep", "100", *KEEP_BEST[KEEP_BEST.index("--keep") + 2:],
+            "--checkpoint-format", checkpoint_format]
+
+
+@pytest.fixture(scope="module")
+def keep_all_best_step(tmp_path_factory):
+    """The best step of an uninterrupted _keep_all_best run, one launch per checkpoint format (cached)."""
+    steps = {}
+
+    def best_step(checkpoint_format: str) -> int:
+        if checkpoint_format not in steps:
+            run_dir = tmp_path_factory.mktemp(f"keep-all-best-{checkpoint_format}")
+            assert_ok(spawn(run_dir, *_keep_all_best(checkpoint_format)))
+            steps[checkpoint_format] = read_summary(run_dir)["best"]["step"]
+        return steps[checkpoint_format]
+    return best_step
+
+
 @pytest.mark.parametrize(("best_checkpoint_left", "checkpoint_format"),
                          [(True, "single"), (True, "sharded"), (False, "single")])
 def test_a_resume_from_before_the_last_best_keeps_model_best_the_checkpoints_best(tmp_path, best_checkpoint_left,
-                                                                                   checkpoint_format):
+                                                                                   checkpoint_format,
+                                                                                   keep_all_best_step):
     """A --keep-best run stopped past its best, resumed from the checkpoint two steps before that best (whose best
     is its own step) and stopped before any evaluation: model_best.pt (the later best's weights) is rewritten
     from that step's checkpoint, and summary.json names that step; where that checkpoint is gone from the run
     (resumed from a copy), a line says so and no best is claimed (before: summary.json named the earlier step
     beside the later step's weights)."""
-    flags = [*KEEP_BEST[:KEEP_BEST.index("--keep")], "--keep", "100", *KEEP_BEST[KEEP_BEST.index("--keep") + 2:],
-             "--checkpoint-format", checkpoint_format]
+    flags = _keep_all_best(checkpoint_format)
     suffix = ".pt" if checkpoint_format == "single" else ""
-    assert_ok(spawn(tmp_path / "whole", *flags))
-    later_best = read_summary(tmp_path / "whole")["best"]["step"]
+    later_best = keep_all_best_step(checkpoint_format)
     run_dir = tmp_path / "run"
     stopped = launch(run_dir, *FP32_SGD, *flags, own_session=True, env={
         # loss calls: one a step, and the evaluations' batches (3 a rank, every 2 steps)
@@ -468,10 +494,19 @@ def _assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-def test_init_from_every_format_starts_from_its_weights(tmp_path):
-    source = tmp_path / "source"
-    sized = ["--task", task("sized"), "--task-arg", "width=5"]
-    assert_ok(spawn(source, *sized, "--steps", "3", "--checkpoint-every", "3"))
+SIZED = ["--task", task("sized"), "--task-arg", "width=5"]
+
+
+@pytest.fixture(scope="module")
+def sized_run(tmp_path_factory) -> Path:
+    """A finished run with a checkpoint, the weights to start from for the --init-from tests (none writes into it)."""
+    run_dir = tmp_path_factory.mktemp("sized") / "source"
+    assert_ok(spawn(run_dir, *SIZED, "--steps", "3", "--checkpoint-every", "3"))
+    return run_dir
+
+
+def test_init_from_every_format_starts_from_its_weights(tmp_path, sized_run):
+    source, sized = sized_run, SIZED
     trained = load_weights(source)
     torch.save({f"module._orig_mod.{k}": v for k, v in trained.items()}, tmp_path / "wrapped.pt")  # DDP + compile
     exported = tmp_path / "exported.safetensors"
@@ -497,10 +532,9 @@ def test_init_from_not_strict_loads_what_matches_and_counts_the_rest(tmp_path):
     assert torch.equal(load_weights(tmp_path / "loose")["0.weight"], torch.load(partial)["0.weight"])
 
 
-def test_a_resumed_checkpoint_wins_over_init_from_and_says_so(tmp_path):
-    run_dir, other = tmp_path / "run", tmp_path / "other"
-    sized = ["--task", task("sized"), "--task-arg", "width=5", "--steps", "4", "--checkpoint-every", "2"]
-    assert_ok(spawn(other, "--task", task("sized"), "--task-arg", "width=5", "--steps", "2", "--seed", "9"))
+def test_a_resumed_checkpoint_wins_over_init_from_and_says_so(tmp_path, sized_run):
+    run_dir, other = tmp_path / "run", sized_run
+    sized = [*SIZED, "--steps", "4", "--checkpoint-every", "2"]
     assert_ok(spawn(run_dir, *sized))
     (run_dir / "model.pt").unlink()
     (run_dir / "summary.json").unlink()
@@ -510,9 +544,8 @@ def test_a_resumed_checkpoint_wins_over_init_from_and_says_so(tmp_path):
     assert read_summary(run_dir)["init_from"]["used"] is False
 
 
-def test_export_writes_a_state_dict_or_the_models_own_format(tmp_path):
-    run_dir = tmp_path / "bert"
-    assert_ok(spawn(run_dir, "--task", task("bert_dict_items"), "--steps", "2", "--batch-size", "4"))
+def test_export_writes_a_state_dict_or_the_models_own_format(tmp_path, bert_run):
+    run_dir = bert_run
     weights = load_weights(run_dir)
     from transformers import BertForSequenceClassification
 
