@@ -120,60 +120,63 @@ def test_the_nan_guard_writes_no_sharded_checkpoint_of_a_diverged_state(tmp_path
 
 
 @pytest.fixture(scope="module")
-def sharded_every_10(tmp_path_factory):
-    """A 20-step run with sharded checkpoints at steps 10 and 20, trained once: each damage test damages a copy."""
-    run = tmp_path_factory.mktemp("sharded-every-10") / "run"
-    train(run, "--checkpoint-every", "10", "--checkpoint-format", "sharded")
+def sharded_every_2(tmp_path_factory):
+    """A 20-step run with sharded checkpoints at every second step, all kept, trained once: the damage test damages
+    a copy, the other tests only read it."""
+    run = tmp_path_factory.mktemp("sharded-every-2") / "run"
+    train(run, "--checkpoint-every", "2", "--keep", "10", "--checkpoint-format", "sharded")
     return run
 
 
-@pytest.mark.parametrize("damage", list(SHARDED_DAMAGES))
-def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_export(damage, tmp_path,
-                                                                                      sharded_every_10):
-    """The newest step-N/ damaged as a copy or a kill leaves it, or a byte flipped inside: `--resume auto` says in
-    the console that it skips it and why (its checksums name the file that differs), and resumes from the complete
-    one before it; export and --init-from of the damaged one are one line, exit 2."""
+def test_a_damaged_sharded_checkpoint_is_skipped_with_a_warning_and_refused_by_export(tmp_path, sharded_every_2):
+    """The newest step-N/ damaged as a copy or a kill leaves it, or a byte flipped inside, in each of these ways
+    at once (SHARDED_DAMAGES' order, one to each of step-20/ down to step-10/: one launch for all six): `--resume
+    auto` says in the console that it skips each and why (its checksums name the file that differs), and resumes
+    from step-8/, the complete one before them; export and --init-from of each damaged one are one line, exit 2."""
     run = tmp_path / "run"
-    shutil.copytree(sharded_every_10, run)
-    SHARDED_DAMAGES[damage](run / "checkpoints" / "step-20")
+    shutil.copytree(sharded_every_2, run)
+    damaged = {damage: run / "checkpoints" / f"step-{20 - 2 * index}" for index, damage in enumerate(SHARDED_DAMAGES)}
+    for damage, step in damaged.items():
+        SHARDED_DAMAGES[damage](step)
     (run / "model.pt").unlink()  # as if it had stopped at step 20
     result = run_cli("spawn", "-n", "2", *ARGS, "--run-dir", str(run), "--resume", "auto",
                      "--checkpoint-format", "sharded", timeout=300)
     assert_ok(result)
-    assert read_summary(run)["resumed_from_step"] == 10
-    assert f"ddp-amp: warning: skipping checkpoint {run / 'checkpoints' / 'step-20'}: " in result.stderr
-    assert f"ddp-amp: resuming from {(run / 'checkpoints' / 'step-10').resolve()}\n" in result.stderr
-    exported = run_cli("export", str(run / "checkpoints" / "step-20"), "-o", str(tmp_path / "out.pt"))
-    assert exported.returncode == 2 and len(exported.stderr.strip().splitlines()) == 1, exported.stderr
-    assert "Traceback" not in exported.stderr and not (tmp_path / "out.pt").exists()
-    step_20 = run / "checkpoints" / "step-20"
-    initialised = run_cli("spawn", "-n", "2", *ARGS, "--init-from", str(step_20), "--run-dir", str(tmp_path / "init"))
-    lines = initialised.stderr.strip().splitlines()
-    assert initialised.returncode == 2 and len(lines) == 1, initialised.stderr
-    assert lines[0].startswith(f"ddp-amp: error: --init-from {step_20}: damaged, "), lines
-    assert not (tmp_path / "init").exists()
-
+    assert read_summary(run)["resumed_from_step"] == 8
+    for damage, step in damaged.items():
+        assert f"ddp-amp: warning: skipping checkpoint {step}: " in result.stderr, (damage, result.stderr)
+    assert f"ddp-amp: resuming from {(run / 'checkpoints' / 'step-8').resolve()}\n" in result.stderr
+    for damage, step in damaged.items():
+        exported = run_cli("export", str(step), "-o", str(tmp_path / "out.pt"))
+        assert exported.returncode == 2 and len(exported.stderr.strip().splitlines()) == 1, (damage, exported.stderr)
+        assert "Traceback" not in exported.stderr and not (tmp_path / "out.pt").exists()
+        initialised = run_cli("spawn", "-n", "2", *ARGS, "--init-from", str(step), "--run-dir",
+                              str(tmp_path / "init"))
+        lines = initialised.stderr.strip().splitlines()
+        assert initialised.returncode == 2 and len(lines) == 1, (damage, initialised.stderr)
+        assert lines[0].startswith(f"ddp-amp: error: --init-from {step}: damaged, "), (damage, lines)
+        assert not (tmp_path / "init").exists()
 
 
 def test_a_path_inside_a_run_that_is_not_a_checkpoint_is_one_line_naming_the_one_to_give(tmp_path,
-                                                                                         sharded_every_10):
+                                                                                         sharded_every_2):
     """extras.pt holds a step, a config and a schedule, but no weights: given to --resume it launched the ranks,
     which failed reading it as a directory (exit 1); --init-from and export ended in a KeyError traceback; verify
     called it unchecked. A part, step-N.json (read as "damaged"), the run directory and its checkpoints/ (read as
     an "incomplete" sharded checkpoint) are refused the same way: one line naming what to give, exit 2, no run
     dir made and nothing written."""
-    step_20 = sharded_every_10 / "checkpoints" / "step-20"
+    step_20 = sharded_every_2 / "checkpoints" / "step-20"
     extras, given = step_20 / "extras.pt", f"not a checkpoint; give {step_20}"
     refusals = {("--resume", extras): f"a file of the sharded checkpoint {step_20}, {given}",
                 ("--init-from", extras): f"a file of the sharded checkpoint {step_20}, {given}",
                 ("--resume", step_20 / "__1_0.distcp"): f"a file of the sharded checkpoint {step_20}, {given}",
                 ("--resume", step_20.with_suffix(".json")): f"the record written beside {step_20}, {given}",
-                ("--resume", sharded_every_10): "a run directory, not a checkpoint; give one of its checkpoints "
+                ("--resume", sharded_every_2): "a run directory, not a checkpoint; give one of its checkpoints "
                 f"(checkpoints/step-N.pt or step-N/), or continue from its newest with --resume auto --run-dir "
-                f"{sharded_every_10}",
+                f"{sharded_every_2}",
                 ("--resume", step_20.parent): "a run's directory of checkpoints, not a checkpoint; give one of them "
                 f"(step-N.pt or step-N/), or continue from the newest with --resume auto --run-dir "
-                f"{sharded_every_10}"}
+                f"{sharded_every_2}"}
     for (flag, path), why in refusals.items():
         result = run_cli("spawn", "-n", "2", *ARGS, flag, str(path), "--run-dir", str(tmp_path / "run"))
         assert (result.returncode, result.stderr) == (2, f"ddp-amp: error: {flag} {path}: {why}\n"), flag
