@@ -285,19 +285,18 @@ def test_a_run_dirs_config_toml_repeats_the_run(two_rank_run, tmp_path):
 def test_a_config_toml_records_no_overwrite_or_resume_so_config_of_it_clears_and_continues_nothing(tmp_path):
     """A run launched with --overwrite, another with --resume auto: neither config.toml records the action, so
     --config of the first (which names its own run dir) is refused over that run, and --config of the second
-    over another's finished run; both left byte for byte (before: the first held overwrite = true, and the
-    launch set its own run aside and trained over it)."""
+    over another's finished run (the first's); both left byte for byte (before: the first held overwrite = true,
+    and the launch set its own run aside and trained over it)."""
     import tomllib
 
-    overwritten, resumed, other = tmp_path / "overwritten", tmp_path / "resumed", tmp_path / "other"
-    for run_dir, flags in ((overwritten, ()), (overwritten, ("--overwrite",)), (resumed, ("--resume", "auto")),
-                           (other, ())):
+    overwritten, resumed = tmp_path / "overwritten", tmp_path / "resumed"
+    for run_dir, flags in ((overwritten, ()), (overwritten, ("--overwrite",)), (resumed, ("--resume", "auto"))):
         spawn(run_dir, "--device", "cpu", "--steps", "2", *flags)
     for run_dir in (overwritten, resumed):
         kept = tomllib.loads((run_dir / "config.toml").read_text())
         assert "overwrite" not in kept and "resume" not in kept and kept["run_dir"] == str(run_dir)
-    before = {path: path.read_bytes() for path in (overwritten / "model.pt", other / "model.pt")}
-    for config, target in ((overwritten, ()), (resumed, ("--run-dir", str(other)))):
+    before = {path: path.read_bytes() for path in (overwritten / "model.pt", resumed / "model.pt")}
+    for config, target in ((overwritten, ()), (resumed, ("--run-dir", str(overwritten)))):
         refused = run_cli("spawn", "--config", str(config / "config.toml"), *target)
         assert refused.returncode == 2 and "already holds a finished run" in refused.stderr, refused.stderr
     assert all(path.read_bytes() == data for path, data in before.items())
