@@ -123,6 +123,19 @@ def raised(tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", ["spawn", "run"])
+def test_a_script_whose_ranks_leave_by_os_exit_0_finishes(command, tmp_path):
+    """Ranks that end by os._exit(0) (no return to the caller): under `run`, torch's agent waited for their results
+    for good (the launcher hung until killed); torchrun's subprocess workers end so with exit 0, and so do these.
+    The timeout is a hang guard."""
+    result = launch_script(tmp_path / "run", CHECKS_SCRIPT, "--steps", "2", "--os-exit", command=command, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert last_line(result.stderr).startswith("ddp-amp: the script finished on every rank"), result.stderr
+    assert all(f"[rank {rank}] rank {rank} step 1 sum 4 restart 0" in result.stdout for rank in (0, 1)), result.stdout
+    summary = read_summary(tmp_path / "run")
+    assert summary["outcome"] == "finished" and summary["exit_code"] == 0
+
+
+@pytest.mark.parametrize("command", ["spawn", "run"])
 def test_a_rank_that_raises_is_named_with_its_exception_and_its_traceback_shown_once(command, raised):
     run_dir, result = raised(command)
     assert result.returncode == 1, result.stderr

@@ -92,8 +92,10 @@ def test_a_node_whose_rendezvous_host_ends_says_it_lost_the_rendezvous(tmp_path)
               "--rdzv-timeout", "120"]
 
     def start(steps: str, name: str) -> subprocess.Popen:
+        env = {key: value for key, value in os.environ.items() if key != "TORCH_CPP_LOG_LEVEL"}  # a caller's level wins
         return subprocess.Popen([sys.executable, "-m", "ddp_amp", *common, "--steps", steps, "--run-dir",
-                                 str(tmp_path / name)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 str(tmp_path / name)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
 
     def wait_for(condition, job: subprocess.Popen) -> None:
         deadline = time.monotonic() + 120

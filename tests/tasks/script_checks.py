@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--slow-save-rank", type=int)
     parser.add_argument("--save-s", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--os-exit", action="store_true", help="leave by os._exit(0) at the end")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     if args.signals_to:
@@ -85,6 +86,8 @@ def main() -> None:
         print(f"rank {rank} step {step} sum {total.item():g} restart {restart}", flush=True)
         time.sleep(args.step_s)
     dist.destroy_process_group()
+    if args.os_exit:  # as scripts that dodge a slow teardown do: no atexit, no return to the caller
+        os._exit(0)
 
 
 if __name__ == "__main__":

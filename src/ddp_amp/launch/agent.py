@@ -136,11 +136,11 @@ def run_agent(job: ElasticJob, config_path: Path, extra_env: dict[str, str], log
 
     with _agent_log(log_path), _error_files_of_our_own():
         threading.Thread(target=agent, name="ddp-amp-agent", daemon=True).start()
-        watch = AgentWatch(agents, job)  # gives up on a multinode agent that no longer sees its ranks
+        watch = AgentWatch(agents, job)  # an agent that no longer sees its ranks end (agent_watch)
         try:
             while not _finished_within(finished, 0.2):  # timed: the main thread keeps handling signals
-                if (overdue := watch.overdue()) is not None:
-                    raise _cut_off(*overdue, job, log_path)
+                if _finished_unseen(watch, job, log_path):
+                    return
         except StopSignal as stop:
             # A stop is the end of the job: no restart of ranks it ended (a script's, killed by the signal).
             for running in agents:
@@ -170,15 +170,29 @@ def _raise_failure(error: BaseException | None, log_path: Path, job: ElasticJob,
                     f"(its log: {log_path})", details=_tail(log_path))
 
 
-def _cut_off(ended_s: float, failures: dict, job: ElasticJob, log_path: Path) -> RunFailed:
+def _finished_unseen(watch: AgentWatch, job: ElasticJob, log_path: Path) -> bool:
+    """Whether this node's ranks all exited 0 while the agent, past its bound, never saw them end (agent_watch):
+    finished, as torchrun's agent would have it. Where a rank failed so unseen, RunFailed (_cut_off)."""
+    if (overdue := watch.overdue()) is None:
+        return False
+    ended_s, failures = overdue
+    if failures != {}:
+        raise _cut_off(ended_s, failures, job, log_path)
+    logging.getLogger(AGENT_LOGGERS[0]).warning("ddp-amp: every rank exited 0 %.0fs ago, unseen by the agent: "
+                                                "finished", ended_s)
+    return True
+
+
+def _cut_off(ended_s: float, failures: dict | None, job: ElasticJob, log_path: Path) -> RunFailed:
     """The agent's call to the store has outlasted torch's own bound on it (agent_watch): this node's ranks'
     failure as the agent would have told it (launch.session retells it by their error events), and why the
     agent never did. The agent's thread stays blocked in C++, its GIL released: a daemon, it ends with this
     process, as the fork server does; the ranks have ended already."""
-    note = (f"; this node's ranks ended {ended_s:.0f}s ago and the elastic agent has not seen it: its call to "
-            f"the rendezvous store at {job.rdzv_endpoint} has not returned (the network between the nodes "
-            f"failed?) (the agent's log: {log_path})")
-    if not failures:
+    waiting = (f"its call to the rendezvous store at {job.rdzv_endpoint} has not returned (the network between "
+               "the nodes failed?)" if job.nnodes.max > 1 and job.rdzv_endpoint else "it waits for their results")
+    note = (f"; this node's ranks ended {ended_s:.0f}s ago and the elastic agent has not seen it: {waiting} (the "
+            f"agent's log: {log_path})")
+    if not failures:  # None: their exit codes could not be read
         return RunFailed(note[2:])
     rank, what = root_failure(failures)
     return RunFailed(f"rank {rank} {what}{note}", rank=rank, note=note)

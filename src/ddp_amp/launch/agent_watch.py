@@ -7,6 +7,12 @@ minutes), below the store's own read timeout, which is therefore never honoured:
 ranks again, and the launcher lived ~15 minutes after they had failed. The launcher's thread sees the ranks end
 (their pids) while the agent still holds them healthy; once that lasts longer than the agent's monitor interval
 plus the store's read timeout (torch's own bound on the call), it gives up on the agent.
+
+The same watch ends a second way of waiting forever, on one node too: a rank that leaves by os._exit(0) (a
+pattern of scripts that dodge a slow teardown) hands torch's function-entry worker context no return value, and
+the agent polls for it for good, its group HEALTHY, where torchrun's subprocess workers end with exit 0. A
+standalone job's store is local (no call of it blocks): its bound is the monitor interval plus a grace for a
+loaded machine's slow poll.
 """
 
 from __future__ import annotations
@@ -19,26 +25,29 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ddp_amp.launch.torchrun import ElasticJob
 
+STANDALONE_GRACE_S = 10.0
+"""Past the monitor interval, how long a standalone agent may hold ended ranks healthy: its store is local, so
+only a starved thread (a loaded machine) delays its next poll."""
 READ_TIMEOUT_S = 60
 """The c10d rendezvous store's read timeout when rdzv_configs sets none (torch's own default:
 elastic/rendezvous/c10d_rendezvous_backend.py)."""
 
 
 class AgentWatch:
-    """`overdue()`, polled by the launcher: None, or this node's ranks' failures (global rank -> torch's
-    ProcessFailure, read as the agent would have read them) and how long ago they ended, once the agent has
-    held them healthy past its bound."""
+    """`overdue()`, polled by the launcher: None, or how long ago this node's ranks ended and their failures
+    (global rank -> torch's ProcessFailure, read as the agent would have read them; {} when every rank exited 0;
+    None where they cannot be read), once the agent has held them healthy past its bound."""
 
     def __init__(self, agents: list, job: ElasticJob) -> None:
         """`agents`: where launch.agent records the agent launch_agent makes, once it has made it."""
         self.agents = agents
-        # Multinode only: a standalone job's store is this launcher's (or its agent's) own, on loopback.
-        self.watching = job.nnodes.max > 1 and job.rdzv_endpoint is not None
-        self.bound_s = job.monitor_interval + float(job.rdzv_configs.get("read_timeout", READ_TIMEOUT_S))
+        multinode = job.nnodes.max > 1 and job.rdzv_endpoint is not None
+        self.bound_s = job.monitor_interval + (float(job.rdzv_configs.get("read_timeout", READ_TIMEOUT_S))
+                                               if multinode else STANDALONE_GRACE_S)
         self._ended_at: float | None = None
 
-    def overdue(self) -> tuple[float, dict] | None:
-        agent = self.agents[-1] if self.agents and self.watching else None
+    def overdue(self) -> tuple[float, dict | None] | None:
+        agent = self.agents[-1] if self.agents else None
         if agent is None or not _healthy_without_ranks(agent):
             self._ended_at = None  # the agent saw them (a restart, a failure, success), or they still run
             return None
@@ -81,9 +90,10 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def _failures(agent) -> dict:
-    """Global rank -> ProcessFailure for each of the agent's ranks, from their exit codes and the error files
-    they wrote (what the agent's monitor would have found); {} where torch's attributes are not as expected."""
+def _failures(agent) -> dict | None:
+    """Global rank -> ProcessFailure for each of the agent's ranks that failed, from their exit codes and the error
+    files they wrote (what the agent's monitor would have found): {} when every one exited 0; None where an exit
+    code or torch's attributes are not as expected."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     context = agent._pcontext
@@ -91,12 +101,14 @@ def _failures(agent) -> dict:
     error_files = getattr(context, "error_files", None)
     workers = getattr(getattr(agent, "_worker_group", None), "workers", None)
     if not processes or not error_files or not workers:
-        return {}
+        return None
     failures = {}
     for local_rank, process in enumerate(processes):
         exitcode = getattr(process, "exitcode", None)
-        if exitcode is None or exitcode == 0 or local_rank >= len(workers):
-            continue  # still to be reaped, or it finished
+        if exitcode is None or local_rank >= len(workers):
+            return None  # its status unknown
+        if exitcode == 0:
+            continue
         failures[workers[local_rank].global_rank] = ProcessFailure(
             local_rank=local_rank, pid=process.pid, exitcode=exitcode, error_file=error_files.get(local_rank, ""))
     return failures

@@ -204,8 +204,11 @@ def _main_module_frame() -> FrameType | None:
 
 
 def _exit_code(main_frame: FrameType | None) -> int | None:
-    """0 where the __main__ module ran to its end (its last instruction a return); None where it was left by
-    SystemExit (sys.exit(3), raise SystemExit("msg"): the status is not known here) or is not known."""
-    if main_frame is None or main_frame.f_lasti < 0:
+    """0 where the __main__ module ran to its end (its last instruction a return), or where its frame was not
+    found; None where it was left by SystemExit (sys.exit(3), raise SystemExit("msg"): the status is not known
+    here)."""
+    if main_frame is None:  # not found (setup() in a thread, an interactive session): said as before, an end
+        return 0
+    if main_frame.f_lasti < 0:
         return None
     return 0 if main_frame.f_code.co_code[main_frame.f_lasti] in RETURNS else None
