@@ -184,10 +184,10 @@ def _finished_unseen(watch: AgentWatch, job: ElasticJob, log_path: Path) -> bool
 
 
 def _cut_off(ended_s: float, failures: dict | None, job: ElasticJob, log_path: Path) -> RunFailed:
-    """The agent's call to the store has outlasted torch's own bound on it (agent_watch): this node's ranks'
-    failure as the agent would have told it (launch.session retells it by their error events), and why the
-    agent never did. The agent's thread stays blocked in C++, its GIL released: a daemon, it ends with this
-    process, as the fork server does; the ranks have ended already."""
+    """The agent has held this node's ended ranks healthy past its bound (agent_watch: a store call blocked by a
+    dead link, or results never handed): their failure as the agent would have told it (launch.session retells it
+    by their error events), and why the agent never did. The agent's thread, a daemon (blocked in C++ with its
+    GIL released, or polling), ends with this process, as the fork server does; the ranks have ended already."""
     waiting = (f"its call to the rendezvous store at {job.rdzv_endpoint} has not returned (the network between "
                "the nodes failed?)" if job.nnodes.max > 1 and job.rdzv_endpoint else "it waits for their results")
     note = (f"; this node's ranks ended {ended_s:.0f}s ago and the elastic agent has not seen it: {waiting} (the "
