@@ -13,6 +13,7 @@ tokens/s per round and ddp-amp / hand-written per round (median [min-max]).
 """
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -74,6 +75,10 @@ def handwritten(args) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
+    # DDP sits in a reference cycle: freed by the collector only, it would take the gloo group's last reference
+    # after destroy_process_group, and the group's destructor can hang or abort the rank at exit (docs/scripts.md).
+    del model, optimizer, scheduler
+    gc.collect()
     dist.destroy_process_group()
     return (args.steps - measure_from) * args.batch_size * config.context / seconds
 

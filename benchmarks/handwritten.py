@@ -6,6 +6,7 @@ torch's defaults everywhere else (the default AdamW implementation, DDP's defaul
 """
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -60,7 +61,10 @@ def worker(rank: int, world: int, port: int, args, started: float, results) -> N
     if rank == 0:
         results.put({"time_to_first_step_s": first_step_at - started,
                      "samples_per_s": (args.steps - measure_from) * args.batch_size * world / steady_s})
-    del model
+    # DDP sits in a reference cycle: freed by the collector only, it would take the gloo group's last reference
+    # after destroy_process_group, and the group's destructor can hang or abort the rank at exit (docs/scripts.md).
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@ the others silent, so that one run compares the two on the same processes. Rank 
 steps after the first few."""
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -48,6 +49,11 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"first_step_at": first_step_at, "printing_step_s": statistics.median(times[True]),
                        "silent_step_s": statistics.median(times[False])}, f)
+    # DDP sits in a reference cycle: freed by the collector only, it would take the gloo group's last reference
+    # after destroy_process_group, and the group's destructor can hang or abort the rank at exit (docs/scripts.md).
+    dist.barrier()
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

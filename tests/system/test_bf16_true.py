@@ -63,7 +63,12 @@ def test_shard_full_in_bf16_true_all_gathers_half_the_bytes(tmp_path, helper_tas
 
 def _masters_rank(rank: int, port: int, out: str) -> None:
     """One rank of a 2-rank gloo group: a model initialised differently on each rank (as numpy- or random-seeded
-    initialisation is), set up for bf16-true; writes its masters and its model's bf16 weights."""
+    initialisation is), set up for bf16-true; writes its masters and its model's bf16 weights.
+
+    The DDP wrapper is freed before the group is destroyed, as `Trainer.close` does: a wrapper left to the
+    garbage collector takes the gloo group's last reference with it, and the group's destructor can then abort
+    the rank at exit ("terminate called without an active exception", seen once in a clean-clone CI run)."""
+    import gc
     import os
 
     import torch
@@ -79,10 +84,13 @@ def _masters_rank(rank: int, port: int, out: str) -> None:
         model = torch.nn.Linear(4, 3)
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         strategy = DDPStrategy(TrainConfig(dtype="bf16-true", amp="on"), torch.device("cpu"), Precision("bf16-true"))
-        strategy.setup_module(model)
+        wrapped = strategy.setup_module(model)
         masters = strategy.masters.state_with_masters(model.state_dict())
         torch.save({"initial": initial, "masters": masters, "model": model.state_dict()},
                    os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()
+        del wrapped, strategy
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
