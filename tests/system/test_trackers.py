@@ -187,7 +187,7 @@ def test_a_torchrun_restart_after_a_killed_rank_continues_the_same_run(tmp_path,
     assert_history_is_metrics_jsonl(client, run.info.run_id, tmp_path, restarted=True)
 
 
-def test_a_server_killed_mid_run_is_one_warning_and_training_goes_on(tmp_path, tmp_path_factory):
+def test_a_server_killed_mid_run_is_one_warning_even_under_quiet_and_training_goes_on(tmp_path, tmp_path_factory):
     own = MlflowServer(tmp_path_factory.mktemp("mlflow-killed"))
     try:
         def mlflow_has_step_3() -> bool:
@@ -195,7 +195,7 @@ def test_a_server_killed_mid_run_is_one_warning_and_training_goes_on(tmp_path, t
             sent = json.loads(record.read_text() if record.exists() else "{}").get("mlflow", {})
             return sent.get("last_step", 0) >= 3
 
-        finished = launch_until(tmp_path, *ARGS[2:], "--tracker", "mlflow", until=mlflow_has_step_3,
+        finished = launch_until(tmp_path, *ARGS[2:], "--tracker", "mlflow", "--quiet", until=mlflow_has_step_3,
                                 deliver=lambda _: own.kill(), env={**SLOW, "MLFLOW_TRACKING_URI": own.uri})
     finally:
         own.kill()
@@ -203,6 +203,7 @@ def test_a_server_killed_mid_run_is_one_warning_and_training_goes_on(tmp_path, t
     output = finished.stdout + finished.stderr
     warnings = [line for line in output.splitlines() if "warning: --tracker mlflow" in line]
     assert len(warnings) == 1, warnings
+    assert not [line for line in output.splitlines() if " step " in line and "loss" in line]  # --quiet held
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, STEPS + 1))
     sent = read_summary(tmp_path)["trackers"]["mlflow"]
     logged = len(read_metrics(tmp_path)) + len(read_metrics(tmp_path, evaluations=True))

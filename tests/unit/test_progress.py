@@ -111,6 +111,18 @@ def test_plain_lines_put_the_rank_first_and_fp16_scale():
                                       "scale 65536 skipped 2")
 
 
+def test_quiet_plain_output_keeps_ddp_amps_own_warnings_alone():
+    """--quiet prints the final summary, and ddp-amp's warnings (a tracker that failed), not progress or the
+    ranks' other lines."""
+    out = io.StringIO()
+    display = PlainDisplay(out, quiet=True)
+    display.handle(log_event(0, 40, 0.1234))
+    display.handle({"type": "output", "rank": 0, "stream": "stdout", "line": "a print of the task"})
+    display.handle({"type": "output", "rank": 0, "stream": "stderr", "line": "warning: --tracker mlflow: gone",
+                    "warning": True})
+    assert out.getvalue().splitlines() == ["[rank 0] warning: --tracker mlflow: gone"]
+
+
 def test_channel_accepts_the_token_and_rejects_everything_else():
     with EventServer() as server:
         good = EventSender(server.address, server.token)

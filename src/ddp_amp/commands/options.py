@@ -115,7 +115,7 @@ OUTPUT_OPTIONS: dict[str, tuple[Any, Any]] = {
         "--log-format", rich_help_panel=OUTPUT, help="Progress: auto (rich on a terminal, else plain), rich, "
         "plain (a line per rank per interval) or json (an object per event).")]),
     "quiet": (False, Annotated[bool, typer.Option("--quiet/--no-quiet", "-q", rich_help_panel=OUTPUT,
-                                                  help="Print only the final summary.")]),
+                                                  help="Print only the final summary and ddp-amp's warnings.")]),
 }
 """What a launch writes and shows, the same on spawn, run and multinode."""
 

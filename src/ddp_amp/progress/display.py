@@ -63,7 +63,8 @@ def summary_footer(view: ProgressState) -> list[str]:
 
 
 class PlainDisplay:
-    """One line per rank per log interval, rank first, for pipes, files and CI; `quiet` keeps only the end."""
+    """One line per rank per log interval, rank first, for pipes, files and CI; `quiet` keeps only the end and
+    ddp-amp's own warnings (a tracker that failed: the user would not learn it before reading summary.json)."""
 
     def __init__(self, stream: TextIO | None = None, *, quiet: bool = False, final_summary: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -74,7 +75,7 @@ class PlainDisplay:
 
     def handle(self, event: Event) -> None:
         self.view.apply(event)
-        if self.quiet or event["type"] in ("error", "done"):
+        if (self.quiet and not event.get("warning")) or event["type"] in ("error", "done"):
             return  # tracebacks and each rank's totals are shown once, at the end
         line = plain_line(event)
         if line:

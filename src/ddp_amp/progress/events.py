@@ -121,11 +121,13 @@ class PrecisionEvent(TypedDict):
     reason: str
 
 
-class OutputEvent(TypedDict):
+class OutputEvent(TypedDict, total=False):
     type: Literal["output"]
     rank: int
     stream: str
     line: str
+    warning: bool
+    """ddp-amp's own warning from the rank (a tracker that failed): shown under --quiet too."""
 
 
 class OutputProgressEvent(TypedDict):

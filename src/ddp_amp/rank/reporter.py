@@ -119,7 +119,8 @@ class WorkerReporter:
         from any thread (the trackers' thread warns)."""
         print(line, flush=True)
         if self.sender is not None:
-            self.sender.send({"rank": self.env.rank, "type": "output", "stream": "stderr", "line": line})
+            self.sender.send({"rank": self.env.rank, "type": "output", "stream": "stderr", "line": line,
+                              "warning": True})
 
     def heartbeat(self, **position: Any) -> None:
         self._send({"type": "heartbeat", **position})
