@@ -9,7 +9,7 @@ import pytest
 
 from ddp_amp.progress.channel import MAX_LINE_BYTES, TOKEN_WAIT_S, EventSender, EventServer
 from ddp_amp.progress.display import PlainDisplay, RichDisplay
-from ddp_amp.progress.events import plain_line
+from ddp_amp.progress.events import plain_line, warning_event
 
 
 class FakeClock:
@@ -118,8 +118,7 @@ def test_quiet_plain_output_keeps_ddp_amps_own_warnings_alone():
     display = PlainDisplay(out, quiet=True)
     display.handle(log_event(0, 40, 0.1234))
     display.handle({"type": "output", "rank": 0, "stream": "stdout", "line": "a print of the task"})
-    display.handle({"type": "output", "rank": 0, "stream": "stderr", "line": "warning: --tracker mlflow: gone",
-                    "warning": True})
+    display.handle(warning_event(0, "warning: --tracker mlflow: gone"))  # what the core's and the loop's ranks send
     assert out.getvalue().splitlines() == ["[rank 0] warning: --tracker mlflow: gone"]
 
 

@@ -14,6 +14,7 @@ from ddp_amp.checkpoint import storage
 from ddp_amp.config import LOOP_OPTIONS
 from ddp_amp.loop.settings import LoopError
 from ddp_amp.progress.channel import EventSender
+from ddp_amp.progress.events import warning_event
 
 
 class Progress:
@@ -88,7 +89,7 @@ class Progress:
     def _warn(self, line: str) -> None:
         print(line, flush=True)
         if self.sender is not None:
-            self.sender.send({"type": "output", "rank": self.run.rank, "stream": "stderr", "line": line})
+            self.sender.send(warning_event(self.run.rank, line))
 
     def finish(self) -> None:
         """loop.json on rank 0: the precision, the parallel mode, the steps, how the loop ended."""

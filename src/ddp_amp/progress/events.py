@@ -130,6 +130,11 @@ class OutputEvent(TypedDict, total=False):
     """ddp-amp's own warning from the rank (a tracker that failed): shown under --quiet too."""
 
 
+def warning_event(rank: int, line: str) -> OutputEvent:
+    """ddp-amp's own warning line from a rank, as the display shows it (under --quiet too)."""
+    return {"type": "output", "rank": rank, "stream": "stderr", "line": line, "warning": True}
+
+
 class OutputProgressEvent(TypedDict):
     type: Literal["output_progress"]
     rank: int

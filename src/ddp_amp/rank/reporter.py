@@ -14,7 +14,7 @@ from ddp_amp import outputs
 from ddp_amp.dist import DistEnv
 from ddp_amp.errors import FailureKind
 from ddp_amp.progress.channel import EventSender
-from ddp_amp.progress.events import DoneEvent, ErrorEvent, LogEvent, StateEvent, plain_line
+from ddp_amp.progress.events import DoneEvent, ErrorEvent, LogEvent, StateEvent, plain_line, warning_event
 from ddp_amp.rank.trackers import Trackers
 
 
@@ -119,8 +119,7 @@ class WorkerReporter:
         from any thread (the trackers' thread warns)."""
         print(line, flush=True)
         if self.sender is not None:
-            self.sender.send({"rank": self.env.rank, "type": "output", "stream": "stderr", "line": line,
-                              "warning": True})
+            self.sender.send(warning_event(self.env.rank, line))
 
     def heartbeat(self, **position: Any) -> None:
         self._send({"type": "heartbeat", **position})
