@@ -248,7 +248,12 @@ def call_in_child(context, name: str, function: Callable[..., Any], args: tuple)
     """`function(*args)` in a child of multiprocessing `context`, with this process's environment and working
     directory as they are now: its result, or its exception raised here; ChildDied where it died unanswered."""
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_call_and_send, args=(send, dict(os.environ), os.getcwd(), function, args),
+    # A spawned child's parent is this process, whose pid it is told: this one killed or interrupted while the
+    # child still starts (a loaded machine), the child, re-parented by then, sees it and ends. A fork server's
+    # child has the fork server as its parent, tied to this process in turn.
+    parent = os.getpid() if context.get_start_method() == "spawn" else None
+    child = context.Process(target=_call_and_send,
+                            args=(send, dict(os.environ), os.getcwd(), function, args, parent),
                             daemon=True, name=name)
     child.start()
     send.close()
@@ -273,8 +278,9 @@ def call_in_child(context, name: str, function: Callable[..., Any], args: tuple)
     return value
 
 
-def _call_and_send(send, environ: dict[str, str], cwd: str, function: Callable[..., Any], args: tuple) -> None:
-    die_with_parent(signal.SIGKILL)  # the fork server (which dies with the launcher), or call_spawned's caller
+def _call_and_send(send, environ: dict[str, str], cwd: str, function: Callable[..., Any], args: tuple,
+                   parent: int | None) -> None:
+    die_with_parent(signal.SIGKILL, parent)  # the fork server (which dies with the launcher), or call_spawned's caller
     # As in this launcher now, not as when the fork server started (a variable set in between, a chdir).
     os.environ.clear()
     os.environ.update(environ)

@@ -75,3 +75,55 @@ def test_a_launcher_interrupted_before_the_child_answered_kills_it_at_once(tmp_p
     finally:
         launcher.kill()
     assert "KeyboardInterrupt" in err
+
+
+def _processes_with(marker: str) -> set[int]:
+    """The pids whose environment holds `marker` (a launcher started with it and the children it passed it to)."""
+    from pathlib import Path
+
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.add(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_launcher_killed_while_its_spawned_child_still_starts_leaves_no_child_running():
+    """The launcher SIGKILLed while its spawned child still starts, before that child has asked to die with its
+    parent (here its start is held 2 s: an argument whose unpickling sleeps, as a loaded machine can hold it):
+    re-parented by then, it used to take its new parent for the launcher and run on (a call of an hour here);
+    told the launcher's pid, it sees the launcher gone and ends."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    marker = f"DDP_AMP_TEST_MARKER={uuid.uuid4().hex}"
+    name, value = marker.split("=")
+    code = ("import time; import ddp_amp.process as process\n"
+            "class Slow:\n"
+            "    def __reduce__(self):\n"
+            "        return (eval, (\"__import__('time').sleep(2) or 3600\",))\n"
+            "process.call_spawned(time.sleep, Slow())")
+    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, name: value},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not _processes_with(marker) - {launcher.pid}:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the child never started"
+            time.sleep(0.01)
+        time.sleep(0.5)  # the launcher has handed the child its arguments; the child is unpickling them
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while (left := _processes_with(marker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running: {left}"
