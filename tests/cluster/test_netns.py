@@ -4,6 +4,7 @@ This is the case where plain torchrun failed here: the endpoint's node did not r
 and workers advertised an unreachable hostname. Traffic stays inside the namespaces this test makes.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,10 +20,12 @@ from helpers import CHECKS_SCRIPT, HELPER_TASKS, read_summary
 from helper_tasks import HOLD_AT_CALL
 
 pytestmark = [pytest.mark.slow]
-# serial (two tests, run alone): doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota),
+# serial (three tests, run alone): doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota),
 # which another test's load would blur; a node that arrives later joins on rendezvous deadlines, which another
-# test's load could decide. The others train across the namespaces with generous deadlines, beside other tests
-# (each test's namespaces are its own: their names carry the worker's pid).
+# test's load could decide; a node cut off from the network, whose ranks once sat past their 20 s collective
+# timeout for the whole 300 s guard while other tests loaded the machine (passing alone, cause not found: the
+# guard now dumps the ranks' stacks into their logs too). The others train across the namespaces with generous
+# deadlines, beside other tests (each test's namespaces are its own: their names carry the worker's pid).
 SUBNET = "10.77.{}.{}"
 
 
@@ -393,18 +396,25 @@ def _finish_or_report(jobs: list[tuple[subprocess.Popen, Path]], timeout: float,
     while any(job.poll() is None for job, _ in jobs) and time.monotonic() < deadline:
         time.sleep(0.2)
     hung = [job for job, _ in jobs if job.poll() is None]
-    report = []
-    for job in hung:
-        os.kill(job.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER (_start_logged): every thread's stack to stderr
-    if hung:
-        time.sleep(2)
-    for job in hung:
-        for pid in subprocess.run(["pgrep", "-g", str(job.pid)], capture_output=True, text=True).stdout.split():
+    report, members = [], {}
+    for job in hung:  # what each group runs, before anything is signalled
+        members[job.pid] = subprocess.run(["pgrep", "-g", str(job.pid)], capture_output=True, text=True).stdout.split()
+        for pid in members[job.pid]:
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
                 report.append(f"{pid} [{Path(f'/proc/{pid}/wchan').read_text()}] {command}")
             except OSError:
                 pass
+    # PYTHONFAULTHANDLER (_start_logged, inherited): every thread's stack to stderr, the ranks' into their logs,
+    # all at once (one rank's end would have the launcher take the others down); the launcher's after them.
+    for launcher, pids in members.items():
+        for pid in [int(pid) for pid in pids if int(pid) != launcher] + [launcher]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(1)
+    if hung:
+        time.sleep(2)
+    for job in hung:
         os.killpg(job.pid, 9)
     for job, _ in jobs:
         job.wait()
@@ -456,6 +466,7 @@ def _group(pid: int) -> list[int]:
     return [int(member) for member in found]
 
 
+@pytest.mark.serial
 def test_a_node_cut_off_from_the_network_ends_its_launcher_and_leaves_nothing_running(three_hosts, tmp_path):
     """Two namespaces train with `multinode --nnodes 2`; mid-run the second one's veth is deleted. Its rank fails
     (--timeout), but its elastic agent sits in a call to the rendezvous store on the first node, which the dead

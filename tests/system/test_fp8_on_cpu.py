@@ -17,9 +17,36 @@ from ddp_amp.tasks.gpt import GPT, SIZES
 pytest.importorskip("torchao.float8")
 
 LIFT_THE_REFUSAL = """\
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 import ddp_amp.precision
 
 ddp_amp.precision.fp8_refusal = lambda *args, **kwargs: None
+
+
+class OneDNNOffOnceTorchLoads(importlib.abc.MetaPathFinder):
+    # On a CPU with AMX, torch's CPU _scaled_mm runs oneDNN's reference kernel (about 1 s for one 256^3 matmul,
+    # ~500x its emulation elsewhere): a launch of these tests would not end in minutes. With oneDNN off, torch
+    # emulates fp8 everywhere alike. Set where torch is first imported, so that the fork server's ranks inherit it.
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_turn_off(module):
+            exec_module(module)
+            importlib.import_module("torch.backends.mkldnn").enabled = False
+
+        spec.loader.exec_module = exec_then_turn_off
+        return spec
+
+
+sys.meta_path.insert(0, OneDNNOffOnceTorchLoads())
 """
 
 
