@@ -121,12 +121,12 @@ class PrecisionEvent(TypedDict):
     reason: str
 
 
-class OutputEvent(TypedDict, total=False):
+class OutputEvent(TypedDict):
     type: Literal["output"]
     rank: int
     stream: str
     line: str
-    warning: bool
+    warning: NotRequired[bool]
     """ddp-amp's own warning from the rank (a tracker that failed): shown under --quiet too."""
 
 
