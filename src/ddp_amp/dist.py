@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from ddp_amp.network import is_loopback
 from ddp_amp.process import BLOCKED_WAIT_STOPS, LOOPBACK, usable_cores
@@ -125,9 +126,22 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
             dist.init_process_group(init_method="env://", **common)
     try:
         yield
+    except BaseException:
+        if dist.is_initialized():
+            # The failed rank's DDP (or FSDP) model lives on in the exception's frames and is freed after the
+            # group is destroyed: its last reference to the gloo group would then run the group's destructor,
+            # which joins gloo's threads while holding the GIL and can hang the rank at exit (a rank whose
+            # collective timed out never ended, its launcher waiting for it). Kept referenced, the group is never
+            # destructed: the rank ends with os._exit (a fork server's child), as a script's rank does.
+            KEPT_GROUPS.extend(distributed_c10d._world.pg_map)
+        raise
     finally:
         if dist.is_initialized():  # a task that tore the group down itself must not hide its own error
             dist.destroy_process_group()
+
+
+KEPT_GROUPS: list = []
+"""The process groups of a rank that failed, still referenced (process_group)."""
 
 
 def join_process_group(device: torch.device) -> bool:
