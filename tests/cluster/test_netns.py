@@ -22,9 +22,9 @@ from helper_tasks import HOLD_AT_CALL
 pytestmark = [pytest.mark.slow]
 # serial (three tests, run alone): doctor's verdicts compare the namespaces' CPU speeds (one under a CPU quota),
 # which another test's load would blur; a node that arrives later joins on rendezvous deadlines, which another
-# test's load could decide; a node cut off from the network, whose ranks once sat past their 20 s collective
-# timeout for the whole 300 s guard while other tests loaded the machine (passing alone, cause not found: the
-# guard now dumps the ranks' stacks into their logs too). The others train across the namespaces with generous
+# test's load could decide; a node cut off from the network waits out a collective timeout and then the agent
+# watch's bound, both stretched by another test's load (its hang guard dumps the ranks' stacks into their logs,
+# which found a failed rank's hang at exit, dist.process_group). The others train across the namespaces with generous
 # deadlines, beside other tests (each test's namespaces are its own: their names carry the worker's pid).
 SUBNET = "10.77.{}.{}"
 
