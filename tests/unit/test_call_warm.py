@@ -66,7 +66,8 @@ def test_a_launcher_interrupted_before_the_child_answered_kills_it_at_once(tmp_p
     code = ("import time; import ddp_amp.process as process; process.CHILD_EXIT_S = 600; "
             "print('calling', flush=True); process.call_spawned(time.sleep, 3600)")
     # SIGINT as a terminal's Ctrl-C finds it, whatever this process does with it: a process that ignores SIGINT
-    # (as a pytest worker may) passes that on through exec, and Python then installs no KeyboardInterrupt.
+    # (a background job of a non-interactive shell does) passes that on through exec, and Python then installs
+    # no KeyboardInterrupt.
     launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
