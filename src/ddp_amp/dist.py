@@ -141,7 +141,8 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
 
 
 KEPT_GROUPS: list = []
-"""The process groups of a rank that failed, still referenced (process_group)."""
+"""Process groups kept referenced so that their destructors never run in a rank: a failed rank's
+(process_group) and a ddp_amp.loop script's after finish()."""
 
 
 def join_process_group(device: torch.device) -> bool:

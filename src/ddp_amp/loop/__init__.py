@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistEnv, join_process_group, resolve_device
+from ddp_amp.dist import KEPT_GROUPS, DistEnv, join_process_group, resolve_device
 from ddp_amp.loop.checkpoints import LoopCheckpoints, UnfinishedCheck
 from ddp_amp.loop.progress import Progress
 from ddp_amp.loop.settings import LoopError, LoopSettings
@@ -386,8 +386,6 @@ class Loop:
         if self._own_group and dist.is_initialized():
             # The script still holds its DDP models, which hold the group: kept referenced here, it is never
             # destructed in the middle of the script's code, where gloo's destructor can hang (docs/scripts.md).
-            _KEPT_GROUPS.append(dist.group.WORLD)
+            KEPT_GROUPS.append(dist.group.WORLD)
             dist.destroy_process_group()
 
-
-_KEPT_GROUPS: list = []
