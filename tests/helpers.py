@@ -127,6 +127,19 @@ def ddp_amps_run_dir(run_dir: Path, files: dict[str, bytes] | None = None) -> Pa
     return run_dir
 
 
+def finished_run_dir(tmp_path: Path, task: str, weights: dict) -> Path:
+    """A finished run's directory as export reads it: its config (the task) and its model.pt."""
+    from ddp_amp.outputs import save_weights
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"task": task, "task_arg": [], "seed": 0}))
+    (run_dir / "summary.json").write_text("{}")
+    (run_dir / "config.toml").write_text('task = "mlp"\n')
+    save_weights(run_dir, weights)
+    return run_dir
+
+
 def last_line(text: str) -> str:
     """The last line a command wrote (where ddp-amp puts its one-line verdict)."""
     return text.strip().splitlines()[-1]

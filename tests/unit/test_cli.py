@@ -129,11 +129,10 @@ def test_help_and_version_do_not_import_torch(args):
         assert result.stdout.strip() == f"ddp-amp {__version__}"
 
 
-def test_env_json_is_one_object_for_bug_reports():
-    result = subprocess.run([sys.executable, "-m", "ddp_amp", "env", "--json"], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+def test_env_json_is_one_object_for_bug_reports(capsys):
+    code, out, err = run_main(["env", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
     import torch
 
     assert report["torch"] == torch.__version__

@@ -4,8 +4,6 @@ the rank count, one option under every spelling it had."""
 
 import dataclasses
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -47,16 +45,24 @@ def test_no_panel_of_a_training_command_holds_more_than_12_options(name):
     assert misplaced == []
 
 
-def _help(*args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "ddp_amp", *args], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "COLUMNS": "120", "TERM": "dumb"})
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+@pytest.fixture
+def help_text(monkeypatch, capsys):
+    """`ddp-amp ARGS` (a help) in this process: what it printed on a plain terminal of 120 columns, as rich sees
+    one. (`--help` in a fresh interpreter, and what it does not import: tests/unit/test_cli.py.)"""
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setenv("TERM", "dumb")
+
+    def text(*args: str) -> str:
+        code, out, err = run_main(list(args), capsys)
+        assert code == 0, err
+        return out
+
+    return text
 
 
 @pytest.mark.parametrize("name", TRAINING_COMMANDS)
-def test_help_fits_a_screen_and_points_at_the_full_list(name):
-    text = _help(name, "--help")
+def test_help_fits_a_screen_and_points_at_the_full_list(name, help_text):
+    text = help_text(name, "--help")
     lines = text.rstrip().splitlines()
     assert len(lines) <= 80, f"ddp-amp {name} --help has {len(lines)} lines at 120 columns"
     assert f"ddp-amp {name} --help-all" in lines[-1], lines[-1]
@@ -68,35 +74,35 @@ def test_help_fits_a_screen_and_points_at_the_full_list(name):
     assert "--tracker-tag" not in text  # and the others are not
 
 
-def test_bench_says_what_its_own_steps_and_amp_are():
-    words = " ".join(_help("bench", "--help").replace("│", " ").split())
+def test_bench_says_what_its_own_steps_and_amp_are(help_text):
+    words = " ".join(help_text("bench", "--help").replace("│", " ").split())
     assert "Timed optimizer steps of each precision, after --warmup [default: 30]" in words
     assert "unless --epochs" not in words
     assert "auto: all on a CPU with native bf16, both elsewhere" in words  # bench's --amp, not spawn's
-    assert "Timed optimizer steps" in " ".join(_help("bench", "--help-all").replace("│", " ").split())
+    assert "Timed optimizer steps" in " ".join(help_text("bench", "--help-all").replace("│", " ").split())
 
 
 
 @pytest.mark.parametrize("name, default", [("spawn", "runs/<timestamp>"), ("bench", "runs/bench-<timestamp>"),
                                            ("doctor", "runs/doctor-<timestamp>")])
-def test_run_dir_help_names_the_directory_the_command_makes(name, default):
+def test_run_dir_help_names_the_directory_the_command_makes(name, default, help_text):
     """bench and doctor keep their launches under runs/bench-... and runs/doctor-..., not a training run's name."""
-    words = " ".join(_help(name, "--help").replace("│", " ").split())
+    words = " ".join(help_text(name, "--help").replace("│", " ").split())
     assert f"[default: {default}]" in words
 
 
-def test_amp_and_stop_timeout_help_say_what_a_run_does():
+def test_amp_and_stop_timeout_help_say_what_a_run_does(help_text):
     """--amp auto on CPU ranks is measured (bf16 natively available or not), and a stop is agreed at a step, not
     at the next log interval; show --plot writes what its suffix says."""
-    words = " ".join(_help("spawn", "--help-all").replace("│", " ").split())
+    words = " ".join(help_text("spawn", "--help-all").replace("│", " ").split())
     assert "on CPU ranks whichever of fp32, bf16 and bf16-true trains the task fastest, measured at start-up" in words
     assert "on where the device computes bf16 natively" not in words
     assert "agree on a step, write its checkpoint and exit" in words and "next log interval" not in words
-    assert ".png, .pdf or .svg" in " ".join(_help("show", "--help").replace("│", " ").split())
+    assert ".png, .pdf or .svg" in " ".join(help_text("show", "--help").replace("│", " ").split())
 
 @pytest.mark.parametrize("name", TRAINING_COMMANDS)
-def test_help_all_shows_every_option_with_its_whole_help(name):
-    text = _help(name, "--help-all")
+def test_help_all_shows_every_option_with_its_whole_help(name, help_text):
+    text = help_text(name, "--help-all")
     command = _commands()[name]
     shown = [p for p in command.params if p.param_type_name == "option" and not p.hidden]  # hidden: torchrun's
     flags = [opt for p in shown for opt in p.opts if opt.startswith("--")]
@@ -210,11 +216,11 @@ def test_print_config_is_flat_toml_grouped_under_each_concern(capsys):
     assert tomllib.loads(out)["lr"] == 0.01
 
 
-def test_bench_help_gives_the_task_and_batch_it_runs_on_each_device():
+def test_bench_help_gives_the_task_and_batch_it_runs_on_each_device(help_text):
     """bench's --task and --batch-size defaults depend on the device (a GPT-2 small on GPUs): its help said
     mlp-wide and 32 alone, and listed the built-in tasks without mlp-wide."""
-    words = " ".join(_help("bench", "--help-all").replace("│", " ").split())
+    words = " ".join(help_text("bench", "--help-all").replace("│", " ").split())
     assert "[default: (mlp-wide on CPU ranks, gpt size=124m on GPUs)]" in words
     assert "[default: (32 on CPU ranks, 8 on GPUs)]" in words and "mlp, mlp-wide, transformer" in words
-    spawn = " ".join(_help("spawn", "--help-all").replace("│", " ").split())
+    spawn = " ".join(help_text("spawn", "--help-all").replace("│", " ").split())
     assert "[default: mlp]" in spawn and "on GPUs)]" not in spawn

@@ -8,22 +8,24 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import one_line, run_cli, run_main
+from helpers import one_line, run_main
 
 from ddp_amp.launch.kubernetes import rendezvous_from_env
 
 KUBERNETES = "1.30.0"  # a version whose schemas kubernetes-validate ships; the fields used are in every 1.2x too
 
 
-def emit(tmp_path, kind: str, *extra: str, run_dir: str = "runs/bert"):
+def emit(tmp_path, capsys, kind: str, *extra: str, run_dir: str = "runs/bert") -> tuple[dict, str]:
+    """The manifest `multinode --emit-k8s` writes (in this process: nothing launches) and what it printed to
+    stderr."""
     path = tmp_path / f"{kind}.yaml"
-    result = run_cli("multinode", "--nnodes", "2", "--nproc-per-node", "2", "--device", "cpu", "--steps", "50",
-                     "--stop-timeout", "40", "--emit-k8s", str(path), "--k8s-kind", kind, "--image",
-                     "registry.example/ddp-amp:1", "--run-dir", run_dir, *extra)
-    assert result.returncode == 0, result.stderr
+    code, out, err = run_main(["multinode", "--nnodes", "2", "--nproc-per-node", "2", "--device", "cpu", "--steps",
+                               "50", "--stop-timeout", "40", "--emit-k8s", str(path), "--k8s-kind", kind, "--image",
+                               "registry.example/ddp-amp:1", "--run-dir", run_dir, *extra], capsys)
+    assert code == 0, err
     text = path.read_text()
-    assert text in result.stdout  # printed before use, like the torchrun line
-    return yaml.safe_load(text), result
+    assert text in out  # printed before use, like the torchrun line
+    return yaml.safe_load(text), err
 
 
 def contained(original, parsed, where="") -> list[str]:
@@ -52,10 +54,10 @@ def pod_template_as_pod(template: dict) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": template["spec"]}
 
 
-def test_the_trainjob_validates_against_kubeflow_trainers_models(tmp_path):
+def test_the_trainjob_validates_against_kubeflow_trainers_models(tmp_path, capsys):
     from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-    manifest, _ = emit(tmp_path, "trainjob", "--pvc", "checkpoints", "--cpu", "4", "--memory", "16Gi")
+    manifest, _ = emit(tmp_path, capsys, "trainjob", "--pvc", "checkpoints", "--cpu", "4", "--memory", "16Gi")
     assert contained(manifest, TrainerV1alpha1TrainJob.from_dict(manifest).to_dict()) == []
     spec = manifest["spec"]
     assert spec["runtimeRef"]["name"] == "torch-distributed" and spec["trainer"]["numNodes"] == 2
@@ -69,10 +71,10 @@ def test_the_trainjob_validates_against_kubeflow_trainers_models(tmp_path):
     assert pod["volumes"] == [{"name": "run-dir", "persistentVolumeClaim": {"claimName": "checkpoints"}}]
 
 
-def test_the_jobset_validates_against_the_jobset_models_and_its_job_against_kubernetes(tmp_path):
+def test_the_jobset_validates_against_the_jobset_models_and_its_job_against_kubernetes(tmp_path, capsys):
     from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
 
-    manifest, _ = emit(tmp_path, "jobset", "--pvc", "checkpoints", "--max-restarts", "3")
+    manifest, _ = emit(tmp_path, capsys, "jobset", "--pvc", "checkpoints", "--max-restarts", "3")
     assert contained(manifest, JobsetV1alpha2JobSet.from_dict(manifest).to_dict()) == []
     replicated = manifest["spec"]["replicatedJobs"][0]
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": replicated["template"]["spec"]}
@@ -87,13 +89,14 @@ def test_the_jobset_validates_against_the_jobset_models_and_its_job_against_kube
 
 
 @pytest.mark.parametrize("nnodes", ["2", "1:3"])
-def test_the_pytorchjob_validates_against_the_training_operators_models(tmp_path, nnodes):
+def test_the_pytorchjob_validates_against_the_training_operators_models(tmp_path, nnodes, capsys):
     from kubeflow.training.api_client import ApiClient
 
     path = tmp_path / "job.yaml"
-    result = run_cli("multinode", "--nnodes", nnodes, "--device", "cpu", "--emit-k8s", str(path), "--k8s-kind",
-                     "pytorchjob", "--image", "registry.example/ddp-amp:1", "--pvc", "ckpt")
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_main(["multinode", "--nnodes", nnodes, "--device", "cpu", "--emit-k8s", str(path),
+                             "--k8s-kind", "pytorchjob", "--image", "registry.example/ddp-amp:1", "--pvc", "ckpt"],
+                            capsys)
+    assert code == 0, err
     manifest = yaml.safe_load(path.read_text())
 
     class Response:
@@ -113,11 +116,11 @@ def test_the_pytorchjob_validates_against_the_training_operators_models(tmp_path
         assert manifest["spec"]["elasticPolicy"]["maxReplicas"] == 3 and list(replicas) == ["Worker"]
 
 
-def test_a_field_the_schema_does_not_know_fails_the_check(tmp_path):
+def test_a_field_the_schema_does_not_know_fails_the_check(tmp_path, capsys):
     """The check itself: a misspelt field is caught."""
     from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
 
-    manifest, _ = emit(tmp_path, "jobset")
+    manifest, _ = emit(tmp_path, capsys, "jobset")
     manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["terminationGracePeriod"] = 5
     assert contained(manifest, JobsetV1alpha2JobSet.from_dict(manifest).to_dict()) != []
 
@@ -136,12 +139,10 @@ def test_a_field_the_schema_does_not_know_fails_the_check(tmp_path):
     (["--image", "Registry/Img:1"], "--image"),
     (["--image", "i:1", "--emit-slurm", "job.sbatch"], "--emit-slurm"),
 ])
-def test_bad_kubernetes_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, flag):
+def test_bad_kubernetes_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, flag, capsys):
     path = tmp_path / "job.yaml"
-    result = run_cli("multinode", "--nnodes", "2", "--device", "cpu", "--emit-k8s", str(path), *args)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in result.stderr, result.stderr
+    code, _, err = run_main(["multinode", "--nnodes", "2", "--device", "cpu", "--emit-k8s", str(path), *args], capsys)
+    assert code == 2 and flag in one_line(err)
     assert not path.exists() and not (tmp_path / "job.sbatch").exists()
 
 
@@ -169,9 +170,9 @@ def test_kubernetes_quantities_and_image_references_are_taken(tmp_path, capsys, 
                                                                                   "memory": quantity}
 
 
-def test_without_a_claim_the_manifest_says_checkpoints_do_not_outlive_a_pod(tmp_path):
-    manifest, result = emit(tmp_path, "jobset")
-    assert "without --pvc" in result.stderr
+def test_without_a_claim_the_manifest_says_checkpoints_do_not_outlive_a_pod(tmp_path, capsys):
+    manifest, err = emit(tmp_path, capsys, "jobset")
+    assert "without --pvc" in err
     assert manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["volumes"] == [
         {"name": "run-dir", "emptyDir": {}}]
 
@@ -194,17 +195,29 @@ def test_from_env_reads_what_each_kind_injects(environ, expected):
     assert (found.nnodes, found.endpoint, found.node_rank, found.nproc_per_node) == expected
 
 
-def test_from_env_without_a_rendezvous_is_one_line_exit_2():
-    result = run_cli("multinode", "--from-env", "--device", "cpu", env={"PET_NNODES": "", "WORLD_SIZE": ""})
-    assert result.returncode == 2 and "--from-env" in result.stderr and "Traceback" not in result.stderr
+def environment_of_a_pod(monkeypatch, variables: dict[str, str]) -> None:
+    """This process's environment as a pod's: the rendezvous variables of the caller's shell removed, `variables`
+    set."""
+    for name in [name for name in os.environ if name.startswith(("PET_", "MASTER_", "JOB_COMPLETION"))] + [
+            "WORLD_SIZE", "RANK"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
 
 
-def test_from_env_reaches_torchrun(tmp_path):
-    result = run_cli("multinode", "--from-env", "--device", "cpu", "--dry-run", "--run-dir", str(tmp_path),
-                     env={"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
-                          "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "29999"})
-    assert result.returncode == 0, result.stderr
-    command = result.stdout.splitlines()[0]
+def test_from_env_without_a_rendezvous_is_one_line_exit_2(monkeypatch, capsys):
+    environment_of_a_pod(monkeypatch, {"PET_NNODES": "", "WORLD_SIZE": ""})
+    code, _, err = run_main(["multinode", "--from-env", "--device", "cpu"], capsys)
+    assert code == 2 and "--from-env" in one_line(err)
+
+
+def test_from_env_reaches_torchrun(tmp_path, monkeypatch, capsys):
+    environment_of_a_pod(monkeypatch, {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
+                                       "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "29999"})
+    code, out, err = run_main(["multinode", "--from-env", "--device", "cpu", "--dry-run", "--run-dir",
+                               str(tmp_path)], capsys)
+    assert code == 0, err
+    command = out.splitlines()[0]
     assert "--nnodes 2" in command and "--nproc-per-node 2" in command and "--node-rank 1" in command
     assert "--rdzv-endpoint 127.0.0.1:29999" in command
 
@@ -223,11 +236,12 @@ def test_emit_k8s_where_it_cannot_write_is_one_line_before_printing_anything(tmp
     assert problem.format(parent=path.parent) in lines[0]
 
 
-def test_an_elastic_trainjob_asks_for_the_most_nodes_its_range_allows(tmp_path):
+def test_an_elastic_trainjob_asks_for_the_most_nodes_its_range_allows(tmp_path, capsys):
     path = tmp_path / "job.yaml"
-    result = run_cli("multinode", "--nnodes", "1:3", "--nproc-per-node", "2", "--device", "cpu", "--emit-k8s",
-                     str(path), "--k8s-kind", "trainjob", "--image", "registry.example/ddp-amp:1", "--run-dir", "r")
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_main(["multinode", "--nnodes", "1:3", "--nproc-per-node", "2", "--device", "cpu",
+                             "--emit-k8s", str(path), "--k8s-kind", "trainjob", "--image",
+                             "registry.example/ddp-amp:1", "--run-dir", "r"], capsys)
+    assert code == 0, err
     assert yaml.safe_load(path.read_text())["spec"]["trainer"]["numNodes"] == 3
 
 
@@ -251,14 +265,10 @@ def test_each_jobset_pod_reads_its_own_node_and_the_rendezvous_from_the_environm
     """The JobSet's own pod command, run with the environment its manifest gives pod `index`: torchrun gets both
     nodes, this pod's node rank, node 0's DNS name and the per-node count (a variable left out of the manifest,
     PET_NNODES say, fails here)."""
-    manifest, _ = emit(tmp_path, "jobset")
+    manifest, _ = emit(tmp_path, capsys, "jobset")
     job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
     container = job["template"]["spec"]["containers"][0]
-    for name in [name for name in os.environ if name.startswith(("PET_", "MASTER_", "JOB_COMPLETION"))] + [
-            "WORLD_SIZE", "RANK"]:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in pod_environment(container, index).items():
-        monkeypatch.setenv(name, value)
+    environment_of_a_pod(monkeypatch, pod_environment(container, index))
     import socket
 
     resolve = socket.getaddrinfo

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import HELPER_TASKS, USER_TASKS, ddp_amps_run_dir, one_line, run_main
+from helpers import HELPER_TASKS, USER_TASKS, ddp_amps_run_dir, finished_run_dir, one_line, run_main
 
 from ddp_amp.config import TrainConfig
 
@@ -607,66 +607,12 @@ def test_a_cpu_setting_is_refused_on_gpu_ranks_and_a_cuda_one_on_cpu_ranks():
     check_ddp_options(TrainConfig(tf32="on"), "cuda", Precision("bf16"))
 
 
-def _run_dir_of(tmp_path, task: str, weights: dict):
-    """A finished run's directory as export reads it: its config (the task) and its model.pt."""
-    import json
-
-    from ddp_amp.outputs import save_weights
-
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"task": task, "task_arg": [], "seed": 0}))
-    (run_dir / "summary.json").write_text("{}")
-    (run_dir / "config.toml").write_text('task = "mlp"\n')
-    save_weights(run_dir, weights)
-    return run_dir
-
-
 PRETRAINED_WEIGHTS = {"linear.weight": torch.ones(1, 8), "linear.bias": torch.zeros(1)}
-
-
-def test_export_hf_of_a_model_without_save_pretrained_writes_nothing_not_even_the_o_file(tmp_path, capsys):
-    run_dir = _run_dir_of(tmp_path, "mlp", {"w": torch.ones(2)})
-    before = sorted(tmp_path.iterdir())
-    code, _, err = run_main(["export", str(run_dir), "-o", str(tmp_path / "a.pt"), "--hf", str(tmp_path / "hf")],
-                            capsys)
-    assert code == 2 and "--hf: the model of --task mlp has no save_pretrained" in one_line(err)
-    assert sorted(tmp_path.iterdir()) == before
-
-
-def test_export_hf_builds_the_users_model_in_a_child_not_in_the_cli(tmp_path, capsys, monkeypatch):
-    run_dir = _run_dir_of(tmp_path, f"{USER_TASKS}:saves_pretrained", PRETRAINED_WEIGHTS)
-    monkeypatch.setenv("DDP_AMP_TEST_FACTORY_PID", str(tmp_path / "pid"))
-    code, _, err = run_main(["export", str(run_dir), "-o", str(tmp_path / "a.pt"), "--hf", str(tmp_path / "hf")],
-                            capsys)
-    assert code == 0, err
-    assert int((tmp_path / "pid").read_text()) != os.getpid()
-    for path in (tmp_path / "a.pt", tmp_path / "hf" / "pytorch_model.bin"):
-        assert torch.equal(torch.load(path, weights_only=True)["linear.weight"], torch.ones(1, 8))
-
-
-@pytest.mark.parametrize("variable, expected", [
-    ("DDP_AMP_TEST_FACTORY_RAISES", "--task {task}: building its model for --hf failed: ValueError: boom"),
-    ("DDP_AMP_TEST_SAVE_PRETRAINED_RAISES", "--hf '{hf}': save_pretrained of the model of --task {task} failed: "
-                                            "OSError: boom"),
-    ("DDP_AMP_TEST_SAVE_PRETRAINED_RAISES=exit", "--hf '{hf}': save_pretrained of the model of --task {task} "
-                                                 "failed: it called sys.exit(3)")])
-def test_the_users_code_failing_in_export_hf_is_one_line_exit_1_and_leaves_nothing(tmp_path, capsys, monkeypatch,
-                                                                                   variable, expected):
-    task = f"{USER_TASKS}:saves_pretrained"
-    run_dir = _run_dir_of(tmp_path, task, PRETRAINED_WEIGHTS)
-    variable, _, value = variable.partition("=")
-    monkeypatch.setenv(variable, value or "boom")
-    before = sorted(tmp_path.iterdir())
-    code, _, err = run_main(["export", str(run_dir), "-o", str(tmp_path / "a.pt"), "--hf", str(tmp_path / "hf")],
-                            capsys)
-    assert code == 1 and one_line(err) == "ddp-amp: error: " + expected.format(task=task, hf=tmp_path / "hf")
-    assert sorted(tmp_path.iterdir()) == before
 
 
 @pytest.mark.parametrize("name", ["config.json", "summary.json", "config.toml"])
 def test_export_of_a_runs_other_files_is_one_line_saying_what_export_takes(tmp_path, capsys, name):
-    source = _run_dir_of(tmp_path, "mlp", {"w": torch.ones(2)}) / name
+    source = finished_run_dir(tmp_path, "mlp", {"w": torch.ones(2)}) / name
     code, _, err = run_main(["export", str(source), "-o", str(tmp_path / "a.pt")], capsys)
     assert code == 2 and one_line(err).startswith(f"ddp-amp: error: export {str(source)!r}: not a file torch.save "
                                                   "wrote")
@@ -675,7 +621,7 @@ def test_export_of_a_runs_other_files_is_one_line_saying_what_export_takes(tmp_p
 
 
 def test_export_to_a_dangling_symlink_is_refused_and_leaves_it(tmp_path, capsys):
-    run_dir = _run_dir_of(tmp_path, "mlp", {"w": torch.ones(2)})
+    run_dir = finished_run_dir(tmp_path, "mlp", {"w": torch.ones(2)})
     (tmp_path / "link.pt").symlink_to(tmp_path / "nowhere")
     code, _, err = run_main(["export", str(run_dir), "-o", str(tmp_path / "link.pt")], capsys)
     assert code == 2 and one_line(err) == f"ddp-amp: error: -o {str(tmp_path / 'link.pt')!r} already exists; " \

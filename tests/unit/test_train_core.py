@@ -417,34 +417,6 @@ def test_micro_batches_are_all_reduced_once_per_optimizer_step(one_rank_group, t
         torch.testing.assert_close(pieces[key], whole[key], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("model", ["tiny_t5", "tiny_llama"])
-def test_a_token_mean_loss_in_pieces_or_accumulated_gives_the_full_batchs_weights(one_rank_group, tmp_path, model):
-    """T5's and a causal LM's own loss is the mean over its label tokens, and the targets hold 2 to 11 of them:
-    --micro-batch 8 and --micro-batch 3 (uneven pieces) of a batch of 32 and --grad-accum 4 of batches of 8 follow
-    the batch of 32 within 1e-5 (weighted by samples, as before, they drift: 0.04 at --micro-batch 3 of 8 on T5,
-    8e-3 at --micro-batch 2 of 8 on the causal LM). Across ranks: tests/system/test_user_models.py."""
-    from helpers import USER_TASKS
-
-    from ddp_amp.tasks import build_task
-
-    def run(**options):
-        config = TrainConfig(task="inline", steps=3, log_every=3, amp="off", seed=5, optimizer="sgd",
-                             schedule="constant", lr=0.5, run_dir=str(tmp_path), **options)
-        torch.manual_seed(5)
-        task = build_task(f"{USER_TASKS}:{model}_uneven_labels")
-        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), task, Recorder())
-        trainer.train()
-        weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
-        trainer.close()
-        return weights
-
-    whole = run(batch_size=32)
-    for options in ({"batch_size": 32, "micro_batch": "8"}, {"batch_size": 32, "micro_batch": "3"},
-                    {"batch_size": 8, "grad_accum": 4}):
-        other = run(**options)
-        assert max((other[k] - whole[k]).abs().max().item() for k in whole) < 1e-5, options
-
-
 def _train_in_pieces(group, tmp_path, micro_batch, fail_above=None, once_stepped=False):
     """plain_regression, 3 steps of 16 samples in pieces of `micro_batch`, whose backward runs out of memory (the
     CPU allocator's words) on a piece of more than `fail_above` samples (only once the optimizer has taken a step,
