@@ -142,7 +142,8 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float = 300) ->
 
 KEPT_GROUPS: list = []
 """Process groups kept referenced so that their destructors never run in a rank: a failed rank's
-(process_group) and a ddp_amp.loop script's after finish()."""
+(process_group), a ddp_amp.loop script's after finish(), and those a launched script destroys itself
+(rank.script)."""
 
 
 def join_process_group(device: torch.device) -> bool:

@@ -294,20 +294,22 @@ def test_a_group_the_script_destroys_stays_referenced_until_the_rank_exits(monke
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
+    import ddp_amp.dist
     from ddp_amp.rank import script
 
     monkeypatch.setattr(distributed_c10d, "destroy_process_group", distributed_c10d.destroy_process_group)
     monkeypatch.setattr(dist, "destroy_process_group", dist.destroy_process_group)
-    monkeypatch.setattr(script, "KEPT_GROUPS", [])
+    kept = []
+    monkeypatch.setattr(ddp_amp.dist, "KEPT_GROUPS", kept)
     script._keep_destroyed_groups()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.group.WORLD
     side = dist.new_group([0])
     dist.destroy_process_group(side)
-    assert script.KEPT_GROUPS == [side] and dist.is_initialized()
+    assert kept == [side] and dist.is_initialized()
     dist.destroy_process_group()
     assert not dist.is_initialized()
-    assert world in script.KEPT_GROUPS and len(script.KEPT_GROUPS) == 2
+    assert world in kept and len(kept) == 2
 
 
 @pytest.mark.parametrize("importing", ["from ddp_amp import loop", "import ddp_amp.loop",

@@ -210,10 +210,6 @@ def _default_signal_actions() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-KEPT_GROUPS: list = []
-"""The process groups the script destroyed, still referenced: their C++ destructors never run."""
-
-
 def _keep_destroyed_groups() -> None:
     """Make `destroy_process_group` keep a reference to the groups it destroys.
 
@@ -224,9 +220,11 @@ def _keep_destroyed_groups() -> None:
     active exception"), under plain torchrun too (docs/scripts.md). A rank here ends with os._exit (multiprocessing
     does that for a forked worker), so a group kept referenced is never destructed: the script's ranks end
     whenever its model is freed. The group is destroyed for the script as before (shut down, unregistered, a
-    new one can be made)."""
+    new one can be made). They are kept in ddp_amp.dist.KEPT_GROUPS, with a failed rank's and a loop's."""
     import torch.distributed
     from torch.distributed import distributed_c10d
+
+    from ddp_amp.dist import KEPT_GROUPS
 
     destroy = distributed_c10d.destroy_process_group
 
