@@ -147,15 +147,15 @@ def bench_124m(steps: Steps, plan: argparse.Namespace, work: Path, out: Path) ->
     return json.loads(bench.read_text()) if bench.exists() else None
 
 
-def lift_fp8_refusal(work: Path) -> None:
+FP8_ON_CPU = Path(__file__).resolve().parent.parent / "tests" / "fp8_on_cpu"
+
+
+def lift_fp8_refusal() -> None:
     """A rehearsal's fp8 runs: torch's CPU kernels emulate fp8, so with ddp-amp's refusal of it on CPU ranks
-    lifted in every process of the steps (a sitecustomize on their path, as tests/system/test_fp8_on_cpu.py
-    does), the 350m part's fp8 half and its figures are rehearsed too."""
-    site = work / "fp8-on-cpu"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import ddp_amp.precision\n\n"
-                                           "ddp_amp.precision.fp8_refusal = lambda *args, **kwargs: None\n")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    lifted in every process of the steps (tests/fp8_on_cpu's sitecustomize on their path, as
+    tests/system/test_fp8_on_cpu.py puts it; it also turns oneDNN off, whose fp8 kernel on a CPU with AMX is a
+    reference one, ~1 s a matmul), the 350m part's fp8 half and its figures are rehearsed too."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FP8_ON_CPU), os.environ.get("PYTHONPATH")]))
 
 
 def main() -> None:
@@ -175,7 +175,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-run-"))  # run dirs: model.pt files too large to bring back
     if args.rehearse:
-        lift_fp8_refusal(work)
+        lift_fp8_refusal()
     figures: dict = json.loads((out / "gpu-figures.json").read_text()) if (out / "gpu-figures.json").exists() else {}
     with open(out / "gpu-run.log", "a", encoding="utf-8") as log:
         steps = Steps(log, args.deadline)

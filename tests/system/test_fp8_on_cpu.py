@@ -10,44 +10,15 @@ import os
 
 import pytest
 import torch
-from helpers import assert_ok, load_weights, read_summary, run_cli
+from helpers import TESTS, assert_ok, load_weights, read_summary, run_cli
 
 from ddp_amp.tasks.gpt import GPT, SIZES
 
 pytest.importorskip("torchao.float8")
 
-LIFT_THE_REFUSAL = """\
-import importlib
-import importlib.abc
-import importlib.util
-import sys
+FP8_ON_CPU = TESTS / "fp8_on_cpu"
+"""Its sitecustomize lifts the refusal (and turns oneDNN off, whose fp8 kernel on an AMX CPU is a reference one)."""
 
-import ddp_amp.precision
-
-ddp_amp.precision.fp8_refusal = lambda *args, **kwargs: None
-
-
-class OneDNNOffOnceTorchLoads(importlib.abc.MetaPathFinder):
-    # On a CPU with AMX, torch's CPU _scaled_mm runs oneDNN's reference kernel (about 1 s for one 256^3 matmul,
-    # ~500x its emulation elsewhere): a launch of these tests would not end in minutes. With oneDNN off, torch
-    # emulates fp8 everywhere alike. Set where torch is first imported, so that the fork server's ranks inherit it.
-    def find_spec(self, name, path, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        exec_module = spec.loader.exec_module
-
-        def exec_then_turn_off(module):
-            exec_module(module)
-            importlib.import_module("torch.backends.mkldnn").enabled = False
-
-        spec.loader.exec_module = exec_then_turn_off
-        return spec
-
-
-sys.meta_path.insert(0, OneDNNOffOnceTorchLoads())
-"""
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])
@@ -55,10 +26,7 @@ def test_fp8_trains_resumes_bit_exact_and_continues_in_bf16_on_gloo(tmp_path, mo
     """Under DDP (none) and FSDP2 (full): fp8 trains, model.pt holds fp32 weights under nn.Linear's names, and a
     resume from step 4 ends on the whole run's model.pt byte for byte. Under DDP its loss is near bf16's and not
     bf16's (the layers did compute in fp8); under FSDP2 its checkpoint continues in bf16."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(LIFT_THE_REFUSAL)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(FP8_ON_CPU), os.environ.get("PYTHONPATH")]))}
     common = ["spawn", "-n", "2", "--device", "cpu", "--task", "gpt", "--steps", "8", "--shard", mode]
 
     def train(name: str, *args: str) -> dict:
