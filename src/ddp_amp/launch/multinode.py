@@ -57,7 +57,7 @@ def _where_nodes_meet(node: dict, nproc_per_node: str):
     """--nnodes, --endpoint, --node-rank, --nproc-per-node as given or, with --from-env, as a Kubernetes job
     injected them (where the command line does not give its own)."""
     from ddp_amp.launch.kubernetes import rendezvous_from_env
-    from ddp_amp.launch.session import say
+    from ddp_amp.launch.verdict import say
 
     nnodes, endpoint, node_rank = node["nnodes"], node["endpoint"], node["node_rank"]
     if not node["from_env"]:
@@ -95,7 +95,8 @@ def _node_launch(train: dict, output: dict, nodes, where, nproc_per_node: str, *
     """This node's network found, its ranks' plan, and its share of the job as a Launch (None after a dry run,
     which prints torchrun's command instead)."""
     from ddp_amp.launch.preflight import preflight, preflight_script, stops_say
-    from ddp_amp.launch.session import Launch, say, warm_start
+    from ddp_amp.launch.session import Launch, warm_start
+    from ddp_amp.launch.verdict import say
 
     config = warm_start(train, start_ranks_soon=not dry_run)
     nproc = torchrun.parse_nproc(nproc_per_node)

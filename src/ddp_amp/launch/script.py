@@ -279,7 +279,7 @@ def stop_after_the_loop(run_dir: Path, view, started: float, stopped):
     written = f"; {loop['model']} is written" if isinstance(loop, dict) and loop.get("model") else ""
     steps = max(state.loop["completed_steps"] for state in ranks)
     print(f"ddp-amp: {str(stopped).removeprefix('stopped by ')} came after the loop had finished (step "
-          f"{steps}){written}", file=sys.stderr, flush=True)  # a status line, as session.say's
+          f"{steps}){written}", file=sys.stderr, flush=True)  # a status line, as verdict.say's
     return None
 
 

@@ -1,13 +1,23 @@
-"""A failed launch's verdict, explained from what the launcher saw: which rank raised first (the ranks' own error
-events), which ranks stalled, and where the ranks' flight records say they parted. No torch here."""
+"""A launch's verdict, said on stderr once its ranks have ended: the outcome of a run whose ranks all finished
+(a divergence still fails it), the stop report, the recovery line of a restarted run; and a failed launch
+explained from what the launcher saw: which rank raised first (the ranks' own error events), which ranks
+stalled, and where the ranks' flight records say they parted. No torch here."""
 
 from __future__ import annotations
 
+import signal as signals
+import sys
 from pathlib import Path
 from typing import Any
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.errors import RunFailed
+from ddp_amp.outputs import read_summary
+
+
+def say(line: str) -> None:
+    """One status line of the launcher's, on stderr (stdout carries the progress itself)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def first_failure_named(exc: RunFailed, session) -> RunFailed:
@@ -137,3 +147,72 @@ def script_restart_causes(launch, view) -> list[dict[str, Any]]:
             cause["last_seen_step"] = view.steps_before_restart[rank]
         causes.append(cause)
     return causes
+
+
+def report_stop(run_dir: Path, config: TrainConfig, *, signalled: str | None = None, exit_code: int = 1,
+                resumable: bool = True) -> None:
+    """After a stop signal (to this launcher, `signalled`, or to a rank alone): one line saying at which step
+    the ranks stopped and where their work is, raised with exit code 128 + the signal's number. A run that
+    had already finished (model.pt written) when the stop took effect returns instead: exit 0. A measuring
+    launch (bench, doctor: not `resumable`) is not continued: its line names no checkpoint and no --resume."""
+    record = read_summary(run_dir)
+    name = record.stopped_by or (signalled or "").removeprefix("stopped by ")
+    step = record.stopped_at_step
+    if record.model_path and step is None:
+        say(f"ddp-amp: {name} came after the run had finished; {record.model_path} is written")
+        return
+    if step is None:  # killed mid-step, or in the stop's checkpoint write: the newest whole one is the work kept
+        from ddp_amp.launch.script import newest_checkpoint
+
+        kept = newest_checkpoint(run_dir) if resumable else None
+        where = (f"the newest complete checkpoint is {kept} (continue with --resume auto --run-dir {run_dir})" if kept
+                 else "nothing of this run kept" if resumable else f"the measurement in {run_dir} is incomplete")
+        raise RunFailed(f"{signalled}: the ranks did not stop within --stop-timeout {config.stop_timeout:g}s and "
+                        f"were killed; {where}", exit_code=exit_code)
+    if name in signals.Signals.__members__:
+        exit_code = 128 + signals.Signals[name].value
+    if not resumable:
+        raise RunFailed(f"stopped by {name} at step {step}; the measurement in {run_dir} is incomplete",
+                        exit_code=exit_code)
+    if record.checkpoint:
+        raise RunFailed(f"stopped by {name} at step {step}; checkpoint {record.checkpoint} (continue with "
+                        f"--resume auto --run-dir {run_dir})", exit_code=exit_code)
+    raise RunFailed(f"stopped by {name} at step {step}; no checkpoint kept", exit_code=exit_code)
+
+
+def check_outcome(run_dir: Path, config: TrainConfig, resumable: bool = True) -> None:
+    """Every rank finished; a run that diverged or whose evaluation raised still fails the command."""
+    record = read_summary(run_dir)
+    if record.stopped_at_step is not None:  # a stop signal reached a rank, not this launcher
+        report_stop(run_dir, config, resumable=resumable)
+    if failure := record.failure(run_dir):
+        raise RunFailed(failure, exit_code=2 if record.keep_best_error else 1)
+    if skipped := record.resumed_skipping_items:
+        step = record.resumed_from_step
+        say(f"ddp-amp: resumed at step {step}: skipped the {skipped} items trained before step {step} (the data set "
+            "has no state_dict/load_state_dict, so its stream was read again from the start)")
+    if (ended := record.data_ended_at_step) is not None:
+        say(f"ddp-amp: the data ran out at step {ended}: every rank stopped there"
+            + (f"; {record.model_path} written" if record.model_path else ""))
+
+
+def report_recovery(config: TrainConfig, log_path: Path, view) -> None:
+    """A run that torchrun restarted and that then succeeded ends with one line saying what it recovered from."""
+    from ddp_amp.launch import torchrun
+
+    record = read_summary(config.run_dir)
+    if not record.restarts:
+        return
+    restarts = record.restarts
+    for skipped in record.checkpoints_skipped:  # the rank's warning, which only its log holds
+        say(f"ddp-amp: warning: the restart skipped checkpoint {skipped}")
+    line = f"ddp-amp: recovered after {restarts} restart{'s' if restarts > 1 else ''}"
+    causes = torchrun.restart_causes(log_path.read_text(errors="replace")) if log_path.exists() else []
+    if causes:
+        local_rank, what = causes[0]
+        rank = view.ranks_before_restart.get(local_rank, local_rank)  # on another node local != global
+        step = view.steps_before_restart.get(rank)
+        line += f": rank {rank} {what}" + (f" (last seen in step {step})" if step is not None else "")
+    resumed = record.resumed_from_step
+    line += f"; resumed from step {resumed}" if resumed else "; restarted from the beginning (no checkpoint)"
+    say(line)

@@ -145,7 +145,7 @@ def seed_rank_randomness(seed: int) -> None:
 def check_task_contract(task: Task, config: TrainConfig, world_size: int | None) -> None:
     """The data set checked against the Task contract on every rank (its first item, where it has one to look
     at without consuming it): a wrong shape would otherwise surface as a misleading error from deep inside the
-    model. The launcher checks the same before it starts any rank (launch.preflight.check_task_options);
+    model. The launcher checks the same before it starts any rank (launch.task_checks.check_task_options);
     world_size None: not known yet (an elastic job), the batch is not checked against the data set's length."""
     dataset, spec = task.dataset, config.task
     if is_iterable(dataset):
