@@ -127,6 +127,13 @@ def ddp_amps_run_dir(run_dir: Path, files: dict[str, bytes] | None = None) -> Pa
     return run_dir
 
 
+def pretrained_weights() -> dict:
+    """The weights of tests/tasks/user_tasks.py:saves_pretrained's model (a Linear(8, 1)), as its run left them."""
+    import torch
+
+    return {"linear.weight": torch.ones(1, 8), "linear.bias": torch.zeros(1)}
+
+
 def finished_run_dir(tmp_path: Path, task: str, weights: dict) -> Path:
     """A finished run's directory as export reads it: its config (the task) and its model.pt."""
     from ddp_amp.outputs import save_weights

@@ -39,7 +39,8 @@ class OneDNNOffOnceTorchLoads(importlib.abc.MetaPathFinder):
         return spec
 
 
-if "--dtype=fp8" in sys.argv or ("--dtype", "fp8") in zip(sys.argv, sys.argv[1:]):
+if any(arg.startswith("--dtype=fp8") for arg in sys.argv) or any(
+        flag == "--dtype" and value.startswith("fp8") for flag, value in zip(sys.argv, sys.argv[1:])):  # or rowwise
     os.environ[ONEDNN_OFF] = "1"
 if os.environ.get(ONEDNN_OFF):
     sys.meta_path.insert(0, OneDNNOffOnceTorchLoads())

@@ -7,12 +7,9 @@ import os
 
 import pytest
 import torch
-from helpers import USER_TASKS, finished_run_dir, one_line, run_main
+from helpers import USER_TASKS, finished_run_dir, one_line, pretrained_weights, run_main
 
 pytestmark = pytest.mark.slow
-
-PRETRAINED_WEIGHTS = {"linear.weight": torch.ones(1, 8), "linear.bias": torch.zeros(1)}
-
 
 def test_export_hf_of_a_model_without_save_pretrained_writes_nothing_not_even_the_o_file(tmp_path, capsys):
     run_dir = finished_run_dir(tmp_path, "mlp", {"w": torch.ones(2)})
@@ -24,7 +21,7 @@ def test_export_hf_of_a_model_without_save_pretrained_writes_nothing_not_even_th
 
 
 def test_export_hf_builds_the_users_model_in_a_child_not_in_the_cli(tmp_path, capsys, monkeypatch):
-    run_dir = finished_run_dir(tmp_path, f"{USER_TASKS}:saves_pretrained", PRETRAINED_WEIGHTS)
+    run_dir = finished_run_dir(tmp_path, f"{USER_TASKS}:saves_pretrained", pretrained_weights())
     monkeypatch.setenv("DDP_AMP_TEST_FACTORY_PID", str(tmp_path / "pid"))
     code, _, err = run_main(["export", str(run_dir), "-o", str(tmp_path / "a.pt"), "--hf", str(tmp_path / "hf")],
                             capsys)
@@ -43,7 +40,7 @@ def test_export_hf_builds_the_users_model_in_a_child_not_in_the_cli(tmp_path, ca
 def test_the_users_code_failing_in_export_hf_is_one_line_exit_1_and_leaves_nothing(tmp_path, capsys, monkeypatch,
                                                                                    variable, expected):
     task = f"{USER_TASKS}:saves_pretrained"
-    run_dir = finished_run_dir(tmp_path, task, PRETRAINED_WEIGHTS)
+    run_dir = finished_run_dir(tmp_path, task, pretrained_weights())
     variable, _, value = variable.partition("=")
     monkeypatch.setenv(variable, value or "boom")
     before = sorted(tmp_path.iterdir())

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import HELPER_TASKS, USER_TASKS, ddp_amps_run_dir, finished_run_dir, one_line, run_main
+from helpers import HELPER_TASKS, USER_TASKS, ddp_amps_run_dir, finished_run_dir, one_line, pretrained_weights, run_main
 
 from ddp_amp.config import TrainConfig
 
@@ -607,9 +607,6 @@ def test_a_cpu_setting_is_refused_on_gpu_ranks_and_a_cuda_one_on_cpu_ranks():
     check_ddp_options(TrainConfig(tf32="on"), "cuda", Precision("bf16"))
 
 
-PRETRAINED_WEIGHTS = {"linear.weight": torch.ones(1, 8), "linear.bias": torch.zeros(1)}
-
-
 @pytest.mark.parametrize("name", ["config.json", "summary.json", "config.toml"])
 def test_export_of_a_runs_other_files_is_one_line_saying_what_export_takes(tmp_path, capsys, name):
     source = finished_run_dir(tmp_path, "mlp", {"w": torch.ones(2)}) / name
@@ -632,7 +629,7 @@ def test_export_to_a_dangling_symlink_is_refused_and_leaves_it(tmp_path, capsys)
 def test_export_of_the_current_directory_reads_it_as_any_other(tmp_path, capsys, monkeypatch):
     pretrained = tmp_path / "pretrained"
     pretrained.mkdir()
-    torch.save(PRETRAINED_WEIGHTS, pretrained / "pytorch_model.bin")
+    torch.save(pretrained_weights(), pretrained / "pytorch_model.bin")
     monkeypatch.chdir(pretrained)  # `export .` from inside a save_pretrained directory: `.` has no name
     code, _, err = run_main(["export", ".", "-o", str(tmp_path / "a.pt")], capsys)
     assert code == 0, err
