@@ -188,16 +188,18 @@ class LongRun:
     exists in the run dir: a pattern, since a checkpoint that --keep prunes can come and go between two polls).
 
     `prefix`: a command the launch runs under (`timeout`); `own_session`: in a session and process group of its
-    own, as `setsid` starts it, so that a signal can be sent to the whole group the way the system sends it."""
+    own, as `setsid` starts it, so that a signal can be sent to the whole group the way the system sends it;
+    `env`: more environment variables."""
 
     def __init__(self, command: str, run_dir: Path, nproc: int = 2, args: list[str] = LONG_RUN, *,
-                 prefix: list[str] = (), own_session: bool = False, ready: str = "metrics.jsonl") -> None:
+                 prefix: list[str] = (), own_session: bool = False, ready: str = "metrics.jsonl",
+                 env: dict | None = None) -> None:
         self.mark = uuid.uuid4().hex
         self.run_dir = run_dir
         self.process = subprocess.Popen(
             [*prefix, sys.executable, "-m", "ddp_amp", command, "-n", str(nproc), *args, "--run-dir", str(run_dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=own_session,
-            env={**os.environ, MARK_VAR: self.mark})
+            env={**os.environ, **(env or {}), MARK_VAR: self.mark})
         deadline = time.monotonic() + 120
         while not any(run_dir.glob(ready)):
             assert self.process.poll() is None, self.process.stderr.read()

@@ -2,10 +2,12 @@
 
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,10 +16,26 @@ from helpers import HELPER_TASKS, assert_ok, last_line, read_metrics, read_summa
 
 pytestmark = pytest.mark.slow
 
+@pytest.fixture
+def launch_tmpdir():
+    """A TMPDIR of the test's own for a launch, short (under /tmp, as a user's is): under a long one (a test's
+    tmp_path) the fork server's socket directory goes to /tmp itself (launch.forkserver), out of the test's sight."""
+    directory = Path(tempfile.mkdtemp(prefix="ddp-amp-test-tmp-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# What torch itself keeps in TMPDIR for later runs, on purpose: the compiler's cache.
+TORCH_CACHES = ("torchinductor_",)
+
+
 @pytest.mark.parametrize("command", ["spawn", "run"])
-def test_killing_the_launcher_kills_the_whole_run(command, tmp_path, long_run):
-    run = long_run(command)
+def test_killing_the_launcher_kills_the_whole_run(command, tmp_path, long_run, launch_tmpdir):
+    """SIGKILL to the launcher: nothing of the run keeps running, and nothing it put in TMPDIR stays there (the
+    fork server's socket directory; under run the agent's directory), though no clean-up ran in the launcher."""
+    run = long_run(command, env={"TMPDIR": str(launch_tmpdir)})
     assert len(run.processes()) >= 4  # launcher, 2 ranks, and the fork server or the torchrun agent
+    assert any(launch_tmpdir.rglob("listener-*")), "the fork server's socket is not under TMPDIR"
     # While it runs: every socket the run listens on is on loopback (one run serves both checks, to keep the
     # suite short): the launcher's rendezvous store and event channel, gloo's pairs, the workers' store.
     addresses = listening_addresses(run.processes())
@@ -27,6 +45,8 @@ def test_killing_the_launcher_kills_the_whole_run(command, tmp_path, long_run):
     run.process.wait()
     assert run.wait_until_gone() == [], "processes of the run outlived its launcher"
     assert not (tmp_path / "model.pt").exists()
+    left = [path.name for path in launch_tmpdir.iterdir() if not path.name.startswith(TORCH_CACHES)]
+    assert left == [], f"left in TMPDIR: {left}"
 
 
 @pytest.mark.parametrize("how", ["SIGKILL to the launcher", "SIGINT to the group"])

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ddp_amp.launch.scratch import own_temporary_directory, remove_when_gone
 from ddp_amp.process import LAUNCHER_PID_VAR, ChildDied, call_in_child, stop_signals_blocked
 
 PRELOAD = ["ddp_amp.launch.forkserver_tether", "torch", "torch.distributed", "torch._dynamo", "ddp_amp.worker"]
@@ -38,6 +39,7 @@ def start_forkserver() -> None:
     """Idempotent; torch.multiprocessing's "forkserver" context uses this same server."""
     global _started
     _started = True
+    own_temporary_directory()  # the socket's directory (and the rest of this launcher's) removed however it ends
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # inherited by the fork server: whom it must die with
     multiprocessing.set_forkserver_preload(PRELOAD)
     _short_socket_directory()
@@ -60,7 +62,8 @@ def _short_socket_directory() -> None:
     """multiprocessing puts the fork server's socket in a pymp-XXXXXXXX directory under TMPDIR, which with a
     long TMPDIR makes the socket's path longer than a Unix socket allows (OSError: AF_UNIX path too long,
     raised from deep in multiprocessing). Its directory is made once per process: where TMPDIR is too long,
-    make it under /tmp (or the current directory) instead; everything else keeps using TMPDIR."""
+    make it under /tmp (or the current directory) instead, and tell launch.scratch's janitor of it; everything
+    else keeps using this launcher's own directory under TMPDIR."""
     import tempfile
     from multiprocessing import util
 
@@ -71,7 +74,7 @@ def _short_socket_directory() -> None:
     try:
         tempfile.tempdir = next((place for place in ("/tmp", "/var/tmp", os.getcwd())
                                  if os.access(place, os.W_OK) and len(place) < 40), None)
-        util.get_temp_dir()  # made now, in the short place; multiprocessing keeps it for this process
+        remove_when_gone(util.get_temp_dir())  # made now, in the short place; kept for this process
     finally:
         tempfile.tempdir = saved
 
