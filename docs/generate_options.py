@@ -1,7 +1,7 @@
 """Writes docs/options.md, the reference of every command's options, from the command line itself.
 
-The training options are TrainConfig's fields (src/ddp_amp/config.py: name, type, default, docstring), which the
-commands turn into flags (ddp_amp.commands.options); the other options are read from the typer app. So the page
+The training options are TrainConfig's fields (src/ddp_amp/config/__init__.py: name, type, default, docstring), which
+the commands turn into flags (ddp_amp.commands.options); the other options are read from the typer app. So the page
 says what `--help` says, and tests/unit/test_docs.py fails when the committed page is not what this writes.
 
     python docs/generate_options.py            # rewrite docs/options.md (make docs)
@@ -27,7 +27,7 @@ HEADER = """# Options reference
 
 Every option of every `ddp-amp` command, as `ddp-amp COMMAND --help` gives it. This page is generated from the
 code by `make docs` (`docs/generate_options.py`): the training options are the fields of `TrainConfig`
-(`src/ddp_amp/config.py`), each field's docstring its help, so the flags, their defaults and this page have one
+(`src/ddp_amp/config/__init__.py`), each field's docstring its help, so the flags, their defaults and this page have one
 source. Do not edit it by hand; `tests/unit/test_docs.py` fails when it is stale. The options are grouped by
 concern, as `ddp-amp COMMAND --help-all` groups them (`src/ddp_amp/commands/panels.py`); a plain `--help` shows
 the most used ones.

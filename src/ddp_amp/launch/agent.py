@@ -75,7 +75,7 @@ def _run_script_entry(script: dict, run_dir: str, env: dict[str, str]) -> None:
     os.environ.update(env)
     import sys
 
-    from ddp_amp.config import Script
+    from ddp_amp.config.script import Script
     from ddp_amp.rank.script import ScriptFailed, run_script
 
     try:

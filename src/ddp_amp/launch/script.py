@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.config import LOOP_OPTIONS, Script
+from ddp_amp.config.script import LOOP_OPTIONS, Script
 from ddp_amp.errors import UsageError
 from ddp_amp.outputs import LOOP_RECORD_FILE
 from ddp_amp.precision import BF16_TRUE, FP8_RECIPES

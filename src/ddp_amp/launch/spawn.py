@@ -64,7 +64,7 @@ def _script_rank_main(rank: int, script: dict, run_dir: str, world_size: int, po
     """A rank running the user's script; its exit status is the script's (an exception: raised, for join)."""
     os.environ.update({**extra_env, **script_environment(world_size, f"ddp-amp-{port}"),
                        **rank_environment(rank, world_size, port), "ROLE_RANK": str(rank)})
-    from ddp_amp.config import Script
+    from ddp_amp.config.script import Script
     from ddp_amp.rank.script import run_script
 
     code = run_script(Script.from_dict(script), Path(run_dir))

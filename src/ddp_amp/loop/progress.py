@@ -11,7 +11,7 @@ from typing import Any
 
 from ddp_amp import outputs
 from ddp_amp.checkpoint import storage
-from ddp_amp.config import LOOP_OPTIONS
+from ddp_amp.config.script import LOOP_OPTIONS
 from ddp_amp.loop.settings import LoopError
 from ddp_amp.progress.channel import EventSender
 from ddp_amp.progress.events import warning_event

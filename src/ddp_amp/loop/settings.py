@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ddp_amp.config import LOOP_OPTIONS, TrainConfig
+from ddp_amp.config import TrainConfig
+from ddp_amp.config.script import LOOP_OPTIONS
 from ddp_amp.errors import UsageError
 from ddp_amp.precision import (
     BF16_TRUE,

@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from ddp_amp.config import Script
+from ddp_amp.config.script import Script
 from ddp_amp.errors import failure_kind
 from ddp_amp.process import FORKSERVER_PID_VAR, STOP_SIGNALS, children_started_as_the_platform_does, die_with_parent
 from ddp_amp.progress.channel import EventSender

@@ -134,7 +134,7 @@ def options_taken(run: Run) -> set[str] | None:
     what it is launched with, and ddp_amp.loop's options where it used that loop."""
     if "script" not in run.config:
         return None
-    from ddp_amp.config import LOOP_OPTIONS
+    from ddp_amp.config.script import LOOP_OPTIONS
 
     return SCRIPT_OPTIONS | (set(LOOP_OPTIONS) if run.loop else set())
 
