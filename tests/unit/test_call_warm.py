@@ -2,11 +2,21 @@
 (type and message), this process's environment and directory as they are now, and a child that dies unanswered."""
 
 import os
+import tempfile
 
 import pytest
 
 from ddp_amp.errors import UsageError
 from ddp_amp.launch.forkserver import WarmChildDied, call_warm, start_forkserver
+
+
+@pytest.fixture(autouse=True)
+def _temporary_directory_kept():
+    """start_forkserver() makes this process a launcher, whose temporary directory is its own from then on
+    (launch.scratch): the test process's other tests keep TMPDIR's."""
+    saved = tempfile.tempdir
+    yield
+    tempfile.tempdir = saved
 
 
 def _where_and_what(name: str) -> tuple[int, str, str | None]:
