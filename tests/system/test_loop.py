@@ -100,7 +100,7 @@ def test_plain_torchrun_runs_the_same_script_to_the_same_weights_and_python_runs
     script.py`: one process, its run directory where it runs."""
     torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                str(EXAMPLE), "--steps", STEPS], capture_output=True, text=True, timeout=300,
-                              cwd=tmp_path)
+                              cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})  # torchrun's log dir
     assert torchrun.returncode == 0, torchrun.stderr
     assert weights_equal(torch.load(tmp_path / "ddp-amp-loop" / "model.pt", weights_only=True), uninterrupted)
     alone = tmp_path / "alone"
@@ -414,7 +414,8 @@ def test_under_plain_torchrun_a_restart_continues_from_this_launchs_checkpoint(t
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "--max-restarts", "1", str(LOOP_FAILS), "--steps", "10", "--kill-once-at", "7"],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # docs/scripts.md
+                            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # docs/scripts.md
+                                 "TMPDIR": str(tmp_path)})  # torchrun's log dir (torchelastic_*), left in TMPDIR
     assert result.returncode == 0, result.stderr
     resumed = [line for line in result.stdout.splitlines() if line.startswith("ddp-amp loop: resumed from ")]
     assert len(resumed) == 1 and int(resumed[0].rsplit("(step ", 1)[1].rstrip(")")) in (4, 6), result.stdout

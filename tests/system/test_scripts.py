@@ -43,7 +43,7 @@ def torchrun_weights(tmp_path_factory):
     out = folder / "model.pt"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              str(fixed), "--epochs", EPOCHS, "--out", str(out)], capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=300, env={**os.environ, "TMPDIR": str(folder)})  # torchrun's logs
     assert result.returncode == 0, result.stderr
     return torch.load(out, weights_only=True)
 
