@@ -114,10 +114,13 @@ class WandbRun(TrackerRun):
         # Its files beside the run's, unless the user says where (WANDB_DIR).
         self.directory = os.environ.get("WANDB_DIR") or str(run_dir)
         os.environ.setdefault("WANDB_SILENT", "true")  # its banner would interleave with rank 0's output
+        from multiprocessing import util
+
         import wandb
 
         self.wandb = wandb
         self.run = None
+        util.Finalize(None, _remove_wandb_temporaries, exitpriority=0)  # at the rank's end (see there)
 
     def open(self, known, project, run_name, tags, params):
         run_id = known["run_id"] if known is not None else secrets.token_hex(4)  # W&B's ids: [a-z0-9]
@@ -145,3 +148,17 @@ class WandbRun(TrackerRun):
             if status == "stopped":
                 run.mark_preempting()
             run.finish(exit_code=1 if status == "failed" else 0)
+
+
+def _remove_wandb_temporaries() -> None:
+    """wandb keeps two temporary directories for the process's life (its media's and its artifacts',
+    TemporaryDirectory objects made at import), which Python removes at exit. A rank is a multiprocessing child,
+    which ends with os._exit and runs no exit handler: every W&B run left both in TMPDIR. multiprocessing runs
+    this at the rank's end instead. A wandb that keeps them elsewhere keeps them (nothing fails)."""
+    import sys
+
+    media = getattr(sys.modules.get("wandb.sdk.data_types._private"), "MEDIA_TMP", None)
+    artifact = getattr(sys.modules.get("wandb.sdk.artifacts.artifact"), "Artifact", None)
+    for directory in (media, getattr(artifact, "_TMP_DIR", None)):
+        if isinstance(directory, tempfile.TemporaryDirectory):
+            directory.cleanup()
