@@ -54,7 +54,9 @@ def own_temporary_directory() -> str:
         return _directory
     _directory = tempfile.mkdtemp(prefix=PREFIX)
     try:
-        _janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", JANITOR], stdin=subprocess.PIPE,
+        # Its first line says what it is where ps and top show its command line.
+        code = f"# ddp-amp: removes the temporary directory of launcher {os.getpid()} once it has ended\n{JANITOR}"
+        _janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", code], stdin=subprocess.PIPE,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                     cwd="/")  # keeps no directory of the user's busy (for an unmount)
     except OSError:
