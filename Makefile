@@ -24,7 +24,7 @@ help:
 	@echo "make docs       regenerate docs/options.md from the command line (a unit test fails when it is stale)"
 	@echo "make gpu-run    on a CUDA GPU: pytest -m gpu, then the GPU figures (MFU, fp8, ddp-amp against a hand-written loop)"
 	@echo "make gpu-deps   here, before a GPU run on a machine that reaches no index: torchao for its torch, in .gpu-deps/"
-	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression, a user's script against torchrun, ddp_amp.loop's step against the core's, the gpt task against a hand-written nanoGPT-style loop"
+	@echo "make bench      benchmarks/ (interleaved A/B, medians): CLI start-up, core vs hand-written DDP, launchers, progress cost, fp16 skip detection, checkpoint cost, resume memory, iterable data's end agreement, validation cost, --shard's memory and speed (and what ZeRO-1's broadcast costs on gloo) and how far the batch grows under it, how long a checkpoint blocks training (both formats), AMP and compile speedup, gradient compression, a user's script against torchrun, ddp_amp.loop's step against the core's, the gpt task against a hand-written nanoGPT-style loop, what a fused master-weight step would save bf16-true"
 
 install: $(STAMP)
 
@@ -84,6 +84,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/resume_memory.py --keep 3 --repeats 3
 	$(BIN)/python benchmarks/gemm_limit.py --repeats 3 --profile
 	$(BIN)/python benchmarks/bf16_true.py --repeats 3 --profile
+	$(BIN)/python benchmarks/master_step.py --repeats 5
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/gpt_side_by_side.py --device cpu --size tiny --no-compile --steps 60 \
 		--repeats 3 --batch-size 8
 	$(BIN)/python benchmarks/tracker_cost.py --repeats 5 --steps 3000

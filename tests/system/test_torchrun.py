@@ -174,7 +174,8 @@ def test_a_dry_run_prints_this_launchs_command_and_leaves_an_earlier_run_as_it_w
     assert files_of(base) == before and sorted(str(path) for path in base.rglob("*")) == listing
     dry = run_cli("run", "-n", "1", "--device", "cpu", "--steps", "3", "--dry-run", "--run-dir", str(new))
     assert dry.returncode == 0 and os.listdir(new) == ["config.json"], dry.stderr
-    by_hand = subprocess.run(dry.stdout.splitlines()[0], shell=True, capture_output=True, text=True, timeout=240)
+    by_hand = subprocess.run(dry.stdout.splitlines()[0], shell=True, capture_output=True, text=True, timeout=240,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})  # torchrun leaves its logs in TMPDIR
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
     assert read_summary(new)["steps"] == 3 and (new / "model.pt").is_file()
     assert read_summary(base)["steps"] == 6

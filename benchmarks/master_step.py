@@ -1,0 +1,103 @@
+"""What a fused master-weight step would save bf16-true on this CPU: the per-step work that does not shrink with
+the bf16 GEMMs, timed alone on the peer model's parameters (1024-4096-1024-1024 MLP, 9.4 M), one thread.
+
+    .venv/bin/python benchmarks/master_step.py [--repeats 5] [--steps 30]
+
+Two ways of the same update, interleaved, per round the median of `--steps` timed steps:
+- ddp-amp's (parallel.master): the bf16 gradients widened into the fp32 masters' (`.float()`), torch's fused
+  AdamW over the masters, the masters written back rounded into the bf16 weights (`_foreach_copy_`): three
+  passes over memory, each timed on its own too;
+- one pass: the same AdamW written out and compiled (torch.compile, inductor's C++), reading the bf16 gradient
+  and writing the bf16 weight inside the update, as a fused kernel of ddp-amp's own would.
+Printed: each in ms a step, the one-pass step over ddp-amp's, and the compile time.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import spread  # noqa: E402
+
+from ddp_amp.precision import cpu_model  # noqa: E402
+
+SHAPES = [(4096, 1024), (4096,), (1024, 4096), (1024,), (1024, 1024), (1024,), (1, 1024), (1,)]
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def median_ms(step, steps: int) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+@torch.compile(fullgraph=True)
+def one_pass(weights, grads, masters, means, squares, lr, beta1, beta2, eps, decay, correction1, correction2):
+    for weight, grad, master, mean, square in zip(weights, grads, masters, means, squares):
+        grad = grad.float()
+        master.mul_(1 - lr * decay)
+        mean.lerp_(grad, 1 - beta1)
+        square.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        master.addcdiv_(mean, (square / correction2).sqrt().add_(eps), value=-lr / correction1)
+        weight.copy_(master)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    masters = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    weights = [master.detach().bfloat16() for master in masters]
+    grads = [torch.randn(shape).bfloat16() for shape in SHAPES]
+    optimizer = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+
+    @torch.no_grad()
+    def widen():
+        for master, grad in zip(masters, grads):
+            master.grad = grad.float()
+
+    @torch.no_grad()
+    def write_back():
+        torch._foreach_copy_(weights, masters)
+
+    def three_passes():
+        widen()
+        optimizer.step()
+        write_back()
+
+    own = [master.detach().clone() for master in masters]
+    means, squares = [torch.zeros_like(m) for m in own], [torch.zeros_like(m) for m in own]
+
+    def fused():
+        one_pass(weights, grads, own, means, squares, LR, *BETAS, EPS, WEIGHT_DECAY, 0.5, 0.5)
+
+    started = time.perf_counter()
+    fused()
+    compile_s = time.perf_counter() - started
+    figures: dict[str, list[float]] = {"widen": [], "AdamW (fused)": [], "write back": [], "three passes": [],
+                                       "one pass (compiled)": []}
+    for _ in range(args.repeats):
+        for name, step in (("widen", widen), ("AdamW (fused)", optimizer.step), ("write back", write_back),
+                           ("three passes", three_passes), ("one pass (compiled)", fused)):
+            figures[name].append(median_ms(step, args.steps))
+    print(f"CPU: {cpu_model()}; one thread; {sum(m.numel() for m in masters) / 1e6:.1f} M parameters")
+    for name, values in figures.items():
+        print(f"{name:<20} {spread(values)} ms a step")
+    ratio = [fused_ms / plain for fused_ms, plain in zip(figures["one pass (compiled)"], figures["three passes"])]
+    print(f"one pass / three passes, per round: {spread(ratio)}; compiled in {compile_s:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
