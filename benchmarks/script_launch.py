@@ -15,6 +15,7 @@ The script is benchmarks/script_step.py (DDP over an MLP, AdamW, batch 64 per ra
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,9 @@ def launch(runner: str, nproc: int, steps: int, work: Path) -> dict:
         command = [sys.executable, "-m", "ddp_amp", "run", "-n", str(nproc), "--log-format", "plain",
                    "--run-dir", str(work / f"run-{time.monotonic_ns()}")]
     started = time.time()
-    result = subprocess.run([*command, *script], capture_output=True, text=True)
+    # Both in TMPDIR=work, which goes at the end: torchrun leaves its log directories (torchelastic_*) there.
+    result = subprocess.run([*command, *script], capture_output=True, text=True,
+                            env={**os.environ, "TMPDIR": str(work)})
     if result.returncode != 0:
         raise SystemExit(f"{runner} failed:\n{result.stderr[-3000:]}")
     measured = json.loads(out.read_text())
