@@ -25,7 +25,9 @@ remove_when_gone(outside)
 print(own, file.name, flush=True)
 if sys.argv[1] == "killed, its forked child alive":
     if os.fork() == 0:  # a child of the launcher's own that outlives it
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the test reads the launcher's output to its end
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the test reads the launcher's output to its end
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
         time.sleep(60)
         os._exit(0)
 if sys.argv[1].startswith("killed"):
@@ -38,8 +40,8 @@ def launcher(how: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, str
     outside = tmp_path / "outside"
     env = {"TMPDIR": str(tmp_path / "tmp"), MARK_VAR: mark, "PATH": "/usr/bin:/bin"}
     (tmp_path / "tmp").mkdir()
-    result = subprocess.run([sys.executable, "-c", LAUNCHER, how, str(outside)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env, timeout=60)
+    result = subprocess.run([sys.executable, "-c", LAUNCHER, how, str(outside)], capture_output=True, text=True,
+                            env=env, timeout=60)
     own, file = result.stdout.split()
     return result, mark, [Path(own), Path(file), outside]
 
@@ -59,7 +61,7 @@ def test_a_launcher_that_ends_by_itself_leaves_no_directory_and_no_janitor(tmp_p
 
 def test_a_sigkilled_launcher_leaves_nothing_once_its_janitor_has_run(tmp_path):
     result, mark, paths = launcher("killed", tmp_path)
-    assert result.returncode == -signal.SIGKILL
+    assert result.returncode == -signal.SIGKILL, result.stderr
     deadline = time.monotonic() + 30
     while (run_processes(mark) or any(path.exists() for path in paths)) and time.monotonic() < deadline:
         time.sleep(0.05)
