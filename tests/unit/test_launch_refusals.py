@@ -690,3 +690,17 @@ def test_more_dataloader_workers_than_the_node_can_start_is_refused_and_more_tha
         code, _, err = run_main(["run", "-n", "2", "--device", "cpu", "--num-workers", str(workers), "--dry-run",
                                  "--run-dir", str(tmp_path / f"dry{workers}")], capsys)
         assert code == 0 and (warning in err) == warned, err
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--amp", "on", "--dtype", "bf16"], "steps bf16-true's fp32 masters, and this run is bf16: pass --dtype "
+                                         "bf16-true, or pick fused, foreach or loop"),
+    (["--dtype", "bf16-true", "--optimizer", "sgd"], "runs AdamW, not --optimizer sgd: pick fused, foreach or "
+                                                     "loop"),
+    (["--dtype", "bf16-true", "--shard", "optimizer"], "runs under --shard none, not --shard optimizer (which "
+                                                       "steps its own optimizer): pick fused, foreach or loop")])
+def test_the_compiled_step_where_it_does_not_apply_is_one_line(flags, problem, tmp_path, capsys):
+    code, _, err = run_main(["spawn", "-n", "2", "--device", "cpu", *flags, "--optimizer-impl", "compiled",
+                             "--run-dir", str(tmp_path / "r")], capsys)
+    assert (code, err) == (2, f"ddp-amp: error: --optimizer-impl compiled {problem}\n")
+    assert not (tmp_path / "r").exists()

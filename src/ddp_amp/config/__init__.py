@@ -19,7 +19,7 @@ SCHEDULES = ("constant", "cosine", "exponential", "step", "onecycle")
 OPTIMIZERS = ("adamw", "sgd")
 TF32_MODES = ("on", "off")
 FLUSH_DENORMAL_MODES = ("auto", "on", "off")
-OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop", "compiled")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 SHARD_MODES = ("none", "optimizer", "full")
 CHECKPOINT_FORMATS = ("single", "sharded")
@@ -161,7 +161,9 @@ class TrainConfig:
     node cannot start that many processes, warned of above its usable cores per rank (I/O-bound workers may be)."""
     optimizer_impl: str = "auto"
     """The optimizer's implementation: fused (one kernel for all parameters), foreach (per tensor list), loop (one
-    parameter at a time, torch's CPU default); auto: fused, but foreach under fp16's GradScaler or SGD --shard full."""
+    parameter at a time, torch's CPU default), compiled (bf16-true's AdamW in one compiled pass that reads the bf16
+    gradients and writes the bf16 weights; --shard none); auto: fused, but foreach under fp16's GradScaler or SGD
+    --shard full, compiled for AdamW under bf16-true with --compile and --shard none."""
     grad_compression: str = "none"
     """Compress gradients for DDP's all-reduce with its built-in hook: none, fp16 or bf16 (bf16 needs nccl)."""
     shard: str = "none"

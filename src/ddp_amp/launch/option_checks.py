@@ -60,9 +60,25 @@ def check_ddp_options(config: TrainConfig, device_type: str, precision: Precisio
         raise UsageError("--optimizer-impl fused cannot run under fp16's GradScaler here: a fused step skips "
                          "overflowing steps on the device, unseen by the LR schedule; use foreach (what auto "
                          "picks) or --dtype bf16")
+    check_compiled_step(config, precision)
     if config.optimizer_impl == "fused" and config.optimizer == "sgd" and config.shard == "full":
         raise UsageError("--optimizer-impl fused cannot run SGD under --shard full: torch has no fused SGD step for "
                          "sharded (DTensor) parameters; use foreach (what auto picks), loop, or --optimizer adamw")
+
+
+def check_compiled_step(config: TrainConfig, precision: Precision) -> None:
+    """--optimizer-impl compiled: bf16-true's AdamW under DDP (train.optim.compiled_step_applies)."""
+    if config.optimizer_impl != "compiled":
+        return
+    if not precision.bf16_weights:
+        raise UsageError(f"--optimizer-impl compiled steps bf16-true's fp32 masters, and this run is {precision.name}: "
+                         "pass --dtype bf16-true, or pick fused, foreach or loop")
+    if config.optimizer != "adamw":
+        raise UsageError(f"--optimizer-impl compiled runs AdamW, not --optimizer {config.optimizer}: pick fused, "
+                         "foreach or loop")
+    if config.shard != "none":
+        raise UsageError(f"--optimizer-impl compiled runs under --shard none, not --shard {config.shard} (which "
+                         "steps its own optimizer): pick fused, foreach or loop")
 
 
 def check_processes(config: TrainConfig, nproc_per_node: int, flag: str) -> None:

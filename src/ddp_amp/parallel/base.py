@@ -44,6 +44,11 @@ class Strategy:
         """The optimizer `cls(params, **options)` as this mode runs it."""
         return cls(params, **options)
 
+    def compiled_adamw(self, params: list[nn.Parameter], **options: Any) -> torch.optim.Optimizer:
+        """--optimizer-impl compiled: AdamW stepping bf16-true's masters in one pass (DDP's alone; refused before
+        launch elsewhere, launch.option_checks)."""
+        raise NotImplementedError(f"--optimizer-impl compiled under --shard {self.mode}")
+
     def optimized(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimizer updates for the model's trainable `params`: themselves, or their fp32 masters
         (bf16-true under DDP, parallel.master)."""

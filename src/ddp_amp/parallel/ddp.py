@@ -31,12 +31,20 @@ class DDPStrategy(Strategy):
     def optimized(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         return self.masters.for_optimizer(params) if self.masters else params
 
+    def compiled_adamw(self, params: list[nn.Parameter], **options: Any) -> torch.optim.Optimizer:
+        from ddp_amp.parallel.master_step import MasterAdamW
+
+        if not self.masters:
+            raise NotImplementedError("--optimizer-impl compiled without bf16-true's masters")
+        self.masters.moved_by_optimizer = True  # it reads the bf16 gradients and writes the bf16 weights itself
+        return MasterAdamW(params, self.masters.pairs, **options)
+
     def gradients_for_update(self) -> None:
-        if self.masters:
+        if self.masters and not self.masters.moved_by_optimizer:
             self.masters.take_gradients()
 
     def update_done(self) -> None:
-        if self.masters:
+        if self.masters and not self.masters.moved_by_optimizer:
             self.masters.write_back()
 
     def full_state(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,

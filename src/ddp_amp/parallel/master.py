@@ -36,6 +36,9 @@ class MasterWeights:
         self.names = {name: self.master_of[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
                       if id(p) in self.master_of}
         module.to(torch.bfloat16)  # parameters and floating-point buffers, in place: the same Parameter objects
+        self.moved_by_optimizer = False
+        """The optimizer itself reads the bf16 gradients and writes the bf16 weights (parallel.master_step): no
+        gradients taken, nothing written back here."""
 
     @torch.no_grad()
     def agree(self) -> None:

@@ -15,20 +15,31 @@ def optimizer_impl(config: TrainConfig, precision: Precision) -> str:
     fused step takes the scaler's overflow flag itself and is called even for a step it skips, which the host
     (the LR schedule, the skipped-step count) would then learn of only through an extra sync per step. foreach
     for SGD under --shard full too: its parameters are DTensors, and torch registers no DTensor rule for the fused
-    SGD kernel (it does for AdamW's), so every rank failed at its first step."""
+    SGD kernel (it does for AdamW's), so every rank failed at its first step. compiled where the run compiles
+    anyway (--compile) and it applies (bf16-true's AdamW under DDP, parallel.master_step): it saves two of the
+    master-weight step's three passes over memory, for a compile at the first step."""
     if config.optimizer_impl != "auto":
         return config.optimizer_impl
+    if config.compile and compiled_step_applies(config, precision):
+        return "compiled"
     sharded_sgd = config.optimizer == "sgd" and config.shard == "full"
     return "foreach" if precision.uses_scaler or sharded_sgd else "fused"
+
+
+def compiled_step_applies(config: TrainConfig, precision: Precision) -> bool:
+    """--optimizer-impl compiled runs AdamW over bf16-true's masters under DDP (ZeRO and FSDP2 step their own)."""
+    return precision.bf16_weights and config.optimizer == "adamw" and config.shard == "none"
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, strategy: Strategy,
                     impl: str = "loop") -> torch.optim.Optimizer:
     """--optimizer over the trainable parameters, as the parallel mode runs it (parallel.zero: each rank
     keeps the state of its share)."""
-    kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
     # Frozen parameters (requires_grad=False) stay out: no state for them, and weight decay never moves them.
     params = strategy.optimized([p for p in model.parameters() if p.requires_grad])
+    if impl == "compiled":
+        return strategy.compiled_adamw(params, lr=config.lr, weight_decay=config.weight_decay)
+    kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
     if config.optimizer == "sgd":
         cls, options = torch.optim.SGD, {"lr": config.lr, "momentum": config.momentum,
                                          "weight_decay": config.weight_decay, **kind}

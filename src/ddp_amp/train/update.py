@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ddp_amp.parallel.base import Strategy, whole_value
+from ddp_amp.parallel.master_step import MasterAdamW
 
 
 class OptimizerUpdate:
@@ -48,6 +49,8 @@ class OptimizerUpdate:
         """The norm of the true gradients: unscaled first (a no-op without fp16), clipped to `limit` after
         unscaling. The gradients are all-reduced already, so this rank's norm is the global one; it stays on the
         device. Sharded gradients (--shard full) are DTensors: torch's norm of them is the global one, replicated."""
+        if isinstance(self.optimizer, MasterAdamW):  # bf16 gradients, scaled inside its one pass (no scaler)
+            return self.optimizer.norm_and_clip(limit)
         self.scaler.unscale_(self.optimizer)
         # The optimizer's parameters: the model's own, or their fp32 masters (bf16-true), which hold the gradients.
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]

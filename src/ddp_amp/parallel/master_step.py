@@ -1,0 +1,134 @@
+"""--optimizer-impl compiled: bf16-true's AdamW step over the fp32 masters in one pass over memory.
+
+torch's optimizers take one dtype per parameter, so the master-weight step (parallel.master) is three passes: the
+bf16 gradients widened into fp32 tensors, torch's fused AdamW over the masters, the masters written back rounded
+into the bf16 weights. On a CPU whose bf16 GEMMs run 4-5x fp32 those passes are a third of the step
+(docs/benchmarks.md). Here torch.compile writes the one pass: it reads each bf16 gradient, updates the master and
+AdamW's moments in fp32 and writes the bf16 weight, by torch's own AdamW formula (single tensor, not capturable).
+
+The optimizer stays a torch.optim.AdamW for everything else: its param_groups (the LR schedule writes "lr"), its
+state ("step", "exp_avg", "exp_avg_sq" per master) and so its state_dict, which checkpoints of every other
+precision and implementation read and write. A few compiles serve every parameter (shapes dynamic, flattened:
+one per number of dimensions and for one-element tensors), and the step's scalars are a tensor, so neither the
+LR schedule nor the bias corrections recompile it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _adamw_one_pass(weight: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, grad_factor: torch.Tensor, scalars: torch.Tensor, beta1: float,
+                    beta2: float, eps: float) -> None:
+    """torch.optim.AdamW's update of one master (torch.optim.adam._single_tensor_adam with decoupled weight
+    decay), its gradient read from bf16 and multiplied by `grad_factor` (gradient clipping's coefficient), its
+    bf16 weight written from the result. `scalars`: this step's (1 - lr * weight_decay, the step size, the square
+    root of the second bias correction), computed as torch computes them, in Python: a tensor, so that a new
+    value is not a new compile, and ready, or inductor would compute the bias corrections' powers per vector."""
+    decay, step_size, bias_correction2_sqrt = scalars[0], scalars[1], scalars[2]
+    grad = grad.float() * grad_factor
+    master.mul_(decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    master.sub_(exp_avg / denom * step_size)
+    weight.copy_(master)
+
+
+_compiled_pass = None
+
+
+def adamw_one_pass(*args) -> None:
+    """The compiled pass, compiled at its first call (dynamic shapes: one kernel for every flattened size).
+
+    Outside any dispatch mode: the first step runs under the run's FLOP counter (torch's FlopCounterMode, a
+    TorchDispatchMode, train.metrics), and torch.compile does not compile under one: it marks the function as
+    not to compile, for good, and every later step would run it op by op. The update holds no FLOP that the
+    counter counts (matmuls, convolutions, attention)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    global _compiled_pass
+    if _compiled_pass is None:
+        _compiled_pass = torch.compile(_adamw_one_pass, dynamic=True)
+    with _disable_current_modes():
+        _compiled_pass(*args)
+
+
+def _flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as 1-D views where all are contiguous (one compiled kernel for every parameter's shape), else as
+    they are (a channels-last weight: a kernel for its shape and strides)."""
+    if all(t.is_contiguous() for t in tensors):
+        return tuple(t.view(-1) for t in tensors)
+    return tensors
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW over the fp32 masters whose step reads the model's bf16 gradients and writes its bf16 weights.
+
+    `pairs`: (the model's bf16 parameter, its master), the masters being what the optimizer was given. The
+    gradients stay on the model's parameters (DDP's all-reduced bf16) until the step, which drops them; clipping
+    scales them through `grad_factor`, inside the pass, not by rounding them in place."""
+
+    def __init__(self, params: list[nn.Parameter], pairs: list[tuple[nn.Parameter, nn.Parameter]], *,
+                 lr: float, weight_decay: float, **options) -> None:
+        super().__init__(params, lr=lr, weight_decay=weight_decay, **options)
+        self.weight_of = {id(master): weight for weight, master in pairs}
+        self.grad_factor: torch.Tensor | None = None
+        """The factor of the next step's gradients (clipping's), None for 1."""
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients the next step takes (bf16, on the model's parameters)."""
+        return [grad for group in self.param_groups for master in group["params"]
+                if (grad := self.weight_of[id(master)].grad) is not None]
+
+    @torch.no_grad()
+    def norm_and_clip(self, limit: float | None) -> torch.Tensor:
+        """The gradients' global 2-norm, summed in fp32 (what the masters' fp32 gradients would give); with a
+        `limit`, the next step scales them as torch's clip_grad_norm_ would (limit / (norm + 1e-6), at most 1)."""
+        grads = self.gradients()
+        if not grads:
+            return torch.zeros(())
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        if limit is not None:
+            self.grad_factor = torch.clamp(limit / (norm + 1e-6), max=1.0)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("--optimizer-impl compiled: the step takes no closure")
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("--optimizer-impl compiled runs plain AdamW (no amsgrad, no maximize)")
+            lr, (beta1, beta2) = group["lr"], group["betas"]
+            factors: dict[torch.device, torch.Tensor] = {}
+            for master in group["params"]:
+                weight = self.weight_of[id(master)]
+                if weight.grad is None:
+                    continue
+                if master.device not in factors:
+                    factor = self.grad_factor if self.grad_factor is not None else torch.ones(())
+                    factors[master.device] = factor.to(master.device, torch.float32)
+                state = self._state_of(master)
+                state["step"] += 1
+                step = state["step"].item()  # on the CPU, as in torch's AdamW (not fused, not capturable)
+                scalars = torch.tensor([1 - lr * group["weight_decay"], lr / (1 - beta1 ** step),
+                                        (1 - beta2 ** step) ** 0.5], device=master.device)
+                adamw_one_pass(*_flat(weight, weight.grad, master, state["exp_avg"], state["exp_avg_sq"]),
+                               factors[master.device], scalars, beta1, beta2, group["eps"])
+                weight.grad = None
+        self.grad_factor = None
+
+    def _state_of(self, master: nn.Parameter) -> dict[str, torch.Tensor]:
+        """AdamW's state of `master`, begun as torch's (step 0, moments zero); the step on the CPU, where a
+        checkpoint of torch's fused AdamW left it on the master's device."""
+        state = self.state[master]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        if state["step"].device.type != "cpu":
+            state["step"] = state["step"].cpu()
+        return state

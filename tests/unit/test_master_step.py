@@ -1,0 +1,185 @@
+"""--optimizer-impl compiled (parallel.master_step): bf16-true's AdamW in one compiled pass is torch's AdamW over
+the fp32 masters, its state_dict is torch's, clipping happens inside the pass, and the run's choices reach it."""
+
+import copy
+
+import pytest
+import torch
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.parallel.master_step import MasterAdamW
+from ddp_amp.precision import Precision
+from ddp_amp.train.optim import optimizer_impl
+
+SHAPES = [(64, 32), (64,), (1, 64), (1,), (2, 3, 4), (2, 2, 2, 2, 2), (8, 4, 3, 3)]
+
+
+def bf16_model_and_masters(seed: int = 0):
+    """(bf16 weights, their fp32 masters, plain fp32 copies for torch's AdamW), one of them channels-last."""
+    torch.manual_seed(seed)
+    masters = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    masters[-1] = torch.nn.Parameter(masters[-1].detach().to(memory_format=torch.channels_last))
+    weights = [torch.nn.Parameter(m.detach().bfloat16()) for m in masters]
+    plain = [torch.nn.Parameter(m.detach().clone()) for m in masters]
+    return weights, masters, plain
+
+
+def new_gradients(weights, scale: float = 1.0) -> list[torch.Tensor]:
+    """bf16 gradients laid out as their weights (DDP's bucket views take each parameter's strides)."""
+    return [torch.empty_like(w).copy_(torch.randn(w.shape) * scale) for w in weights]
+
+
+def hand_out(gradients, weights, plain) -> None:
+    """The same bf16 gradients to the model's weights (as DDP leaves them) and, widened, to the plain copies."""
+    for weight, widened, grad in zip(weights, plain, gradients):
+        weight.grad, widened.grad = grad.clone(), grad.float()  # both keep the weight's layout
+
+
+def groups(params):
+    """Two groups with their own rate and decay, as a user's factory may build."""
+    return [{"params": params[:2], "lr": 3e-3, "weight_decay": 0.1}, {"params": params[2:], "lr": 1e-3}]
+
+
+def test_the_compiled_step_is_torchs_adamw_over_the_masters_and_writes_the_bf16_weights():
+    weights, masters, plain = bf16_model_and_masters()
+    compiled = MasterAdamW(groups(masters), list(zip(weights, masters)), lr=1e-3, weight_decay=0.01)
+    reference = torch.optim.AdamW(groups(plain), lr=1e-3, weight_decay=0.01, foreach=False)
+    for step in range(6):
+        for optimizer in (compiled, reference):  # a schedule: a new rate each step
+            for group, base in zip(optimizer.param_groups, (3e-3, 1e-3)):
+                group["lr"] = base * (1 - step / 10)
+        hand_out(new_gradients(weights), weights, plain)
+        compiled.step()
+        reference.step()
+        assert all(w.grad is None for w in weights)  # taken by the step, as the strategy's take_gradients did
+        for weight, master, value in zip(weights, masters, plain):
+            torch.testing.assert_close(master, value, rtol=1e-5, atol=1e-6)
+            assert torch.equal(weight, master.detach().bfloat16())
+    ours, torchs = compiled.state_dict(), reference.state_dict()
+    implementation = ("foreach", "fused")  # how torch's runs, the one setting the two may differ in
+    assert ([{k: v for k, v in group.items() if k not in implementation} for group in ours["param_groups"]]
+            == [{k: v for k, v in group.items() if k not in implementation} for group in torchs["param_groups"]])
+    for index, state in torchs["state"].items():
+        assert set(ours["state"][index]) == set(state) and torch.equal(ours["state"][index]["step"], state["step"])
+        torch.testing.assert_close(ours["state"][index]["exp_avg_sq"], state["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_a_new_rate_is_not_a_new_compile():
+    """The LR schedule writes a new float each step: passed as a tensor, it reuses the compiled pass."""
+    from torch._dynamo.utils import counters
+
+    weights, masters, plain = bf16_model_and_masters()
+    optimizer = MasterAdamW(masters, list(zip(weights, masters)), lr=1e-3, weight_decay=0.01)
+    hand_out(new_gradients(weights), weights, plain)
+    optimizer.step()
+    compiled = counters["stats"]["unique_graphs"]
+    for step in range(3):
+        optimizer.param_groups[0]["lr"] = 1e-3 / (step + 2)
+        hand_out(new_gradients(weights), weights, plain)
+        optimizer.step()
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_its_checkpoints_and_torchs_adamws_pass_both_ways():
+    """The state_dict is torch's AdamW's: each resumes from the other's and goes on as the other would."""
+    weights, masters, plain = bf16_model_and_masters()
+    compiled = MasterAdamW(masters, list(zip(weights, masters)), lr=1e-3, weight_decay=0.01)
+    reference = torch.optim.AdamW(plain, lr=1e-3, weight_decay=0.01, fused=True)
+    for _ in range(2):
+        hand_out(new_gradients(weights), weights, plain)
+        compiled.step()
+        reference.step()
+    compiled.load_state_dict(copy.deepcopy(reference.state_dict()))  # from torch's fused AdamW's checkpoint
+    with torch.no_grad():
+        for master, value, weight in zip(masters, plain, weights):
+            master.copy_(value)
+            weight.copy_(value)
+    back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in plain], lr=1e-3, weight_decay=0.01)
+    gradients = new_gradients(weights)
+    hand_out(gradients, weights, plain)
+    compiled.step()
+    reference.step()
+    for master, value in zip(masters, plain):
+        torch.testing.assert_close(master, value, rtol=1e-5, atol=1e-6)
+    back.load_state_dict(copy.deepcopy(compiled.state_dict()))  # and torch's AdamW from ours
+    assert all(back.state[p]["step"].item() == 3 for p in back.param_groups[0]["params"])
+
+
+def test_clipping_scales_the_gradients_inside_the_pass_by_torchs_coefficient():
+    """norm_and_clip: the global norm summed in fp32 (what the masters' fp32 gradients give), and a step that
+    moves the masters as torch's AdamW after clip_grad_norm_ of the fp32 gradients; the bf16 gradients are not
+    rounded by a scaling in place."""
+    weights, masters, plain = bf16_model_and_masters()
+    compiled = MasterAdamW(masters, list(zip(weights, masters)), lr=1e-2, weight_decay=0.0)
+    reference = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.0, foreach=False)
+    for _ in range(3):
+        gradients = new_gradients(weights, 3.0)
+        hand_out(gradients, weights, plain)
+        norm = compiled.norm_and_clip(1.0)
+        expected = torch.nn.utils.clip_grad_norm_(plain, 1.0)
+        assert norm.dtype == torch.float32 and norm.item() == pytest.approx(expected.item(), rel=1e-6)
+        assert norm > 1.0 and all(torch.equal(w.grad, g) for w, g in zip(weights, gradients))
+        compiled.step()
+        reference.step()
+        for master, value in zip(masters, plain):
+            torch.testing.assert_close(master, value, rtol=1e-5, atol=1e-6)
+    assert compiled.grad_factor is None  # one step's clipping is not the next one's
+
+
+@pytest.mark.parametrize(("dtype", "shard", "compile", "expected"), [
+    ("bf16-true", "none", True, "compiled"), ("bf16-true", "none", False, "fused"),
+    ("bf16-true", "optimizer", True, "fused"), ("bf16", "none", True, "fused")])
+def test_auto_picks_the_compiled_step_where_the_run_compiles_and_it_applies(dtype, shard, compile, expected):
+    config = TrainConfig(task="mlp", amp="on", dtype=dtype, shard=shard, compile=compile)
+    assert optimizer_impl(config, Precision(dtype)) == expected
+
+
+class Recorder:
+    def __init__(self):
+        self.records = []
+
+    def on_log(self, record):
+        self.records.append(record)
+
+
+def test_a_run_with_the_compiled_step_moves_the_masters_as_the_three_passes_do(one_rank_group, tmp_path):
+    """The trainer in bf16-true, --optimizer-impl compiled against fused (the masters' three passes), clipped, at
+    a rate whose updates are far below a bf16 ulp of the weights: the bf16 weights cannot move, the masters move
+    alike in both, the logged norms agree, no master ever holds a gradient (none was widened), and the update ran
+    compiled from the first step (which runs under the FLOP counter, a dispatch mode torch.compile skips)."""
+    from ddp_amp.train.trainer import Trainer
+
+    import helper_tasks
+
+    def run(impl):
+        config = TrainConfig(task="inline", steps=4, log_every=2, batch_size=16, seed=5, schedule="constant",
+                             lr=1e-5, clip_grad=0.05, amp="on", dtype="bf16-true", optimizer_impl=impl,
+                             run_dir=str(tmp_path / impl))
+        torch.manual_seed(5)
+        task = helper_tasks.plain_regression()
+        initial = {k: v.clone() for k, v in task.model.state_dict().items()}
+        recorder = Recorder()
+        trainer = Trainer(config, one_rank_group, torch.device("cpu"), Precision("bf16-true"), task, recorder)
+        masters = trainer.optimizer.param_groups[0]["params"]
+        widened = []
+        trainer.optimizer.register_step_pre_hook(lambda *_: widened.append(any(m.grad is not None for m in masters)))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            trainer.train()
+        ops[impl] = {event.key: event.count for event in profiler.key_averages()}
+        held, saved = dict(trainer.module.state_dict()), trainer.model_state()
+        trainer.close()
+        return initial, held, saved, [r["grad_norm"] for r in recorder.records], widened, trainer.optimizer_impl
+
+    ops = {}
+    initial, _, fused, fused_norms, fused_widened, _ = run("fused")
+    _, held, saved, norms, widened, impl = run("compiled")
+    assert impl == "compiled" and widened == [False] * 4 and fused_widened == [True] * 4
+    # The update compiled at every step, the first too (under the run's FLOP counter): one call of inductor's
+    # kernel per parameter per step (the weight and the bias, 4 steps), none of torch's fused AdamW.
+    kernel_calls = sum(count for key, count in ops["compiled"].items() if key.startswith("## Call CompiledFxGraph"))
+    assert kernel_calls == 8 and "aten::_fused_adamw_" not in ops["compiled"]
+    assert "aten::_fused_adamw_" in ops["fused"]
+    assert torch.equal(held["weight"], initial["weight"].bfloat16())
+    assert (saved["weight"] - initial["weight"]).abs().min() > 0
+    torch.testing.assert_close(saved["weight"], fused["weight"], rtol=1e-6, atol=1e-9)
+    assert len(norms) == 2 and norms == pytest.approx(fused_norms, rel=1e-6) and min(norms) > 0.05  # clipped
