@@ -7,9 +7,9 @@ Two ways of the same update, interleaved, per round the median of `--steps` time
 - ddp-amp's (parallel.master): the bf16 gradients widened into the fp32 masters' (`.float()`), torch's fused
   AdamW over the masters, the masters written back rounded into the bf16 weights (`_foreach_copy_`): three
   passes over memory, each timed on its own too;
-- one pass: the same AdamW written out and compiled (torch.compile, inductor's C++), reading the bf16 gradient
-  and writing the bf16 weight inside the update, as a fused kernel of ddp-amp's own would.
-Printed: each in ms a step, the one-pass step over ddp-amp's, and the compile time.
+- one pass: --optimizer-impl compiled (parallel.master_step.MasterAdamW), the same AdamW compiled by
+  torch.compile (inductor's C++), reading the bf16 gradient and writing the bf16 weight inside the update.
+Printed: each in ms a step, the one-pass step over the three passes', and the compile time.
 """
 
 import argparse
@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import spread  # noqa: E402
 
+from ddp_amp.parallel.master_step import MasterAdamW  # noqa: E402
 from ddp_amp.precision import cpu_model  # noqa: E402
 
 SHAPES = [(4096, 1024), (4096,), (1024, 4096), (1024,), (1024, 1024), (1024,), (1, 1024), (1,)]
@@ -38,17 +39,6 @@ def median_ms(step, steps: int) -> float:
         step()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
-
-
-@torch.compile(fullgraph=True)
-def one_pass(weights, grads, masters, means, squares, lr, beta1, beta2, eps, decay, correction1, correction2):
-    for weight, grad, master, mean, square in zip(weights, grads, masters, means, squares):
-        grad = grad.float()
-        master.mul_(1 - lr * decay)
-        mean.lerp_(grad, 1 - beta1)
-        square.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        master.addcdiv_(mean, (square / correction2).sqrt().add_(eps), value=-lr / correction1)
-        weight.copy_(master)
 
 
 def main() -> None:
@@ -77,11 +67,14 @@ def main() -> None:
         optimizer.step()
         write_back()
 
-    own = [master.detach().clone() for master in masters]
-    means, squares = [torch.zeros_like(m) for m in own], [torch.zeros_like(m) for m in own]
+    own = [torch.nn.Parameter(master.detach().clone()) for master in masters]
+    own_weights = [torch.nn.Parameter(weight.clone()) for weight in weights]
+    one_pass = MasterAdamW(own, list(zip(own_weights, own)), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
     def fused():
-        one_pass(weights, grads, own, means, squares, LR, *BETAS, EPS, WEIGHT_DECAY, 0.5, 0.5)
+        for weight, grad in zip(own_weights, grads):
+            weight.grad = grad  # DDP's all-reduced bf16 gradient, taken (and dropped) by the step
+        one_pass.step()
 
     started = time.perf_counter()
     fused()
