@@ -126,12 +126,25 @@ def test_clipping_scales_the_gradients_inside_the_pass_by_torchs_coefficient():
     assert compiled.grad_factor is None  # one step's clipping is not the next one's
 
 
-@pytest.mark.parametrize(("dtype", "shard", "compile", "expected"), [
-    ("bf16-true", "none", True, "compiled"), ("bf16-true", "none", False, "fused"),
-    ("bf16-true", "optimizer", True, "fused"), ("bf16", "none", True, "fused")])
-def test_auto_picks_the_compiled_step_where_the_run_compiles_and_it_applies(dtype, shard, compile, expected):
+@pytest.mark.parametrize(("dtype", "shard", "compile", "device", "expected"), [
+    ("bf16-true", "none", True, "cpu", "compiled"), ("bf16-true", "none", False, "cpu", "fused"),
+    ("bf16-true", "optimizer", True, "cpu", "fused"), ("bf16", "none", True, "cpu", "fused"),
+    ("bf16-true", "none", True, "cuda", "fused")])
+def test_auto_picks_the_compiled_step_where_the_run_compiles_and_it_applies(dtype, shard, compile, device,
+                                                                           expected):
     config = TrainConfig(task="mlp", amp="on", dtype=dtype, shard=shard, compile=compile)
-    assert optimizer_impl(config, Precision(dtype)) == expected
+    assert optimizer_impl(config, Precision(dtype), device) == expected
+
+
+def test_the_compiled_step_asked_for_on_gpus_is_refused_in_one_line():
+    """Untried on a GPU: asked for there, refused before launch (the CPU cases: tests/unit/test_launch_refusals)."""
+    from ddp_amp.errors import UsageError
+    from ddp_amp.launch.option_checks import check_compiled_step
+
+    config = TrainConfig(task="mlp", amp="on", dtype="bf16-true", optimizer_impl="compiled")
+    check_compiled_step(config, Precision("bf16-true"), "cpu")
+    with pytest.raises(UsageError, match="^--optimizer-impl compiled runs on CPU ranks, and these compute on GPUs"):
+        check_compiled_step(config, Precision("bf16-true"), "cuda")
 
 
 class Recorder:

@@ -60,13 +60,13 @@ def check_ddp_options(config: TrainConfig, device_type: str, precision: Precisio
         raise UsageError("--optimizer-impl fused cannot run under fp16's GradScaler here: a fused step skips "
                          "overflowing steps on the device, unseen by the LR schedule; use foreach (what auto "
                          "picks) or --dtype bf16")
-    check_compiled_step(config, precision)
+    check_compiled_step(config, precision, device_type)
     if config.optimizer_impl == "fused" and config.optimizer == "sgd" and config.shard == "full":
         raise UsageError("--optimizer-impl fused cannot run SGD under --shard full: torch has no fused SGD step for "
                          "sharded (DTensor) parameters; use foreach (what auto picks), loop, or --optimizer adamw")
 
 
-def check_compiled_step(config: TrainConfig, precision: Precision) -> None:
+def check_compiled_step(config: TrainConfig, precision: Precision, device_type: str) -> None:
     """--optimizer-impl compiled: bf16-true's AdamW under DDP (train.optim.compiled_step_applies)."""
     if config.optimizer_impl != "compiled":
         return
@@ -79,6 +79,9 @@ def check_compiled_step(config: TrainConfig, precision: Precision) -> None:
     if config.shard != "none":
         raise UsageError(f"--optimizer-impl compiled runs under --shard none, not --shard {config.shard} (which "
                          "steps its own optimizer): pick fused, foreach or loop")
+    if device_type != "cpu":
+        raise UsageError("--optimizer-impl compiled runs on CPU ranks, and these compute on GPUs (where it is "
+                         "untried): pick fused (what auto picks there)")
 
 
 def check_processes(config: TrainConfig, nproc_per_node: int, flag: str) -> None:
