@@ -80,6 +80,36 @@ def test_a_new_rate_is_not_a_new_compile():
     assert counters["stats"]["unique_graphs"] == compiled
 
 
+def test_every_kind_of_parameter_shares_three_compiles():
+    """Shapes of every rank (0-d, 1-element, (1, 1, d), 5-D), gradients at any offset in one bucket (DDP's
+    bucket views), a channels-last weight: one compile for all contiguous tensors, one for the one-element ones
+    (torch.compile specialises sizes 0 and 1), one for the channels-last shape, far below dynamo's recompile
+    limit (8), past which the update would run op by op. Views handed to it would each be guarded by their base:
+    seven compiles here."""
+    from torch._dynamo.utils import counters
+
+    shapes = [(64, 32), (64,), (1, 64), (1,), (), (1, 1, 16), (1, 5, 16), (2, 3, 4), (2, 2, 2, 2, 2), (8, 4, 3, 3)]
+    masters = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    masters[-1] = torch.nn.Parameter(masters[-1].detach().to(memory_format=torch.channels_last))
+    weights = [torch.nn.Parameter(m.detach().bfloat16()) for m in masters]
+    optimizer = MasterAdamW(masters, list(zip(weights, masters)), lr=1e-3, weight_decay=0.01)
+    bucket = torch.zeros(sum(w.numel() for w in weights), dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        offset = 0
+        for weight in weights:
+            if weight.is_contiguous():
+                weight.grad = bucket[offset:offset + weight.numel()].view(weight.shape)
+                offset += weight.numel()
+            else:
+                weight.grad = torch.empty_like(weight)
+            weight.grad.copy_(torch.randn(weight.shape))
+        optimizer.step()
+    assert counters["stats"]["unique_graphs"] - before == 3
+    assert all(torch.equal(w, m.detach().bfloat16()) for w, m in zip(weights, masters))
+
+
 def test_its_checkpoints_and_torchs_adamws_pass_both_ways():
     """The state_dict is torch's AdamW's: each resumes from the other's and goes on as the other would."""
     weights, masters, plain = bf16_model_and_masters()
@@ -124,6 +154,20 @@ def test_clipping_scales_the_gradients_inside_the_pass_by_torchs_coefficient():
         for master, value in zip(masters, plain):
             torch.testing.assert_close(master, value, rtol=1e-5, atol=1e-6)
     assert compiled.grad_factor is None  # one step's clipping is not the next one's
+
+
+def test_zero_grad_drops_the_gradients_and_the_clipping_the_next_step_would_take():
+    """What an out-of-memory rerun does (Strategy.drop_gradients): nothing of the failed try reaches the step."""
+    weights, masters, plain = bf16_model_and_masters()
+    optimizer = MasterAdamW(masters, list(zip(weights, masters)), lr=1e-3, weight_decay=0.0)
+    hand_out(new_gradients(weights, 3.0), weights, plain)
+    optimizer.norm_and_clip(0.1)
+    assert optimizer.grad_factor is not None
+    optimizer.zero_grad()
+    assert optimizer.grad_factor is None and all(w.grad is None for w in weights)
+    before = [m.detach().clone() for m in masters]
+    optimizer.step()  # no gradient: nothing moves
+    assert all(torch.equal(m, b) for m, b in zip(masters, before))
 
 
 @pytest.mark.parametrize(("dtype", "shard", "compile", "device", "expected"), [

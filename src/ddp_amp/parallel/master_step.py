@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 
 def _adamw_one_pass(weight: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
@@ -57,11 +58,17 @@ def adamw_one_pass(*args) -> None:
 
 
 def _flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors as 1-D views where all are contiguous (one compiled kernel for every parameter's shape), else as
-    they are (a channels-last weight: a kernel for its shape and strides)."""
-    if all(t.is_contiguous() for t in tensors):
-        return tuple(t.view(-1) for t in tensors)
-    return tensors
+    """The tensors as 1-D where all are contiguous, else as they are (a channels-last weight), each a new tensor
+    over the same memory, not a view: torch.compile guards on a view's base (its shape, number of dimensions,
+    strides: DDP's gradients are views into its buckets), a compile for each kind of parameter."""
+    flat = all(t.is_contiguous() for t in tensors)
+    return tuple(_alias(t, (t.numel(),) if flat else t.shape, (1,) if flat else t.stride()) for t in tensors)
+
+
+def _alias(tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+    """`tensor`'s memory in `shape` and `strides`, a tensor of its own (set_: no view, no base)."""
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), shape, strides)
 
 
 class MasterAdamW(torch.optim.AdamW):
@@ -99,27 +106,46 @@ class MasterAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("--optimizer-impl compiled: the step takes no closure")
-        for group in self.param_groups:
-            if group["amsgrad"] or group["maximize"]:
-                raise ValueError("--optimizer-impl compiled runs plain AdamW (no amsgrad, no maximize)")
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            factors: dict[torch.device, torch.Tensor] = {}
-            for master in group["params"]:
-                weight = self.weight_of[id(master)]
-                if weight.grad is None:
-                    continue
-                if master.device not in factors:
-                    factor = self.grad_factor if self.grad_factor is not None else torch.ones(())
-                    factors[master.device] = factor.to(master.device, torch.float32)
-                state = self._state_of(master)
-                state["step"] += 1
-                step = state["step"].item()  # on the CPU, as in torch's AdamW (not fused, not capturable)
-                scalars = torch.tensor([1 - lr * group["weight_decay"], lr / (1 - beta1 ** step),
-                                        (1 - beta2 ** step) ** 0.5], device=master.device)
-                adamw_one_pass(*_flat(weight, weight.grad, master, state["exp_avg"], state["exp_avg_sq"]),
-                               factors[master.device], scalars, beta1, beta2, group["eps"])
-                weight.grad = None
+        try:
+            for group in self.param_groups:
+                self._step_group(group)
+        finally:
+            self.grad_factor = None  # one step's clipping, never the next one's
+
+    def _step_group(self, group: dict) -> None:
+        if group["amsgrad"] or group["maximize"]:
+            raise ValueError("--optimizer-impl compiled runs plain AdamW (no amsgrad, no maximize)")
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        factors: dict[torch.device, torch.Tensor] = {}
+        for master in group["params"]:
+            weight = self.weight_of[id(master)]
+            if weight.grad is None:
+                continue
+            if master.device not in factors:
+                factor = self.grad_factor if self.grad_factor is not None else torch.ones(())
+                factors[master.device] = factor.to(master.device, torch.float32)
+            state = self._state_of(master)
+            state["step"] += 1
+            step = state["step"].item()  # on the CPU, as in torch's AdamW (not fused, not capturable)
+            scalars = torch.tensor([1 - lr * group["weight_decay"], lr / (1 - beta1 ** step),
+                                    (1 - beta2 ** step) ** 0.5], device=master.device)
+            written = (weight, master, state["exp_avg"], state["exp_avg_sq"])
+            adamw_one_pass(*_flat(weight, weight.grad, *written[1:]), factors[master.device], scalars, beta1,
+                           beta2, group["eps"])
+            increment_version(written)  # written through aliases: autograd's in-place record, as torch's
+            weight.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The masters' gradients (none: the step reads the model's) and the model's bf16 ones, which the next
+        step would take, with any clipping asked for them."""
+        super().zero_grad(set_to_none)
         self.grad_factor = None
+        for weight in self.weight_of.values():
+            if weight.grad is not None:
+                if set_to_none:
+                    weight.grad = None
+                else:
+                    weight.grad.zero_()
 
     def _state_of(self, master: nn.Parameter) -> dict[str, torch.Tensor]:
         """AdamW's state of `master`, begun as torch's (step 0, moments zero); the step on the CPU, where a

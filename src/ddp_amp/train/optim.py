@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ddp_amp.config import TrainConfig
@@ -9,7 +11,7 @@ from ddp_amp.parallel.base import Strategy
 from ddp_amp.precision import Precision
 
 
-def optimizer_impl(config: TrainConfig, precision: Precision, device_type: str = "cpu") -> str:
+def optimizer_impl(config: TrainConfig, precision: Precision, device_type: str) -> str:
     """--optimizer-impl auto: fused, one kernel for every parameter (on this CPU AdamW's step took 13-18 ms
     fused against 72-112 ms in torch's default per-parameter loop); foreach under fp16's GradScaler, because a
     fused step takes the scaler's overflow flag itself and is called even for a step it skips, which the host
@@ -48,6 +50,31 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, strategy: Strat
     else:
         cls, options = torch.optim.AdamW, {"lr": config.lr, "weight_decay": config.weight_decay, **kind}
     return strategy.build_optimizer(params, cls, options)
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""The param_groups settings that say how torch's optimizer runs, not what it computes."""
+
+
+def implementation_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's implementation settings, as this run built the optimizer (--optimizer-impl)."""
+    return [{k: group[k] for k in IMPLEMENTATION_KEYS if k in group} for group in optimizer.param_groups]
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    """After a checkpoint's state was loaded: the run's own implementation back. torch's load_state_dict takes
+    every group setting from the checkpoint, so a run resumed from a loop, foreach or compiled run's checkpoint
+    stepped as that run had (torch's per-parameter loop: 72-112 ms a step against 13-18 fused, docs/training.md)
+    while its summary said fused. A fused or capturable step wants its step counts on the parameters' device.
+    (ZeroRedundancyOptimizer: its local optimizer too, which holds the state; its groups follow the wrapper's.)"""
+    for target in (optimizer, getattr(optimizer, "optim", None)):
+        for group, own in zip(target.param_groups if target is not None else (), settings):
+            group.update(own)
+            if own.get("fused") or own.get("capturable"):
+                for param in group["params"]:
+                    step = target.state.get(param, {}).get("step")
+                    if isinstance(step, torch.Tensor) and step.device != param.device:
+                        target.state[param]["step"] = step.to(param.device, torch.float32)
 
 
 def optimizer_state_mb(optimizer: torch.optim.Optimizer) -> float:

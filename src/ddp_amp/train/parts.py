@@ -21,6 +21,7 @@ from torch import nn
 
 from ddp_amp.errors import RankSetupError
 from ddp_amp.parallel.base import Strategy
+from ddp_amp.train.optim import implementation_of, keep_implementation
 
 
 class Stateful(Protocol):
@@ -110,6 +111,10 @@ class TrainingParts:
         return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 **self.data.state_dict(), **self.loop.state_dict()}
 
+    def __post_init__(self) -> None:
+        self.implementation = implementation_of(self.optimizer)
+        """How the run built its optimizer (--optimizer-impl), which no checkpoint's settings replace."""
+
     def whole_state(self, writers: list[int]) -> dict[str, Any] | None:
         """The trainer part of a single-file checkpoint on the ranks in `writers`, None on the others. Every rank
         calls it: gathering sharded state is collective."""
@@ -122,6 +127,7 @@ class TrainingParts:
         """From the checkpoint's whole state, each rank taking what it holds in this run's parallel mode (any
         mode's checkpoint)."""
         self.strategy.load_full_state(self.module, self.optimizer, trainer["model"], trainer["optimizer"])
+        keep_implementation(self.optimizer, self.implementation)
 
     def weights(self) -> tuple[dict[str, nn.Module], dict[str, tuple[nn.Module, torch.optim.Optimizer]]]:
         return {"model": self.module}, {"optimizer": (self.module, self.optimizer)}
@@ -134,6 +140,7 @@ class TrainingParts:
         schedule's state decides."""
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
+        keep_implementation(self.optimizer, self.implementation)
 
     def load_extras(self, state: dict[str, Any], saved_world_size: int | None, data_ranks: list | None) -> None:
         """All but the model and the optimizer from a checkpoint's trainer part, taken by `saved_world_size`
