@@ -564,15 +564,16 @@ def test_a_batch_with_a_scalar_field_is_counted_and_split_by_its_samples():
     assert all(piece["scale"].item() == 0.5 for piece, _ in pieces)
 
 
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
 @pytest.mark.parametrize("path", ["single file", "sharded"])
-def test_a_resume_keeps_the_runs_own_optimizer_implementation(one_rank_group, tmp_path, path):
+def test_a_resume_keeps_the_runs_own_optimizer_implementation(one_rank_group, tmp_path, path, shard):
     """torch's load_state_dict takes every group setting from the checkpoint: a fused run resumed from a loop
     run's checkpoint stepped in torch's per-parameter loop while its summary said fused. Both load paths (a
     single file's whole state, a sharded checkpoint's after_sharded_load) give the run its own back, with the
-    checkpoint's state."""
+    checkpoint's state; under --shard optimizer in ZeroRedundancyOptimizer's local optimizer too."""
     def trainer(impl, run_dir):
         config = TrainConfig(task="inline", steps=2, log_every=2, amp="off", batch_size=16, optimizer_impl=impl,
-                             run_dir=str(tmp_path / run_dir))
+                             shard=shard, run_dir=str(tmp_path / run_dir))
         return Trainer(config, one_rank_group, torch.device("cpu"), Precision("fp32"), helper_tasks.resumable(),
                        Recorder())
 
@@ -587,7 +588,8 @@ def test_a_resume_keeps_the_runs_own_optimizer_implementation(one_rank_group, tm
     else:  # what checkpoint.sharded does: the optimizer's state loaded, then after_sharded_load
         resumed.optimizer.load_state_dict(state["optimizer"])
         resumed.parts.after_sharded_load()
-    group = resumed.optimizer.param_groups[0]
-    assert group["fused"] is True and not group["foreach"]
-    assert all(resumed.optimizer.state[p]["step"].item() == 2 for p in group["params"])
+    local = getattr(resumed.optimizer, "optim", resumed.optimizer)  # what steps: ZeRO's local optimizer
+    for group in (resumed.optimizer.param_groups[0], local.param_groups[0]):
+        assert group["fused"] is True and not group["foreach"]
+    assert all(local.state[p]["step"].item() == 2 for p in local.param_groups[0]["params"])
     resumed.close()

@@ -72,7 +72,7 @@ def keep_implementation(optimizer: torch.optim.Optimizer, settings: list[dict[st
             group.update(own)
             if own.get("fused") or own.get("capturable"):
                 for param in group["params"]:
-                    step = target.state.get(param, {}).get("step")
+                    step = (target.state.get(param) or {}).get("step")  # ZeRO's wrapper keeps None there
                     if isinstance(step, torch.Tensor) and step.device != param.device:
                         target.state[param]["step"] = step.to(param.device, torch.float32)
 
