@@ -8,9 +8,9 @@ AdamW's moments in fp32 and writes the bf16 weight, by torch's own AdamW formula
 
 The optimizer stays a torch.optim.AdamW for everything else: its param_groups (the LR schedule writes "lr"), its
 state ("step", "exp_avg", "exp_avg_sq" per master) and so its state_dict, which checkpoints of every other
-precision and implementation read and write. A few compiles serve every parameter (shapes dynamic, flattened:
-one per number of dimensions and for one-element tensors), and the step's scalars are a tensor, so neither the
-LR schedule nor the bias corrections recompile it.
+precision and implementation read and write. Three compiles serve every parameter (shapes dynamic; contiguous
+tensors flattened, one-element ones apart, others as they are: a channels-last weight), and the step's scalars
+are a tensor, so neither the LR schedule nor the bias corrections recompile it.
 """
 
 from __future__ import annotations
