@@ -70,12 +70,12 @@ def test_the_strategys_no_backward_sync_skips_the_all_reduce_of_a_backward_whose
     assert reduced == [1]
 
 
-def _named_parts(seed: int, dataset_size: int = 32) -> NamedParts:
+def _named_parts(seed: int, dataset_size: int = 32, **implementation: bool) -> NamedParts:
     torch.manual_seed(seed)
     strategy = strategy_for(TrainConfig(), CPU)
     module = nn.Linear(4, 2)
     wrapped = strategy.setup_module(module)
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=0.01, **implementation)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     data = RankData(torch.arange(dataset_size), _env(), CPU, batch_size=4, seed=5, workers=0)  # the run's --seed
     return NamedParts(strategy, torch.amp.GradScaler("cpu", enabled=False), {"net": module},
@@ -121,6 +121,26 @@ def test_a_script_loops_named_parts_come_back_whole_from_the_core_manager(one_ra
     assert fresh.others["sched"].last_epoch == 3 and fresh.others["data"].state_dict() == \
         saved.others["data"].state_dict()
     assert torch.equal(next(fresh.others["data"].batches()), next(saved.others["data"].batches()))
+
+
+@pytest.mark.parametrize("checkpoint_format", ["single", "sharded"])
+def test_a_script_loops_optimizer_keeps_the_implementation_the_script_gave_it(one_rank_group, tmp_path,
+                                                                             checkpoint_format):
+    """torch's load_state_dict takes every group setting from the checkpoint: a script that builds its AdamW
+    fused, resumed from a checkpoint of its per-parameter-loop version, stepped in the loop. It keeps fused, with
+    the checkpoint's moments and step counts."""
+    config = TrainConfig(checkpoint_format=checkpoint_format, launch_time=1.0, async_checkpoint=False)
+    saved = _named_parts(seed=0, foreach=False)
+    _train(saved, 2)
+    CheckpointManager(config, one_rank_group, tmp_path, CPU).save(saved, 2)
+    fresh = _named_parts(seed=1, fused=True)
+    assert CheckpointManager(config, one_rank_group, tmp_path, CPU).load(fresh, writers=[0]).step == 2
+    optimizer = fresh.optimizers["opt"][1]
+    assert optimizer.param_groups[0]["fused"] is True and not optimizer.param_groups[0]["foreach"]
+    assert [state["step"].item() for state in optimizer.state.values()] == [2.0, 2.0]
+    saved_moments = saved.optimizers["opt"][1].state_dict()["state"]
+    assert all(torch.equal(saved_moments[i]["exp_avg"], optimizer.state_dict()["state"][i]["exp_avg"])
+               for i in saved_moments)
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before_and_said(one_rank_group, tmp_path, capsys):

@@ -192,6 +192,10 @@ class NamedParts:
     optimizers: dict[str, tuple[nn.Module, torch.optim.Optimizer]]
     others: dict[str, Any]
 
+    def __post_init__(self) -> None:
+        self.implementations = {name: implementation_of(optimizer) for name, (_, optimizer) in self.optimizers.items()}
+        """How the script built each optimizer (fused, foreach, ...), which no checkpoint's settings replace."""
+
     def names(self) -> list[str]:
         return sorted([*self.models, *self.optimizers, *self.others])
 
@@ -217,6 +221,7 @@ class NamedParts:
                                      f"{' '.join(str(exc).split())[:300]}") from None
         for name, (module, optimizer) in self.optimizers.items():
             self.strategy.load_optimizer_state(module, optimizer, trainer[name])
+            keep_implementation(optimizer, self.implementations[name])
 
     def weights(self) -> tuple[dict[str, nn.Module], dict[str, tuple[nn.Module, torch.optim.Optimizer]]]:
         return self.models, self.optimizers
@@ -228,6 +233,8 @@ class NamedParts:
     def after_sharded_load(self) -> None:
         """Under ZeRO-1 the wrapper's groups hold the rate its step copies to its local optimizer: a scheduler's
         (loaded already) is put back there."""
+        for name, (_, optimizer) in self.optimizers.items():
+            keep_implementation(optimizer, self.implementations[name])
         if self.strategy.mode == "optimizer":
             optimizers = {id(optimizer) for _, optimizer in self.optimizers.values()}
             for other in self.others.values():
