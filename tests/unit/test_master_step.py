@@ -70,9 +70,12 @@ def test_a_new_rate_is_not_a_new_compile():
 
     weights, masters, plain = bf16_model_and_masters()
     optimizer = MasterAdamW(masters, list(zip(weights, masters)), lr=1e-3, weight_decay=0.01)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
     hand_out(new_gradients(weights), weights, plain)
     optimizer.step()
     compiled = counters["stats"]["unique_graphs"]
+    assert compiled > before  # the pass did compile
     for step in range(3):
         optimizer.param_groups[0]["lr"] = 1e-3 / (step + 2)
         hand_out(new_gradients(weights), weights, plain)
@@ -80,34 +83,50 @@ def test_a_new_rate_is_not_a_new_compile():
     assert counters["stats"]["unique_graphs"] == compiled
 
 
-def test_every_kind_of_parameter_shares_three_compiles():
-    """Shapes of every rank (0-d, 1-element, (1, 1, d), 5-D), gradients at any offset in one bucket (DDP's
-    bucket views), a channels-last weight: one compile for all contiguous tensors, one for the one-element ones
-    (torch.compile specialises sizes 0 and 1), one for the channels-last shape, far below dynamo's recompile
-    limit (8), past which the update would run op by op. Views handed to it would each be guarded by their base:
-    seven compiles here."""
+def test_every_kind_of_parameter_shares_two_compiles():
+    """Shapes of every rank (0-d, 1-element, (1, 1, d), 5-D, empty), gradients at any offset in one bucket (DDP's
+    bucket views), channels-last weights of every kind (size-one dimensions among them, whose strides are free):
+    one compile for every dense layout, handed over flattened, one for the one-element ones (torch.compile
+    specialises size 1), far below dynamo's recompile limit (8), past which the update would run op by op. Views
+    handed to it would each be guarded by their base, layouts as they are by their strides: seven compiles and
+    more here. And the update is torch's AdamW's, element for element, in every layout; a gradient laid out
+    unlike its weight is taken as it is (a compile of its own)."""
     from torch._dynamo.utils import counters
 
-    shapes = [(64, 32), (64,), (1, 64), (1,), (), (1, 1, 16), (1, 5, 16), (2, 3, 4), (2, 2, 2, 2, 2), (8, 4, 3, 3)]
+    shapes = [(64, 32), (64,), (1, 64), (1,), (), (1, 1, 16), (1, 5, 16), (2, 3, 4), (2, 2, 2, 2, 2), (0, 4),
+              (8, 4, 3, 3), (1, 8, 3, 3), (4, 4, 1, 7), (4, 4, 7, 1), (6, 4, 2, 2)]
+    torch.manual_seed(0)
     masters = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
-    masters[-1] = torch.nn.Parameter(masters[-1].detach().to(memory_format=torch.channels_last))
+    for index in range(10, 15):
+        masters[index] = torch.nn.Parameter(masters[index].detach().to(memory_format=torch.channels_last))
     weights = [torch.nn.Parameter(m.detach().bfloat16()) for m in masters]
+    plain = [torch.nn.Parameter(m.detach().clone()) for m in masters]
     optimizer = MasterAdamW(masters, list(zip(weights, masters)), lr=1e-3, weight_decay=0.01)
+    reference = torch.optim.AdamW(plain, lr=1e-3, weight_decay=0.01, foreach=False)
     bucket = torch.zeros(sum(w.numel() for w in weights), dtype=torch.bfloat16)
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
-    for _ in range(2):
+    for step in range(3):
         offset = 0
-        for weight in weights:
+        for weight, widened in zip(weights, plain):
             if weight.is_contiguous():
                 weight.grad = bucket[offset:offset + weight.numel()].view(weight.shape)
                 offset += weight.numel()
             else:
                 weight.grad = torch.empty_like(weight)
             weight.grad.copy_(torch.randn(weight.shape))
+            widened.grad = weight.grad.float()
+        if step == 2:  # the last layout: a contiguous gradient for a channels-last weight
+            weights[-1].grad = weights[-1].grad.contiguous()
         optimizer.step()
+        reference.step()
+        if step == 1:
+            assert counters["stats"]["unique_graphs"] - before == 2
     assert counters["stats"]["unique_graphs"] - before == 3
-    assert all(torch.equal(w, m.detach().bfloat16()) for w, m in zip(weights, masters))
+    for weight, master, value in zip(weights, masters, plain):
+        torch.testing.assert_close(master, value, rtol=1e-5, atol=1e-6)
+        assert torch.equal(weight, master.detach().bfloat16())
+    assert optimizer.state[masters[9]]["step"].item() == 3  # the empty one: its steps counted, as torch's
 
 
 def test_its_checkpoints_and_torchs_adamws_pass_both_ways():
@@ -124,15 +143,21 @@ def test_its_checkpoints_and_torchs_adamws_pass_both_ways():
         for master, value, weight in zip(masters, plain, weights):
             master.copy_(value)
             weight.copy_(value)
-    back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in plain], lr=1e-3, weight_decay=0.01)
     gradients = new_gradients(weights)
     hand_out(gradients, weights, plain)
     compiled.step()
     reference.step()
     for master, value in zip(masters, plain):
         torch.testing.assert_close(master, value, rtol=1e-5, atol=1e-6)
+    back_params = [torch.nn.Parameter(m.detach().clone()) for m in masters]
+    back = torch.optim.AdamW(back_params, lr=1e-3, weight_decay=0.01, foreach=False)
     back.load_state_dict(copy.deepcopy(compiled.state_dict()))  # and torch's AdamW from ours
     assert all(back.state[p]["step"].item() == 3 for p in back.param_groups[0]["params"])
+    hand_out(new_gradients(weights), weights, back_params)
+    compiled.step()
+    back.step()  # goes on as ours does: the moments came across
+    for master, value in zip(masters, back_params):
+        torch.testing.assert_close(master, value, rtol=1e-5, atol=1e-6)
 
 
 def test_clipping_scales_the_gradients_inside_the_pass_by_torchs_coefficient():
@@ -168,6 +193,38 @@ def test_zero_grad_drops_the_gradients_and_the_clipping_the_next_step_would_take
     before = [m.detach().clone() for m in masters]
     optimizer.step()  # no gradient: nothing moves
     assert all(torch.equal(m, b) for m, b in zip(masters, before))
+    hand_out(new_gradients(weights, 3.0), weights, plain)
+    optimizer.norm_and_clip(0.1)
+    optimizer.norm_and_clip(None)  # a norm asked for without clipping: no earlier call's factor left
+    assert optimizer.grad_factor is None
+
+
+def test_amsgrad_from_a_checkpoints_groups_is_refused_before_any_group_steps():
+    """torch's load_state_dict takes every group setting, amsgrad and maximize too: refused before the first
+    group moves, and no step counted."""
+    weights, masters, plain = bf16_model_and_masters()
+    optimizer = MasterAdamW(groups(masters), list(zip(weights, masters)), lr=1e-3, weight_decay=0.01)
+    hand_out(new_gradients(weights), weights, plain)
+    optimizer.step()
+    optimizer.param_groups[1]["amsgrad"] = True
+    hand_out(new_gradients(weights), weights, plain)
+    before = [m.detach().clone() for m in masters]
+    with pytest.raises(ValueError, match="no amsgrad, no maximize"):
+        optimizer.step()
+    assert all(torch.equal(m, b) for m, b in zip(masters, before))
+    assert all(state["step"].item() == 1 for state in optimizer.state.values())
+    assert all(w.grad is not None for w in weights)
+
+
+def test_zero_1_never_builds_the_compiled_step():
+    """ZeroStrategy is a DDPStrategy: without its own refusal it would build an unsharded MasterAdamW, which
+    its full_state (consolidate_state_dict) then fails on."""
+    from ddp_amp.parallel import strategy_for
+
+    strategy = strategy_for(TrainConfig(task="mlp", amp="on", dtype="bf16-true", shard="optimizer"),
+                            torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="--shard optimizer"):
+        strategy.compiled_adamw([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, weight_decay=0.0)
 
 
 @pytest.mark.parametrize(("dtype", "shard", "compile", "device", "expected"), [

@@ -34,6 +34,8 @@ class DDPStrategy(Strategy):
     def compiled_adamw(self, params: list[nn.Parameter], **options: Any) -> torch.optim.Optimizer:
         from ddp_amp.parallel.master_step import MasterAdamW
 
+        if self.mode != "none":  # ZeRO-1 steps its share in its own optimizer (this class's subclass)
+            return super().compiled_adamw(params, **options)
         if not self.masters:
             raise NotImplementedError("--optimizer-impl compiled without bf16-true's masters")
         self.masters.moved_by_optimizer = True  # it reads the bf16 gradients and writes the bf16 weights itself

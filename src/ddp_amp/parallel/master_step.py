@@ -8,9 +8,10 @@ AdamW's moments in fp32 and writes the bf16 weight, by torch's own AdamW formula
 
 The optimizer stays a torch.optim.AdamW for everything else: its param_groups (the LR schedule writes "lr"), its
 state ("step", "exp_avg", "exp_avg_sq" per master) and so its state_dict, which checkpoints of every other
-precision and implementation read and write. Three compiles serve every parameter (shapes dynamic; contiguous
-tensors flattened, one-element ones apart, others as they are: a channels-last weight), and the step's scalars
-are a tensor, so neither the LR schedule nor the bias corrections recompile it.
+precision and implementation read and write. Every dense parameter (contiguous or channels-last, of any shape)
+is handed over flattened, so the compiles are few (dynamic sizes; torch.compile specialises one-element tensors;
+tests/unit/test_master_step.py counts them), and the step's scalars are a tensor, so neither the LR schedule nor
+the bias corrections recompile it.
 """
 
 from __future__ import annotations
@@ -58,11 +59,27 @@ def adamw_one_pass(*args) -> None:
 
 
 def _flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors as 1-D where all are contiguous, else as they are (a channels-last weight), each a new tensor
-    over the same memory, not a view: torch.compile guards on a view's base (its shape, number of dimensions,
-    strides: DDP's gradients are views into its buckets), a compile for each kind of parameter."""
-    flat = all(t.is_contiguous() for t in tensors)
+    """The tensors as 1-D where each covers its memory densely in one and the same layout (contiguous,
+    channels-last, any order of dimensions: element i of one is element i of the others), else as they are; each
+    a new tensor over the same memory, not a view: torch.compile guards on a view's base (its shape, number of
+    dimensions, strides: DDP's gradients are views into its buckets), and on each layout's strides, a compile
+    for each kind of parameter, up to dynamo's limit (8), past which the update would run op by op."""
+    layout = _layout(tensors[0])
+    flat = layout is not None and all(_layout(t) == layout for t in tensors[1:])
     return tuple(_alias(t, (t.numel(),) if flat else t.shape, (1,) if flat else t.stride()) for t in tensors)
+
+
+def _layout(tensor: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
+    """The (size, stride) of each dimension longer than one where they cover numel() elements without a gap or
+    an overlap (what a size-one dimension's stride is does not matter), else None."""
+    dims = sorted(((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1),
+                  key=lambda dim: dim[1])
+    expected = 1
+    for size, stride in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(dims)
 
 
 def _alias(tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
@@ -96,10 +113,10 @@ class MasterAdamW(torch.optim.AdamW):
         `limit`, the next step scales them as torch's clip_grad_norm_ would (limit / (norm + 1e-6), at most 1)."""
         grads = self.gradients()
         if not grads:
+            self.grad_factor = None
             return torch.zeros(())
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-        if limit is not None:
-            self.grad_factor = torch.clamp(limit / (norm + 1e-6), max=1.0)
+        self.grad_factor = None if limit is None else torch.clamp(limit / (norm + 1e-6), max=1.0)
         return norm
 
     @torch.no_grad()
@@ -107,14 +124,15 @@ class MasterAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("--optimizer-impl compiled: the step takes no closure")
         try:
+            # Before any group steps (a checkpoint's groups can bring these): no step half taken.
+            if any(group["amsgrad"] or group["maximize"] for group in self.param_groups):
+                raise ValueError("--optimizer-impl compiled runs plain AdamW (no amsgrad, no maximize)")
             for group in self.param_groups:
                 self._step_group(group)
         finally:
             self.grad_factor = None  # one step's clipping, never the next one's
 
     def _step_group(self, group: dict) -> None:
-        if group["amsgrad"] or group["maximize"]:
-            raise ValueError("--optimizer-impl compiled runs plain AdamW (no amsgrad, no maximize)")
         lr, (beta1, beta2) = group["lr"], group["betas"]
         factors: dict[torch.device, torch.Tensor] = {}
         for master in group["params"]:
@@ -125,14 +143,15 @@ class MasterAdamW(torch.optim.AdamW):
                 factor = self.grad_factor if self.grad_factor is not None else torch.ones(())
                 factors[master.device] = factor.to(master.device, torch.float32)
             state = self._state_of(master)
+            step = state["step"].item() + 1  # on the CPU, as in torch's AdamW (not fused, not capturable)
+            if master.numel():  # (an empty one only counts the step, as torch's)
+                scalars = torch.tensor([1 - lr * group["weight_decay"], lr / (1 - beta1 ** step),
+                                        (1 - beta2 ** step) ** 0.5], device=master.device)
+                written = (weight, master, state["exp_avg"], state["exp_avg_sq"])
+                adamw_one_pass(*_flat(weight, weight.grad, *written[1:]), factors[master.device], scalars, beta1,
+                               beta2, group["eps"])
+                increment_version(written)  # written through aliases: autograd's in-place record, as torch's
             state["step"] += 1
-            step = state["step"].item()  # on the CPU, as in torch's AdamW (not fused, not capturable)
-            scalars = torch.tensor([1 - lr * group["weight_decay"], lr / (1 - beta1 ** step),
-                                    (1 - beta2 ** step) ** 0.5], device=master.device)
-            written = (weight, master, state["exp_avg"], state["exp_avg_sq"])
-            adamw_one_pass(*_flat(weight, weight.grad, *written[1:]), factors[master.device], scalars, beta1,
-                           beta2, group["eps"])
-            increment_version(written)  # written through aliases: autograd's in-place record, as torch's
             weight.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
