@@ -41,7 +41,9 @@ def bench(
         "torchao), interleaved.")] = "auto",
     compile: Annotated[Literal["off", "on", "both"], typer.Option(
         "--compile", rich_help_panel=BENCH,
-        help="torch.compile: off, on, or both (eager and compiled, interleaved).")] = "off",
+        help="torch.compile: off, on, or both (eager and compiled, interleaved). Compiled runs take what "
+             "--compile brings with it: bf16-true's AdamW on CPU ranks in one compiled pass "
+             "(--optimizer-impl auto).")] = "off",
     shard: Annotated[str, typer.Option(
         "--shard", rich_help_panel=BENCH, help="none, optimizer or full (as spawn's), or several, comma-separated "
         "(none,full): run interleaved, each compared with the first in throughput and memory.")] = "none",
