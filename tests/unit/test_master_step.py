@@ -129,6 +129,27 @@ def test_every_kind_of_parameter_shares_two_compiles():
     assert optimizer.state[masters[9]]["step"].item() == 3  # the empty one: its steps counted, as torch's
 
 
+def test_moments_laid_out_unlike_their_master_are_taken_element_for_element():
+    """A checkpoint of --shard full holds contiguous moments, and torch's load_state_dict keeps their layout: for
+    a channels-last master of (2, 3, 3, 3), whose three equal dimensions lie in memory in another order, the same
+    sizes and strides sorted, flattened alike would pair element i of one with another element of the other."""
+    torch.manual_seed(0)
+    master = torch.nn.Parameter(torch.randn(2, 3, 3, 3).to(memory_format=torch.channels_last))
+    weight = torch.nn.Parameter(master.detach().bfloat16())
+    plain = torch.nn.Parameter(master.detach().clone())
+    optimizer = MasterAdamW([master], [(weight, master)], lr=1e-2, weight_decay=0.01)
+    reference = torch.optim.AdamW([plain], lr=1e-2, weight_decay=0.01, foreach=False)
+    for step in range(3):
+        hand_out(new_gradients([weight]), [weight], [plain])
+        optimizer.step()
+        reference.step()
+        if step == 0:  # as a load of that checkpoint leaves them
+            state = optimizer.state[master]
+            state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].contiguous(), state["exp_avg_sq"].contiguous()
+        torch.testing.assert_close(master, plain, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(optimizer.state[master]["exp_avg"], reference.state[plain]["exp_avg"])
+
+
 def test_its_checkpoints_and_torchs_adamws_pass_both_ways():
     """The state_dict is torch's AdamW's: each resumes from the other's and goes on as the other would."""
     weights, masters, plain = bf16_model_and_masters()

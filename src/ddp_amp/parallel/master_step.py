@@ -70,16 +70,17 @@ def _flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _layout(tensor: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
-    """The (size, stride) of each dimension longer than one where they cover numel() elements without a gap or
-    an overlap (what a size-one dimension's stride is does not matter), else None."""
-    dims = sorted(((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1),
-                  key=lambda dim: dim[1])
+    """The (size, stride) of each dimension longer than one, in the dimensions' order (two tensors of one shape
+    whose dimensions lie in memory in another order hold element i in different places: a contiguous moment of a
+    channels-last master, as a checkpoint of --shard full brings it), where they cover numel() elements without a
+    gap or an overlap (what a size-one dimension's stride is does not matter), else None."""
+    dims = tuple((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1)
     expected = 1
-    for size, stride in dims:
+    for size, stride in sorted(dims, key=lambda dim: dim[1]):
         if stride != expected:
             return None
         expected *= size
-    return tuple(dims)
+    return dims
 
 
 def _alias(tensor: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
