@@ -141,6 +141,8 @@ def test_a_script_loops_optimizer_keeps_the_implementation_the_script_gave_it(on
     saved_moments = saved.optimizers["opt"][1].state_dict()["state"]
     assert all(torch.equal(saved_moments[i]["exp_avg"], optimizer.state_dict()["state"][i]["exp_avg"])
                for i in saved_moments)
+    _train(fresh, 1)  # and it steps fused from the loaded state
+    assert [state["step"].item() for state in optimizer.state.values()] == [3.0, 3.0]
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before_and_said(one_rank_group, tmp_path, capsys):
