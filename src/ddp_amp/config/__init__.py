@@ -163,7 +163,8 @@ class TrainConfig:
     """The optimizer's implementation: fused (one kernel for all parameters), foreach (per tensor list), loop (one
     parameter at a time, torch's CPU default), compiled (bf16-true's AdamW in one compiled pass that reads the bf16
     gradients and writes the bf16 weights; --shard none, CPU ranks); auto: fused, but foreach under fp16's
-    GradScaler or SGD --shard full, compiled for AdamW under bf16-true with --compile and --shard none on CPUs."""
+    GradScaler or SGD --shard full, compiled for AdamW under bf16-true with --compile and --shard none on CPUs
+    where the parameters average a million elements (a step of many small tensors is slower compiled)."""
     grad_compression: str = "none"
     """Compress gradients for DDP's all-reduce with its built-in hook: none, fp16 or bf16 (bf16 needs nccl)."""
     shard: str = "none"

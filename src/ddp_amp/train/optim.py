@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -10,19 +11,29 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.parallel.base import Strategy
 from ddp_amp.precision import Precision
 
+COMPILED_AUTO_MIN_ELEMENTS = 1 << 20
+"""`auto` takes the compiled step only where the trainable tensors hold this many elements on average: its host
+work is per tensor (~70 us on an AMD Zen 5: the compiled call's guards, the aliases, the step's scalars), what it
+saves per element, so a model of many small tensors steps slower with it (148 tensors of 78 K elements: 1.53x the
+three passes' time) and one of few large ones faster (8 of 1.2 M: 0.81-0.96 there, 0.60 on an Intel Xeon with AMX):
+benchmarks/master_step.py --shapes transformer|mlp."""
 
-def optimizer_impl(config: TrainConfig, precision: Precision, device_type: str) -> str:
+
+def optimizer_impl(config: TrainConfig, precision: Precision, device_type: str,
+                   params: Sequence[torch.Tensor] = ()) -> str:
     """--optimizer-impl auto: fused, one kernel for every parameter (on this CPU AdamW's step took 13-18 ms
     fused against 72-112 ms in torch's default per-parameter loop); foreach under fp16's GradScaler, because a
     fused step takes the scaler's overflow flag itself and is called even for a step it skips, which the host
     (the LR schedule, the skipped-step count) would then learn of only through an extra sync per step. foreach
     for SGD under --shard full too: its parameters are DTensors, and torch registers no DTensor rule for the fused
     SGD kernel (it does for AdamW's), so every rank failed at its first step. compiled where the run compiles
-    anyway (--compile) and it applies (bf16-true's AdamW under DDP, parallel.master_step): it saves two of the
-    master-weight step's three passes over memory, for a compile at the first step."""
+    anyway (--compile) and it applies (bf16-true's AdamW under DDP, parallel.master_step) to `params`, the
+    trainable ones, large enough (COMPILED_AUTO_MIN_ELEMENTS): it saves two of the master-weight step's three
+    passes over memory, for a compile at the first step."""
     if config.optimizer_impl != "auto":
         return config.optimizer_impl
-    if config.compile and compiled_step_applies(config, precision, device_type):
+    large = bool(params) and sum(p.numel() for p in params) >= COMPILED_AUTO_MIN_ELEMENTS * len(params)
+    if config.compile and large and compiled_step_applies(config, precision, device_type):
         return "compiled"
     sharded_sgd = config.optimizer == "sgd" and config.shard == "full"
     return "foreach" if precision.uses_scaler or sharded_sgd else "fused"

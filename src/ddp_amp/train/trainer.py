@@ -108,7 +108,8 @@ class Trainer:
         self.strategy = strategy_for(config, device, precision)
         """The parallel mode (--shard): DDP around self.module, or self.module itself sharded (parallel)."""
         self.model = self.strategy.setup_module(self.module, task.shard_units)
-        self.optimizer_impl = optimizer_impl(config, precision, device.type)
+        self.optimizer_impl = optimizer_impl(config, precision, device.type,
+                                             [p for p in self.module.parameters() if p.requires_grad])
         self.optimizer = build_optimizer(self.module, config, self.strategy, self.optimizer_impl)
         self.scaler = self.strategy.grad_scaler(precision)
         self.data = rank_data(task, config, env, device)
