@@ -85,6 +85,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gemm_limit.py --repeats 3 --profile
 	$(BIN)/python benchmarks/bf16_true.py --repeats 3 --profile
 	$(BIN)/python benchmarks/master_step.py --repeats 5
+	$(BIN)/python benchmarks/master_step.py --repeats 5 --shapes transformer
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/gpt_side_by_side.py --device cpu --size tiny --no-compile --steps 60 \
 		--repeats 3 --batch-size 8
 	$(BIN)/python benchmarks/tracker_cost.py --repeats 5 --steps 3000

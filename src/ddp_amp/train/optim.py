@@ -14,8 +14,8 @@ from ddp_amp.precision import Precision
 COMPILED_AUTO_MIN_ELEMENTS = 1 << 20
 """`auto` takes the compiled step only where the trainable tensors hold this many elements on average: its host
 work is per tensor (~70 us on an AMD Zen 5: the compiled call's guards, the aliases, the step's scalars), what it
-saves per element, so a model of many small tensors steps slower with it (148 tensors of 78 K elements: 1.53x the
-three passes' time) and one of few large ones faster (8 of 1.2 M: 0.81-0.96 there, 0.60 on an Intel Xeon with AMX):
+saves per element, so a model of many small tensors steps slower with it (148 tensors of 78 K elements: 1.41-1.53x
+the three passes' time) and one of few large ones faster (8 of 1.2 M: 0.81-0.96 there, 0.60 on an Intel Xeon with AMX):
 benchmarks/master_step.py --shapes transformer|mlp."""
 
 
